@@ -1,0 +1,47 @@
+"""`eager` expert backend: a per-expert Python loop; the numerical reference for every other backend.
+
+Sentinel-skip: only (row, slot) pairs with an expert id >= 0 are gathered and computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe.backends import register_backend
+
+
+def lora_linear(x: torch.Tensor, w_OI: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+                scaling: float, dropout: float, training: bool) -> torch.Tensor:
+    """x @ W^T (+ scaling * dropout(x) @ A^T @ B^T) for one expert."""
+    y = F.linear(x, w_OI)
+    if lora is not None:
+        A_rI, B_Or = lora
+        x_lora = F.dropout(x, dropout, training) if dropout > 0 else x
+        y = y + scaling * F.linear(F.linear(x_lora, A_rI), B_Or)
+    return y
+
+
+def expert_forward(experts, e: int, x_NH: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP of local expert `e` on the rows x_NH."""
+    def lora(proj: str):
+        ab = experts.lora_params(proj)
+        return None if ab is None else (ab[0][e], ab[1][e])
+    args = (experts.lora_scaling, experts.lora_dropout, experts.training)
+    gate_up_N2I = lora_linear(x_NH, experts.gate_up[e], lora("gate_up"), *args)
+    gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+    return lora_linear(F.silu(gate_NI) * up_NI, experts.down[e], lora("down"), *args)
+
+
+@register_backend("eager")
+def eager_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
+                  experts) -> torch.Tensor:
+    y_MH = torch.zeros_like(x_MH)
+    for e in range(experts.num_experts):
+        rows_N, slots_N = torch.nonzero(expert_ids_Mk == e, as_tuple=True)  # host sync: reference only
+        if rows_N.numel() == 0:
+            continue
+        out_NH = expert_forward(experts, e, x_MH[rows_N])
+        w_N1 = weights_Mk[rows_N, slots_N].unsqueeze(-1).to(out_NH.dtype)
+        y_MH = y_MH.index_add(0, rows_N, out_NH * w_N1)
+    return y_MH

@@ -1,0 +1,93 @@
+"""GroupedExperts: the parameters of a set of routed SwiGLU experts (optionally with per-expert LoRA).
+
+Shapes (E = local experts, H = hidden, I = intermediate, r = LoRA rank):
+    gate_up      [E, 2I, H]   rows 0..I-1 are the gate projection, I..2I-1 the up projection
+    down         [E, H, I]
+    gate_up_lora_A [E, r, H],  gate_up_lora_B [E, 2I, r]    (only when lora_rank > 0)
+    down_lora_A    [E, r, I],  down_lora_B    [E, H, r]
+The layout is transformers v5's fused expert layout ([out, in] like nn.Linear). The module holds
+weights only; the compute lives in `moe.backends` so backends stay interchangeable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
+        lora_dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        expert_offset: int = 0,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.intermediate = intermediate
+        # Global id of local expert 0: EP ranks own a contiguous slice of the experts.
+        self.expert_offset = expert_offset
+        factory = dict(device=device, dtype=dtype)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))
+        self.lora_rank = 0
+        self.lora_scaling = 0.0
+        self.lora_dropout = 0.0
+        if lora_rank > 0:
+            self.add_lora(lora_rank, lora_alpha if lora_alpha is not None else lora_rank, lora_dropout)
+        self.reset_parameters()
+
+    def add_lora(self, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        """Adds per-expert LoRA factors; B starts at zero so the output is unchanged."""
+        E, H, I = self.num_experts, self.hidden, self.intermediate
+        factory = dict(device=self.gate_up.device, dtype=self.gate_up.dtype)
+        self.lora_rank = rank
+        self.lora_scaling = alpha / rank
+        self.lora_dropout = dropout
+        self.gate_up_lora_A = nn.Parameter(torch.empty(E, rank, H, **factory))
+        self.gate_up_lora_B = nn.Parameter(torch.zeros(E, 2 * I, rank, **factory))
+        self.down_lora_A = nn.Parameter(torch.empty(E, rank, I, **factory))
+        self.down_lora_B = nn.Parameter(torch.zeros(E, H, rank, **factory))
+        if not self.gate_up.is_meta:
+            self._init_lora_A()
+
+    def _init_lora_A(self) -> None:
+        for A in (self.gate_up_lora_A, self.down_lora_A):
+            # PEFT's default: kaiming-uniform with a=sqrt(5) over the fan-in of A.
+            bound = 1.0 / math.sqrt(A.shape[-1])
+            nn.init.uniform_(A, -bound, bound)
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_rank > 0
+
+    def lora_params(self, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of `proj` in {"gate_up", "down"}, or None without LoRA."""
+        if not self.has_lora:
+            return None
+        return getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.gate_up.is_meta:
+            return
+        std = 0.02
+        nn.init.normal_(self.gate_up, std=std)
+        nn.init.normal_(self.down, std=std)
+        if self.has_lora:
+            self._init_lora_A()
+            nn.init.zeros_(self.gate_up_lora_B)
+            nn.init.zeros_(self.down_lora_B)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"lora_rank={self.lora_rank}, expert_offset={self.expert_offset}")
