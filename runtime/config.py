@@ -1,0 +1,225 @@
+"""The YAML schema of a training run. Every check happens here, before any process group or model.
+
+`load_config(path, overrides)` -> Config, or ConfigError whose message names the key and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem found before anything ran; the message names the key and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+INDUCTOR_OPTIONS = {
+    "max_autotune", "max_autotune_gemm", "coordinate_descent_tuning", "epilogue_fusion",
+    "shape_padding", "triton.cudagraphs", "aggressive_fusion",
+}
+
+
+class ModelConfig(Section):
+    # A HF checkpoint folder (config.json + safetensors), or `config` for random init (tiny demos).
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    expert_backend: Literal["eager", "grouped_mm", "scattermoe"] = "grouped_mm"
+    attn_backend: Literal["sdpa", "flash"] = "sdpa"
+    norm_rope_impl: Literal["auto", "torch", "triton"] = "auto"
+    router_aux_loss_coef: float = Field(0.0, ge=0.0)
+    # Fewer decoder layers than the checkpoint has (parity checks of big models).
+    num_layers_override: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.config is None):
+            raise ValueError("set exactly one of model.path (a HF checkpoint folder) or model.config "
+                             "(a HF-style config dict for a randomly initialized model)")
+        return self
+
+
+class DataConfig(Section):
+    path: str
+    format: Literal["auto", "jsonl", "parquet", "arrow"] = "auto"
+    kind: Literal["auto", "text", "chat"] = "auto"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    tokenizer: str | None = None  # defaults to model.path
+    seq_len: int = Field(2048, ge=8)
+    shuffle: bool = True
+    seed: int = 0
+    skip_bad_records: bool = False
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "experts"]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
+
+
+class ParallelismConfig(Section):
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(-1, ge=-1)  # -1: whatever the world size leaves
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+
+    @model_validator(mode="after")
+    def _dp_shard(self):
+        if self.dp_shard == 0:
+            raise ValueError("parallelism.dp_shard must be >= 1, or -1 to use the rest of the world size")
+        return self
+
+
+class QuantConfig(Section):
+    base_weights: Literal["none", "mxfp4", "nvfp4"] = "none"
+
+
+class CompileConfig(Section):
+    enabled: bool = False
+    inductor_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _options(self):
+        unknown = sorted(set(self.inductor_options) - INDUCTOR_OPTIONS)
+        if unknown:
+            raise ValueError(f"compile.inductor_options has unknown keys {unknown}; "
+                             f"allowed: {sorted(INDUCTOR_OPTIONS)}")
+        if self.inductor_options and not self.enabled:
+            raise ValueError("compile.inductor_options is set but compile.enabled is false; "
+                             "set compile.enabled: true or drop the options")
+        return self
+
+
+class OptimConfig(Section):
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(100, ge=1)
+    micro_batch_size: int = Field(1, ge=1)  # packed rows per rank per micro step
+    grad_accum_steps: int = Field(1, ge=1)
+    seed: int = 0
+    output_dir: str = "outputs/run"
+
+
+class CheckpointConfig(Section):
+    every_n_steps: int = Field(0, ge=0)  # 0: only at the end
+    keep_last: int = Field(2, ge=1)
+    resume: bool = False
+    save_final: bool = True
+    export_hf: bool = False  # also write HF safetensors (full) or a PEFT adapter (LoRA) at the end
+
+
+class LoggingConfig(Section):
+    every_n_steps: int = Field(1, ge=1)
+    progress_bar: bool = True
+    jsonl: bool = True
+
+
+class Config(Section):
+    model: ModelConfig
+    data: DataConfig
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    quant: QuantConfig = Field(default_factory=QuantConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.optim.warmup_steps >= self.train.max_steps and self.optim.warmup_steps > 0:
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than "
+                             f"train.max_steps ({self.train.max_steps})")
+        if self.quant.base_weights != "none" and not self.lora.enabled:
+            raise ValueError("quant.base_weights packs a frozen base: it needs lora.enabled: true")
+        if self.model.config is not None and self.data.tokenizer is None:
+            raise ValueError("model.config (random init) has no tokenizer: set data.tokenizer")
+        p = self.parallelism
+        if p.dp_shard > 0:
+            shard_cp = p.dp_shard * p.cp
+            if shard_cp % p.ep:
+                raise ValueError(f"parallelism.ep ({p.ep}) must divide dp_shard*cp ({p.dp_shard}*{p.cp}); "
+                                 "experts are carved out of the FSDP ranks")
+        return self
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see runtime/config.py for the schema)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {key}: {msg}" + (f" (got {e['input']!r})" if e["type"] not in
+                                          ("missing", "extra_forbidden") and "input" in e
+                                          and not isinstance(e["input"], dict) else ""))
+    return "\n".join(lines)
+
+
+def _apply_override(raw: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[leaf] = value
+
+
+def config_from_dict(raw: dict, overrides: dict[str, Any] | None = None, source: str = "<dict>") -> Config:
+    raw = dict(raw)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _apply_override(raw, dotted, value)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """YAML file -> validated Config. `overrides` maps dotted keys ("parallelism.ep") to values."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(err, 'problem', err)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    cfg = config_from_dict(raw, overrides, source=str(path))
+    # Relative paths in a config are relative to the config file, so examples run from anywhere.
+    base = path.resolve().parent
+    for section, key in (("model", "path"), ("data", "path"), ("data", "tokenizer")):
+        sec = getattr(cfg, section)
+        value = getattr(sec, key)
+        if value and not Path(value).is_absolute() and (base / value).exists():
+            setattr(sec, key, str(base / value))
+    return cfg
