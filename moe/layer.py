@@ -1,0 +1,61 @@
+"""MoEBlock = router + dispatcher + grouped experts (+ sigmoid-gated shared expert).
+
+    x_TH -> router -> (topk_ids_Tk, topk_w_Tk) -> dispatch -> backend -> combine -> out_TH
+The dispatcher decides where tokens are computed (local or over an EP group); the backend how.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.backends import expert_backend
+from moe.experts import GroupedExperts
+from moe.router import SoftmaxTopKRouter
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP (Qwen3 MLP and the shared expert); projections are plain nn.Linear."""
+
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None):
+        super().__init__()
+        factory = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden, intermediate, **factory)
+        self.up_proj = nn.Linear(hidden, intermediate, **factory)
+        self.down_proj = nn.Linear(intermediate, hidden, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, router: SoftmaxTopKRouter, experts: GroupedExperts, backend: str = "grouped_mm",
+                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Linear | None = None):
+        super().__init__()
+        self.gate = router  # named as in HF checkpoints (mlp.gate.weight)
+        self.experts = experts
+        self.backend = backend
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.dispatcher = None  # set by runtime.parallelize for EP; None means all experts are local
+        self.aux_loss: torch.Tensor | None = None  # last forward's router balance loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TH = x.reshape(-1, shape[-1])
+        routing = self.gate(x_TH)
+        self.aux_loss = routing.aux_loss
+        compute = expert_backend(self.backend)
+        if self.dispatcher is None:
+            out_TH = compute(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk, self.experts)
+        else:
+            routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
+            y_MH = compute(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, self.experts)
+            out_TH = self.dispatcher.combine(y_MH, routed)
+        if self.shared_expert is not None:
+            shared_TH = self.shared_expert(x_TH)
+            if self.shared_expert_gate is not None:
+                shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
+            out_TH = out_TH + shared_TH
+        return out_TH.reshape(shape)

@@ -1,0 +1,54 @@
+"""Top-k routers: token -> (expert ids, routing weights) and the load-balancing statistics.
+
+Shapes: x_TH [T, H] tokens, logits_TE [T, E], topk_ids_Tk / topk_w_Tk [T, k].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RouterOutput:
+    topk_ids_Tk: torch.Tensor
+    topk_w_Tk: torch.Tensor
+    aux_loss: torch.Tensor | None  # Switch load-balancing loss of this layer, None when disabled
+
+
+def switch_aux_loss(probs_TE: torch.Tensor, topk_ids_Tk: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer balance loss: E * sum_e f_e * P_e with f_e the top-k assignment share
+    (sums to k, as transformers computes it) and P_e the mean router probability."""
+    T, E = probs_TE.shape
+    # One-hot sum instead of bincount: no host sync and a fixed shape for torch.compile.
+    counts_E = F.one_hot(topk_ids_Tk.reshape(-1), E).sum(0).to(probs_TE.dtype)
+    return E * torch.sum(counts_E / T * probs_TE.mean(0))
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Qwen3-MoE router: softmax over all experts in fp32, top-k, optional renormalization."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 aux_loss_coef: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.aux_loss_coef = aux_loss_coef
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype))
+        if not self.weight.is_meta:
+            nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x_TH: torch.Tensor) -> RouterOutput:
+        logits_TE = F.linear(x_TH, self.weight)
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        topk_w_Tk, topk_ids_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_w_Tk = topk_w_Tk / topk_w_Tk.sum(dim=-1, keepdim=True)
+        aux = None
+        if self.aux_loss_coef > 0 and self.training:
+            aux = self.aux_loss_coef * switch_aux_loss(probs_TE, topk_ids_Tk)
+        return RouterOutput(topk_ids_Tk, topk_w_Tk.to(x_TH.dtype), aux)
