@@ -1,0 +1,95 @@
+"""Fused per-head q/k RMSNorm + rotary embedding (Qwen3 / Qwen3.5 / Qwen3-Next attention).
+
+Contract::
+
+    qk_norm_rope(q_BSHD, k_BSKD, q_weight_D, k_weight_D, cos_BSR, sin_BSR, eps,
+                 unit_offset=False, rotary_dim=None, impl="auto") -> (q_out_BSHD, k_out_BSKD)
+
+B batch, S sequence, H query heads, K key/value heads, D head_dim, R rotary_dim (<= D, even).
+q/k may be non-contiguous views (e.g. slices of a fused qkv projection); the last dim must be dense.
+cos/sin are what transformers' rotary embedding returns: cat(freqs, freqs) layout, rotate-half
+convention, shape [B, S, R] (a batch dim of 1 broadcasts).
+
+Per (token, head) row: RMSNorm over D in fp32, x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) when
+`unit_offset` (Qwen3.5 / Qwen3-Next), then RoPE on the first R dims; dims R..D pass through.
+
+impl: "torch" is the plain-torch reference and reproduces transformers' numerics step by step
+(Qwen3RMSNorm casts the normalized row to the input dtype before the weight multiply, Qwen3NextRMSNorm
+multiplies by (1 + w) in fp32 and casts after; RoPE then runs in the input dtype).
+"triton" is the fused kernel (forward and backward are `torch.library.triton_op`s, so torch.compile
+traces them without a graph break); it keeps the whole row in fp32 and rounds once at the store.
+"auto" picks triton for CUDA tensors and the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float, unit_offset: bool = False,
+                 rotary_dim: int | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize each q/k head over D and rotate its first `rotary_dim` dims; see the module docstring."""
+    if impl not in IMPLS:
+        raise ValueError(f"qk_norm_rope: impl must be one of {IMPLS}, got {impl!r}")
+    rotary_dim = _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim)
+    if impl == "torch" or (impl == "auto" and not q.is_cuda):
+        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
+    return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, rotary_dim)
+
+
+def _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim: int | None) -> int:
+    """Validate shapes once, up front; returns the effective rotary_dim."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, S, heads, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    head_dim = q.shape[-1]
+    if q.shape[:2] != k.shape[:2] or k.shape[-1] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, S or D")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k dtypes differ: {q.dtype} vs {k.dtype}")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(f"weights must be [{head_dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, {head_dim}]; got {rotary_dim}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[-1] != rotary_dim or t.shape[1] != q.shape[1] or t.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"{name} must be [B or 1, S, rotary_dim={rotary_dim}]; got {tuple(t.shape)}")
+    return rotary_dim
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dim with transformers' cast order (see the module docstring)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
+
+
+def rope_reference(x_BSHD: torch.Tensor, cos_BSR: torch.Tensor, sin_BSR: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R dims of each head; the remaining dims pass through."""
+    rotary_dim = cos_BSR.shape[-1]
+    cos_BS1R = cos_BSR.unsqueeze(2).to(x_BSHD.dtype)
+    sin_BS1R = sin_BSR.unsqueeze(2).to(x_BSHD.dtype)
+    x_rot, x_pass = x_BSHD[..., :rotary_dim], x_BSHD[..., rotary_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x_rot * cos_BS1R + rotated * sin_BS1R, x_pass), dim=-1)
+
+
+def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float,
+                           unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch qk_norm_rope (differentiable by autograd); the rotary dim is cos.shape[-1]."""
+    q_out = rope_reference(rms_norm_reference(q, q_weight, eps, unit_offset), cos, sin)
+    k_out = rope_reference(rms_norm_reference(k, k_weight, eps, unit_offset), cos, sin)
+    return q_out, k_out
+
+
+def _qk_norm_rope_triton(*args):
+    raise NotImplementedError("triton kernel lands in the next commit")
