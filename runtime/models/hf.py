@@ -1,0 +1,305 @@
+"""HF checkpoints <-> our models: config.json -> QwenConfig, safetensors -> parameters, and back.
+
+Loading reads only the tensors this rank's modules need (for experts, only the E_local experts a
+GroupedExperts owns, from either the per-expert key layout published for Qwen3-30B-A3B or the fused
+transformers-v5 layout) straight into modules built on the meta device, so the model is never
+materialized twice. Saving writes the per-expert layout, which transformers v4 and v5 both load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from attention.rope import RopeConfig
+from moe.experts import GroupedExperts
+from runtime.models.qwen import QwenConfig, QwenForCausalLM, init_weights
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+_EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up|down)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message lists the offending keys."""
+
+
+def read_hf_config(path: str | Path) -> dict:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} has no config.json: model.path must be a HF checkpoint folder")
+    return json.loads(cfg_file.read_text())
+
+
+def rope_config_from_hf(hf: dict) -> RopeConfig:
+    # transformers v5 writes rope_parameters; v4 configs carry rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    known = {f for f in RopeConfig.__dataclass_fields__} - {"theta", "rope_type", "max_position_embeddings"}
+    extras = {k: v for k, v in params.items() if k in known and v is not None}
+    if "partial_rotary_factor" in hf:
+        extras.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    return RopeConfig(theta=theta, rope_type=rope_type, max_position_embeddings=hf.get("max_position_embeddings", 32768),
+                      **extras)
+
+
+def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
+    """Our config from a HF config dict; `runtime_options` sets expert_backend, attn_backend, ..."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    num_layers = runtime_options.pop("num_layers", None) or hf["num_hidden_layers"]
+    moe = model_type == "qwen3_moe"
+    return QwenConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
+        num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"], rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope=rope_config_from_hf(hf), tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=hf.get("attention_bias", False), initializer_range=hf.get("initializer_range", 0.02),
+        num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 0) if moe else 0,
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0) if moe else 0,
+        norm_topk_prob=hf.get("norm_topk_prob", False), decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), hf_config=hf, **runtime_options)
+
+
+class SafetensorsCheckpoint:
+    """Key -> file index over a single-file or sharded (model.safetensors.index.json) checkpoint."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {k: self.path / f for k, f in weight_map.items()}
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {self.path}")
+            self.files = {}
+            for f in files:
+                with safe_open(f, "pt") as handle:
+                    self.files.update({k: f for k in handle.keys()})
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def read(self, requests: dict[str, tuple[int, int] | None]) -> dict[str, torch.Tensor]:
+        """Reads {key: (start, end) rows of dim 0, or None for all}, opening each file once."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for key in requests:
+            by_file[self.files[key]].append(key)
+        out = {}
+        for file, keys in by_file.items():
+            with safe_open(file, "pt") as handle:
+                for key in keys:
+                    rows = requests[key]
+                    out[key] = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0]:rows[1]]
+        return out
+
+
+def _expert_sources(ckpt: SafetensorsCheckpoint, prefix: str, name: str, experts: GroupedExperts):
+    """Checkpoint keys (and row ranges) that make up one GroupedExperts tensor, and how to assemble them."""
+    lo, hi = experts.expert_offset, experts.expert_offset + experts.num_experts
+    fused = f"{prefix}.{name}_proj"
+    if fused in ckpt:
+        return {fused: (lo, hi)}, lambda t: t[fused]
+    parts = ("gate_proj", "up_proj") if name == "gate_up" else ("down_proj",)
+    keys = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(lo, hi)]
+    return ({k: None for row in keys for k in row},
+            lambda t: torch.stack([torch.cat([t[k] for k in row]) for row in keys]))
+
+
+def _param_sources(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint):
+    """{our param FQN: (checkpoint requests, assemble fn)} for every base weight of the model."""
+    modules = dict(model.named_modules())
+    sources = {}
+    for fqn, _ in model.named_parameters(remove_duplicate=True):
+        if "lora_" in fqn:
+            continue  # adapters are not part of a base checkpoint
+        match = _EXPERT_PARAM.match(fqn)
+        if match:
+            experts = modules[match["prefix"]]
+            sources[fqn] = _expert_sources(ckpt, match["prefix"], match["name"], experts)
+        else:
+            sources[fqn] = ({fqn: None}, lambda t, k=fqn: t[k])
+    return sources
+
+
+def _layer_index(key: str) -> int | None:
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    return int(m[1]) if m else None
+
+
+def load_hf_weights(model: QwenForCausalLM, path: str | Path, dtype: torch.dtype, device) -> None:
+    """Fills a (meta-initialized) model with the checkpoint's tensors; raises CheckpointError listing
+    missing keys, unexpected keys and shape mismatches before touching the model."""
+    ckpt = SafetensorsCheckpoint(path)
+    sources = _param_sources(model, ckpt)
+    wanted = {k for reqs, _ in sources.values() for k in reqs}
+    missing = sorted(wanted - ckpt.keys())
+    # Keys the model does not use on purpose: deeper layers (num_layers override), other EP ranks'
+    # experts, a tied lm_head.
+    skippable = re.compile(r"\.experts\.(\d+)\.|\.experts\.(gate_up|down)_proj$")
+    unexpected = sorted(k for k in ckpt.keys() - wanted
+                        if not skippable.search(k)
+                        and not ((i := _layer_index(k)) is not None and i >= model.config.num_layers)
+                        and not (k == "lm_head.weight" and model.config.tie_word_embeddings))
+    if missing or unexpected:
+        raise CheckpointError(_key_report(path, missing, unexpected))
+    params = dict(model.named_parameters())
+    state, mismatched = {}, []
+    for fqn, (requests, assemble) in sources.items():
+        tensor = assemble(ckpt.read(requests))
+        if tuple(tensor.shape) != tuple(params[fqn].shape):
+            mismatched.append(f"{fqn}: checkpoint {tuple(tensor.shape)} vs model {tuple(params[fqn].shape)}")
+        state[fqn] = tensor.to(device=device, dtype=dtype)
+    if mismatched:
+        raise CheckpointError(f"checkpoint {path} does not fit the model; shape mismatches:\n  "
+                              + "\n  ".join(mismatched))
+    model.load_state_dict(state, strict=False, assign=True)
+    _finish_meta_init(model, device, dtype)
+
+
+def _key_report(path, missing: list[str], unexpected: list[str], limit: int = 20) -> str:
+    lines = [f"checkpoint {path} does not match the model (is model.path the right checkpoint?)"]
+    for title, keys in (("missing keys", missing), ("unexpected keys", unexpected)):
+        if keys:
+            lines.append(f"{title} ({len(keys)}): " + ", ".join(keys[:limit]) + (" ..." if len(keys) > limit else ""))
+    return "\n".join(lines)
+
+
+def _finish_meta_init(model: QwenForCausalLM, device, dtype) -> None:
+    """Re-ties lm_head, materializes what checkpoints do not hold (LoRA factors, rope buffers)."""
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) and module.has_lora and module.gate_up_lora_A.is_meta:
+            module.to_empty(device=device, recurse=False)
+            module.reset_parameters()
+    model.model.rotary_emb.reset_parameters(model.config.rope, model.config.head_dim, device)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise CheckpointError(f"parameters left uninitialized after loading: {leftover[:10]}")
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+                    **runtime_options) -> QwenForCausalLM:
+    """Our model with the HF checkpoint's weights. `runtime_options`: expert_backend, attn_backend,
+    norm_rope_impl, router_aux_loss_coef, num_layers."""
+    cfg = config_from_hf(read_hf_config(path), **runtime_options)
+    with torch.device("meta"):
+        model = QwenForCausalLM(cfg, dtype=dtype)
+    load_hf_weights(model, path, dtype, device)
+    return model
+
+
+def random_init(cfg: QwenConfig, dtype: torch.dtype = torch.float32, device="cpu") -> QwenForCausalLM:
+    model = QwenForCausalLM(cfg, device=device, dtype=dtype)
+    init_weights(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Gathers a DTensor (FSDP / EP shard) into the full tensor; plain tensors pass through."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Base weights in the per-expert HF layout (LoRA factors excluded: they export as PEFT)."""
+    state = state if state is not None else model.state_dict()
+    out = {}
+    for fqn, tensor in state.items():
+        if "lora_" in fqn:
+            continue
+        tensor = _full(tensor).detach().cpu().contiguous()
+        match = _EXPERT_PARAM.match(fqn)
+        if not match:
+            out[fqn] = tensor
+            continue
+        prefix = match["prefix"]
+        for e, w in enumerate(tensor):
+            if match["name"] == "gate_up":
+                gate, up = w.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = w.contiguous()
+    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    shards, current, size = [], {}, 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = tensors[key]
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out_dir / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def atomic_dir(out_dir: str | Path):
+    """A temporary sibling folder; `commit(tmp)` renames it over out_dir so readers never see half a save."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+
+    def commit() -> None:
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    return tmp, commit
+
+
+def hf_config_dict(cfg: QwenConfig, dtype: torch.dtype) -> dict:
+    hf = dict(cfg.hf_config)
+    hf["num_hidden_layers"] = cfg.num_layers
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    return hf
+
+
+def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+    """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir."""
+    tensors = hf_state_dict(model, state)
+    dtype = next(iter(tensors.values())).dtype
+    tmp, commit = atomic_dir(out_dir)
+    write_safetensors(tensors, tmp, max_shard_bytes)
+    (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2))
+    commit()

@@ -1,0 +1,154 @@
+"""Qwen3 (dense) and Qwen3-MoE decoders assembled from `attention/` and `moe/` layers.
+
+Module names follow the HF checkpoints (model.layers.{i}.self_attn.q_proj, ...mlp.gate, ...) so the
+checkpoint mapping in `hf.py` is a rename of the expert tensors only.
+
+    logits_BSV = model(input_ids_BS, position_ids_BS=None, cu_seqlens=None, max_seqlen=None)
+position_ids restart at 0 at every packed document start; no token attends across documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta
+from attention.norm import RMSNorm
+from attention.rope import RopeConfig, RotaryEmbedding
+from moe.experts import GroupedExperts
+from moe.layer import MoEBlock, SwiGLUMLP
+from moe.router import SoftmaxTopKRouter
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class QwenConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    # MoE (num_experts == 0: dense Qwen3)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Runtime choices, not part of the HF config
+    expert_backend: str = "grouped_mm"
+    attn_backend: str = "sdpa"
+    norm_rope_impl: str = "auto"
+    router_aux_loss_coef: float = 0.0
+    # The HF config.json this came from, written back by save_pretrained.
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+def build_mlp(cfg: QwenConfig, layer: int, device=None, dtype=None) -> nn.Module:
+    if not cfg.is_moe_layer(layer):
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
+    router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                               cfg.router_aux_loss_coef, device=device, dtype=dtype)
+    experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                             device=device, dtype=dtype)
+    return MoEBlock(router, experts, backend=cfg.expert_backend)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: QwenConfig, layer: int, device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.self_attn = Qwen3Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                        cfg.rms_norm_eps, cfg.attention_bias, cfg.attn_backend,
+                                        cfg.norm_rope_impl, **factory)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.mlp = build_mlp(cfg, layer, **factory)
+
+    def forward(self, h_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        h_BSH = h_BSH + self.self_attn(self.input_layernorm(h_BSH), cos, sin, meta)
+        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
+
+
+class QwenModel(nn.Module):
+    def __init__(self, cfg: QwenConfig, device=None, dtype=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        # A ModuleDict keyed by layer index keeps FQNs stable when layers are dropped or reordered.
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, i, device, dtype) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, device=device)
+
+
+class QwenForCausalLM(nn.Module):
+    def __init__(self, cfg: QwenConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = cfg
+        self.model = QwenModel(cfg, device, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+        B, S = input_ids_BS.shape
+        h_BSH = self.model.embed_tokens(input_ids_BS)
+        meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, self.config.attn_backend)
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+        cos, sin = self.model.rotary_emb(position_ids_BS, h_BSH.dtype)
+        for block in self.model.layers.values():
+            h_BSH = block(h_BSH, cos, sin, meta)
+        return self.model.norm(h_BSH)
+
+    def forward(self, input_ids_BS: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen))
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [m for m in self.modules() if isinstance(m, MoEBlock)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the router balance losses of the last forward (None when disabled)."""
+        losses = [b.aux_loss for b in self.moe_blocks() if b.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+
+def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over label tokens (labels are pre-shifted targets; -100 is ignored).
+    The caller divides by the (global) label-token count."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+@torch.no_grad()
+def init_weights(model: QwenForCausalLM) -> None:
+    """Random init as transformers does it: normal(0, initializer_range) for matrices, ones for norms."""
+    std = model.config.initializer_range
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, SoftmaxTopKRouter):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, GroupedExperts):
+            nn.init.normal_(module.gate_up, std=std)
+            nn.init.normal_(module.down, std=std)
+        elif isinstance(module, RMSNorm):
+            module.reset_parameters()
