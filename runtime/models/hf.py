@@ -98,6 +98,17 @@ class SafetensorsCheckpoint:
     def keys(self) -> set[str]:
         return set(self.files)
 
+    def shapes(self, keys) -> dict[str, tuple[int, ...]]:
+        """Tensor shapes from the safetensors headers, without reading data."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for key in keys:
+            by_file[self.files[key]].append(key)
+        out = {}
+        for file, names in by_file.items():
+            with safe_open(file, "pt") as handle:
+                out.update({k: tuple(handle.get_slice(k).get_shape()) for k in names})
+        return out
+
     def read(self, requests: dict[str, tuple[int, int] | None]) -> dict[str, torch.Tensor]:
         """Reads {key: (start, end) rows of dim 0, or None for all}, opening each file once."""
         by_file: dict[Path, list[str]] = defaultdict(list)
@@ -113,22 +124,27 @@ class SafetensorsCheckpoint:
 
 
 def _expert_sources(ckpt: SafetensorsCheckpoint, prefix: str, name: str, experts: GroupedExperts):
-    """Checkpoint keys (and row ranges) that make up one GroupedExperts tensor, and how to assemble them."""
+    """Checkpoint keys (row ranges) making up one GroupedExperts tensor, their expected shapes, and
+    how to assemble them."""
     lo, hi = experts.expert_offset, experts.expert_offset + experts.num_experts
+    H, I = experts.hidden, experts.intermediate
     fused = f"{prefix}.{name}_proj"
     if fused in ckpt:
-        return {fused: (lo, hi)}, lambda t: t[fused]
+        full_E = ckpt.shapes([fused])[fused][0]
+        shape = (full_E, 2 * I, H) if name == "gate_up" else (full_E, H, I)
+        return {fused: (lo, hi)}, {fused: shape}, lambda t: t[fused]
     parts = ("gate_proj", "up_proj") if name == "gate_up" else ("down_proj",)
     keys = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(lo, hi)]
-    return ({k: None for row in keys for k in row},
+    part_shape = (I, H) if name == "gate_up" else (H, I)
+    return ({k: None for row in keys for k in row}, {k: part_shape for row in keys for k in row},
             lambda t: torch.stack([torch.cat([t[k] for k in row]) for row in keys]))
 
 
 def _param_sources(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint):
-    """{our param FQN: (checkpoint requests, assemble fn)} for every base weight of the model."""
+    """{our param FQN: (checkpoint requests, expected shapes, assemble fn)} for every base weight."""
     modules = dict(model.named_modules())
     sources = {}
-    for fqn, _ in model.named_parameters(remove_duplicate=True):
+    for fqn, param in model.named_parameters(remove_duplicate=True):
         if "lora_" in fqn:
             continue  # adapters are not part of a base checkpoint
         match = _EXPERT_PARAM.match(fqn)
@@ -136,7 +152,7 @@ def _param_sources(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint):
             experts = modules[match["prefix"]]
             sources[fqn] = _expert_sources(ckpt, match["prefix"], match["name"], experts)
         else:
-            sources[fqn] = ({fqn: None}, lambda t, k=fqn: t[k])
+            sources[fqn] = ({fqn: None}, {fqn: tuple(param.shape)}, lambda t, k=fqn: t[k])
     return sources
 
 
@@ -150,7 +166,7 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path, dtype: torch.dtype
     missing keys, unexpected keys and shape mismatches before touching the model."""
     ckpt = SafetensorsCheckpoint(path)
     sources = _param_sources(model, ckpt)
-    wanted = {k for reqs, _ in sources.values() for k in reqs}
+    wanted = {k for reqs, _, _ in sources.values() for k in reqs}
     missing = sorted(wanted - ckpt.keys())
     # Keys the model does not use on purpose: deeper layers (num_layers override), other EP ranks'
     # experts, a tied lm_head.
@@ -161,16 +177,15 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path, dtype: torch.dtype
                         and not (k == "lm_head.weight" and model.config.tie_word_embeddings))
     if missing or unexpected:
         raise CheckpointError(_key_report(path, missing, unexpected))
-    params = dict(model.named_parameters())
-    state, mismatched = {}, []
-    for fqn, (requests, assemble) in sources.items():
-        tensor = assemble(ckpt.read(requests))
-        if tuple(tensor.shape) != tuple(params[fqn].shape):
-            mismatched.append(f"{fqn}: checkpoint {tuple(tensor.shape)} vs model {tuple(params[fqn].shape)}")
-        state[fqn] = tensor.to(device=device, dtype=dtype)
+    expected = {k: shape for _, shapes, _ in sources.values() for k, shape in shapes.items()}
+    found = ckpt.shapes(expected)
+    mismatched = [f"{k}: checkpoint {found[k]} vs model {expected[k]}" for k in sorted(expected)
+                  if found[k] != expected[k]]
     if mismatched:
-        raise CheckpointError(f"checkpoint {path} does not fit the model; shape mismatches:\n  "
-                              + "\n  ".join(mismatched))
+        raise CheckpointError(f"checkpoint {path} does not fit the model; shape mismatches ({len(mismatched)}):\n  "
+                              + "\n  ".join(mismatched[:20]))
+    state = {fqn: assemble(ckpt.read(requests)).to(device=device, dtype=dtype)
+             for fqn, (requests, _, assemble) in sources.items()}
     model.load_state_dict(state, strict=False, assign=True)
     _finish_meta_init(model, device, dtype)
 
