@@ -23,7 +23,16 @@ traces them without a graph break); it keeps the whole row in fp32 and rounds on
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # the reference stays usable where triton is missing (e.g. macOS, CPU-only wheels)
+    triton = None
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -91,5 +100,287 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float,
     return q_out, k_out
 
 
-def _qk_norm_rope_triton(*args):
-    raise NotImplementedError("triton kernel lands in the next commit")
+
+
+# ----------------------------------------------------------------------------- triton kernels
+#
+# Rows are the flattened (b, s, h) triples of q (then of k); a program handles a tile of BLOCK_R rows.
+# Each row is loaded as three pieces so rotate-half needs no gather: x1 = x[:R/2], x2 = x[R/2:R] and
+# the pass-through tail x[R:] (compiled out when R == D). q and k share one launch: programs below
+# the q count work on q, the rest on k. Outputs and input grads are written contiguous.
+
+
+def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, rotary_dim):
+    if triton is None:
+        raise RuntimeError("qk_norm_rope(impl='triton') needs the triton package")
+    del rotary_dim  # the ops read it from cos.shape[-1], which _check_inputs tied to it
+    return torch.ops.moert.qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, float(eps), bool(unit_offset))
+
+
+def _launch_config(head_dim: int) -> tuple[int, int]:
+    """(rows per tile, num_warps). ~2K elements per tile: enough bytes in flight per program while the
+    backward's eight [rows, R/2] fp32 operands still fit in registers. One fixed config, no autotune
+    (the interpreter cannot autotune, and the backward's partial-sum buffer depends on the tile)."""
+    return max(1, 2048 // triton.next_power_of_2(head_dim)), 4
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs is plenty
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _kernel(fn):
+    """wrap_triton for the GPU; the interpreter's kernels are launched as they are (older torch's
+    wrap_triton rejects them)."""
+    return fn if type(fn).__name__ == "InterpretedFunction" else wrap_triton(fn)
+
+
+def _rope_table(cos_BSR: torch.Tensor, sin_BSR: torch.Tensor, batch: int):
+    """cos/sin broadcast to [B, S, R] with a dense last dim and identical strides (one stride pair
+    in the kernel); a batch dim of 1 stays a stride-0 view, not a copy."""
+    cos_BSR, sin_BSR = cos_BSR.expand(batch, -1, -1), sin_BSR.expand(batch, -1, -1)
+    if cos_BSR.stride() != sin_BSR.stride() or cos_BSR.stride(-1) != 1:
+        cos_BSR, sin_BSR = cos_BSR.contiguous(), sin_BSR.contiguous()
+    return cos_BSR, sin_BSR
+
+
+def _dense_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """The kernels address rows by (b, s, h) strides but assume unit stride inside a row."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _meta(head_dim: int, rotary_dim: int, unit_offset: bool) -> dict:
+    """Compile-time kernel arguments; int() pins symbolic sizes (tracing with dynamic shapes)."""
+    head_dim, rotary_dim = int(head_dim), int(rotary_dim)
+    half, tail = rotary_dim // 2, head_dim - rotary_dim
+    block_r, num_warps = _launch_config(head_dim)
+    return {"D": head_dim, "HALF": half, "TAIL": tail, "BLOCK_R": block_r,
+            "BLOCK_HALF": triton.next_power_of_2(half), "BLOCK_TAIL": triton.next_power_of_2(max(tail, 1)),
+            "UNIT_OFFSET": unit_offset, "num_warps": num_warps}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_coords(rows, S, H):
+        """(b, s, h) of each flattened row, in int64 so that b * stride cannot overflow."""
+        tok = rows // H
+        return (tok // S).to(tl.int64), (tok % S).to(tl.int64), (rows % H).to(tl.int64)
+
+    @triton.jit
+    def _load_weight(w_ptr, cols, mask, UNIT_OFFSET: tl.constexpr):
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if UNIT_OFFSET:
+            w += 1.0
+        return w
+
+    @triton.jit
+    def _fwd_tile(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, tile, n_rows, S, H,
+                  stride_b, stride_s, stride_h, stride_cb, stride_cs, eps,
+                  D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        b, s, h = _row_coords(rows, S, H)
+        x_row = (b * stride_b + s * stride_s + h * stride_h)[:, None]
+        c_row = (b * stride_cb + s * stride_cs)[:, None]
+        out_row = (rows.to(tl.int64) * D)[:, None]
+        cols = tl.arange(0, BLOCK_HALF)
+        col_ok = cols < HALF
+        mask = row_ok[:, None] & col_ok[None, :]
+
+        x1 = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if TAIL > 0:
+            tcols = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+            tmask = row_ok[:, None] & (tcols < D)[None, :]
+            xt = tl.load(x_ptr + x_row + tcols, mask=tmask, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xt * xt, axis=1)
+        rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+
+        y1 = x1 * rstd * _load_weight(w_ptr, cols, col_ok, UNIT_OFFSET)[None, :]
+        y2 = x2 * rstd * _load_weight(w_ptr + HALF, cols, col_ok, UNIT_OFFSET)[None, :]
+        cos1 = tl.load(cos_ptr + c_row + cols, mask=mask, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + c_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + c_row + cols, mask=mask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + c_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + out_row + cols, (y1 * cos1 - y2 * sin1).to(out_ty), mask=mask)
+        tl.store(out_ptr + out_row + HALF + cols, (y2 * cos2 + y1 * sin2).to(out_ty), mask=mask)
+        if TAIL > 0:
+            yt = xt * rstd * _load_weight(w_ptr, tcols, tcols < D, UNIT_OFFSET)[None, :]
+            tl.store(out_ptr + out_row + tcols, yt.to(out_ty), mask=tmask)
+
+    @triton.jit
+    def _qk_norm_rope_fwd_kernel(
+            q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+            n_q_rows, n_k_rows, n_q_tiles, S, HQ, HK,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_cb, stride_cs, eps,
+            D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        tile = tl.program_id(0)
+        if tile < n_q_tiles:
+            _fwd_tile(q_ptr, q_out_ptr, q_w_ptr, cos_ptr, sin_ptr, tile, n_q_rows, S, HQ,
+                      stride_qb, stride_qs, stride_qh, stride_cb, stride_cs, eps,
+                      D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
+        else:
+            _fwd_tile(k_ptr, k_out_ptr, k_w_ptr, cos_ptr, sin_ptr, tile - n_q_tiles, n_k_rows, S, HK,
+                      stride_kb, stride_ks, stride_kh, stride_cb, stride_cs, eps,
+                      D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
+
+    @triton.jit
+    def _bwd_rows(x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, dw_ptr, prog, tiles_per_prog, n_rows, S, H,
+                  stride_b, stride_s, stride_h, stride_gb, stride_gs, stride_gh, stride_cb, stride_cs, eps,
+                  D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """Input grads for `tiles_per_prog` consecutive tiles; this program's dW partial row goes to dw_ptr[:D]."""
+        cols = tl.arange(0, BLOCK_HALF)
+        col_ok = cols < HALF
+        tcols = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+        w1 = _load_weight(w_ptr, cols, col_ok, UNIT_OFFSET)[None, :]
+        w2 = _load_weight(w_ptr + HALF, cols, col_ok, UNIT_OFFSET)[None, :]
+        wt = _load_weight(w_ptr, tcols, tcols < D, UNIT_OFFSET)[None, :]
+        dw1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        dwt = tl.zeros([BLOCK_TAIL], dtype=tl.float32)
+        for i in range(tiles_per_prog):
+            rows = (prog * tiles_per_prog + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < n_rows
+            b, s, h = _row_coords(rows, S, H)
+            x_row = (b * stride_b + s * stride_s + h * stride_h)[:, None]
+            g_row = (b * stride_gb + s * stride_gs + h * stride_gh)[:, None]
+            c_row = (b * stride_cb + s * stride_cs)[:, None]
+            dx_row = (rows.to(tl.int64) * D)[:, None]
+            mask = row_ok[:, None] & col_ok[None, :]
+
+            x1 = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + x_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+            g1 = tl.load(g_ptr + g_row + cols, mask=mask, other=0.0).to(tl.float32)
+            g2 = tl.load(g_ptr + g_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+            cos1 = tl.load(cos_ptr + c_row + cols, mask=mask, other=0.0).to(tl.float32)
+            cos2 = tl.load(cos_ptr + c_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+            sin1 = tl.load(sin_ptr + c_row + cols, mask=mask, other=0.0).to(tl.float32)
+            sin2 = tl.load(sin_ptr + c_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+            sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            if TAIL > 0:
+                tmask = row_ok[:, None] & (tcols < D)[None, :]
+                xt = tl.load(x_ptr + x_row + tcols, mask=tmask, other=0.0).to(tl.float32)
+                gt = tl.load(g_ptr + g_row + tcols, mask=tmask, other=0.0).to(tl.float32)
+                sum_sq += tl.sum(xt * xt, axis=1)
+            rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+            n1 = x1 * rstd
+            n2 = x2 * rstd
+
+            # RoPE is a rotation per frequency pair; its backward applies the transposed rotation.
+            dy1 = g1 * cos1 + g2 * sin2
+            dy2 = g2 * cos2 - g1 * sin1
+            dw1 += tl.sum(dy1 * n1, axis=0)
+            dw2 += tl.sum(dy2 * n2, axis=0)
+            dn1 = dy1 * w1
+            dn2 = dy2 * w2
+            dot = tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)
+            if TAIL > 0:
+                nt = xt * rstd
+                dwt += tl.sum(gt * nt, axis=0)
+                dnt = gt * wt
+                dot += tl.sum(dnt * nt, axis=1)
+            # d/dx of x * rstd(x): rstd * (dn - n * mean(dn * n))
+            mean_dot = (dot / D)[:, None]
+            dx_ty = dx_ptr.dtype.element_ty
+            tl.store(dx_ptr + dx_row + cols, (rstd * (dn1 - n1 * mean_dot)).to(dx_ty), mask=mask)
+            tl.store(dx_ptr + dx_row + HALF + cols, (rstd * (dn2 - n2 * mean_dot)).to(dx_ty), mask=mask)
+            if TAIL > 0:
+                tl.store(dx_ptr + dx_row + tcols, (rstd * (dnt - nt * mean_dot)).to(dx_ty), mask=tmask)
+        tl.store(dw_ptr + cols, dw1, mask=col_ok)
+        tl.store(dw_ptr + HALF + cols, dw2, mask=col_ok)
+        if TAIL > 0:
+            tl.store(dw_ptr + tcols, dwt, mask=tcols < D)
+
+    @triton.jit
+    def _qk_norm_rope_bwd_kernel(
+            q_ptr, k_ptr, gq_ptr, gk_ptr, dq_ptr, dk_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, dw_ptr,
+            n_q_rows, n_k_rows, n_progs, q_tiles_per_prog, k_tiles_per_prog, S, HQ, HK,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_gqb, stride_gqs, stride_gqh, stride_gkb, stride_gks, stride_gkh, stride_cb, stride_cs, eps,
+            D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """Programs [0, n_progs) do q, [n_progs, 2 n_progs) do k; program p writes dw partial row p of
+        the [2, n_progs, D] fp32 buffer (no atomics: the caller sums over programs)."""
+        pid = tl.program_id(0)
+        dw_row_ptr = dw_ptr + pid.to(tl.int64) * D
+        if pid < n_progs:
+            _bwd_rows(q_ptr, gq_ptr, dq_ptr, q_w_ptr, cos_ptr, sin_ptr, dw_row_ptr, pid, q_tiles_per_prog,
+                      n_q_rows, S, HQ, stride_qb, stride_qs, stride_qh, stride_gqb, stride_gqs, stride_gqh,
+                      stride_cb, stride_cs, eps, D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
+        else:
+            _bwd_rows(k_ptr, gk_ptr, dk_ptr, k_w_ptr, cos_ptr, sin_ptr, dw_row_ptr, pid - n_progs,
+                      k_tiles_per_prog, n_k_rows, S, HK, stride_kb, stride_ks, stride_kh,
+                      stride_gkb, stride_gks, stride_gkh, stride_cb, stride_cs, eps,
+                      D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
+
+    @triton_op("moert::qk_norm_rope_fwd", mutates_args={})
+    def _qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                          unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = _dense_last_dim(q), _dense_last_dim(k)
+        batch, seq, heads_q, head_dim = q.shape
+        heads_k = k.shape[2]
+        cos, sin = _rope_table(cos, sin, batch)
+        q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
+            torch.empty_like(k, memory_format=torch.contiguous_format)
+        meta = _meta(head_dim, cos.shape[-1], unit_offset)
+        n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
+        n_q_tiles = triton.cdiv(n_q_rows, meta["BLOCK_R"])
+        n_tiles = n_q_tiles + triton.cdiv(n_k_rows, meta["BLOCK_R"])
+        if n_tiles > 0:
+            _kernel(_qk_norm_rope_fwd_kernel)[(n_tiles,)](
+                q, k, q_out, k_out, q_weight, k_weight, cos, sin,
+                n_q_rows, n_k_rows, n_q_tiles, seq, heads_q, heads_k,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                cos.stride(0), cos.stride(1), eps, **meta)
+        return q_out, k_out
+
+    @triton_op("moert::qk_norm_rope_bwd", mutates_args={})
+    def _qk_norm_rope_bwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, grad_q_out: torch.Tensor,
+                          grad_k_out: torch.Tensor, eps: float,
+                          unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k = _dense_last_dim(q), _dense_last_dim(k)
+        grad_q_out, grad_k_out = _dense_last_dim(grad_q_out), _dense_last_dim(grad_k_out)
+        batch, seq, heads_q, head_dim = q.shape
+        heads_k = k.shape[2]
+        cos, sin = _rope_table(cos, sin, batch)
+        grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
+        grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
+        meta = _meta(head_dim, cos.shape[-1], unit_offset)
+        n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
+        n_q_tiles = triton.cdiv(n_q_rows, meta["BLOCK_R"])
+        n_k_tiles = triton.cdiv(n_k_rows, meta["BLOCK_R"])
+        # A few programs per SM, each looping over many tiles, keeps the dW partial buffer small.
+        n_progs = max(1, min(4 * _num_sms(q.device), max(n_q_tiles, n_k_tiles)))
+        dw_partial = torch.empty((2, n_progs, head_dim), dtype=torch.float32, device=q.device)
+        _kernel(_qk_norm_rope_bwd_kernel)[(2 * n_progs,)](
+            q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial,
+            n_q_rows, n_k_rows, n_progs, triton.cdiv(n_q_tiles, n_progs), triton.cdiv(n_k_tiles, n_progs),
+            seq, heads_q, heads_k,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            grad_q_out.stride(0), grad_q_out.stride(1), grad_q_out.stride(2),
+            grad_k_out.stride(0), grad_k_out.stride(1), grad_k_out.stride(2),
+            cos.stride(0), cos.stride(1), eps, **meta)
+        # Separate sums: the two weight grads must not be views of one buffer (custom-op outputs may not alias).
+        return (grad_q, grad_k, dw_partial[0].sum(0).to(q_weight.dtype), dw_partial[1].sum(0).to(k_weight.dtype))
+
+    def _setup_context(ctx, inputs, output):
+        q, k, q_weight, k_weight, cos, sin, eps, unit_offset = inputs
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        ctx.eps, ctx.unit_offset = eps, unit_offset
+
+    def _backward(ctx, grad_q_out, grad_k_out):
+        grads = torch.ops.moert.qk_norm_rope_bwd(*ctx.saved_tensors, grad_q_out, grad_k_out,
+                                                 ctx.eps, ctx.unit_offset)
+        return (*grads, None, None, None, None)
+
+    _qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
