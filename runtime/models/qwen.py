@@ -79,8 +79,15 @@ class DecoderBlock(nn.Module):
                                         cfg.norm_rope_impl, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.mlp = build_mlp(cfg, layer, **factory)
+        # Set by runtime.parallelize for activation checkpointing: (fn, *args) -> fn(*args) recomputed.
+        self.checkpoint_fn = None
 
     def forward(self, h_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        if self.checkpoint_fn is not None:
+            return self.checkpoint_fn(self._forward, h_BSH, cos, sin, meta)
+        return self._forward(h_BSH, cos, sin, meta)
+
+    def _forward(self, h_BSH, cos, sin, meta):
         h_BSH = h_BSH + self.self_attn(self.input_layernorm(h_BSH), cos, sin, meta)
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 

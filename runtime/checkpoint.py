@@ -1,0 +1,120 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP), written atomically, and the final exports.
+
+Layout: <output_dir>/checkpoints/step_00000012/ holds the DCP shards of model + optimizer and one
+`extra_rank{r}.pt` per rank (step, LR schedule, data position, RNG states). A save goes to a
+temporary sibling folder that is renamed only once every rank has finished, so a crash mid-save
+leaves the last good checkpoint intact; only the newest `keep_last` survive.
+With LoRA only trainable parameters are saved (the frozen base comes from model.path on resume).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class ResumeError(ValueError):
+    """A checkpoint that does not belong to this run's model; the message lists the mismatches."""
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen)
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: str | Path, keep_last: int, rank: int):
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.rank = rank
+
+    def step_dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+
+    def latest(self) -> Path | None:
+        dirs = self.step_dirs()
+        return dirs[-1] if dirs else None
+
+    def save(self, step: int, model, optimizer, scheduler, loader) -> Path:
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".tmp-step_{step:08d}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options(model))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                 "rng": _rng_state()}
+        torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
+        _barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in self.step_dirs()[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    def check_compatible(self, path: Path, model, optimizer) -> None:
+        """Compares the checkpoint's keys and shapes with the model's, from metadata only, so a wrong
+        checkpoint fails on every rank alike before any collective."""
+        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
+                 if k.startswith("model.") and hasattr(v, "size")}
+        model_sd, _ = get_state_dict(model, optimizer, options=_state_dict_options(model))
+        ours = {k: tuple(v.shape) for k, v in model_sd.items()}
+        missing = sorted(set(ours) - set(saved))
+        unexpected = sorted(set(saved) - set(ours))
+        mismatched = sorted(f"{k}: checkpoint {saved[k]} vs model {ours[k]}" for k in set(ours) & set(saved)
+                            if saved[k] != ours[k])
+        if missing or unexpected or mismatched:
+            lines = [f"checkpoint {path} was written for a different model (check model.path, lora and "
+                     "train.output_dir, or start without --resume):"]
+            for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+                if items:
+                    lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:10]))
+            raise ResumeError("\n".join(lines))
+
+    def load(self, path: Path, model, optimizer, scheduler, loader) -> int:
+        """Restores everything `save` wrote; returns the step to continue after."""
+        self.check_compatible(path, model, optimizer)
+        options = _state_dict_options(model)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
+        extra = torch.load(path / f"extra_rank{self.rank}.pt", weights_only=False)
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        _set_rng_state(extra["rng"])
+        return extra["step"]

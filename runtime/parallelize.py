@@ -1,0 +1,123 @@
+"""Applies the parallelism of ParallelDims to a built model: EP placement, activation checkpointing,
+FSDP2 (dense mesh + separate expert mesh), and gradient-norm reduction across those meshes.
+
+Gradient scaling: every FSDP reduction is a plain sum (divide factor 1) and the loss is divided by
+the global label-token count (runtime.train), so each gradient equals the single-process gradient of
+the same global batch, for dense, expert, router and LoRA parameters alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from moe.dispatch import build_dispatcher
+from moe.experts import GroupedExperts
+from runtime.config import Config
+from runtime.mesh import Meshes, ParallelDims
+from runtime.models.qwen import QwenForCausalLM
+
+
+def localize_experts(model: QwenForCausalLM, ep_rank: int, ep: int) -> None:
+    """Keeps only this EP rank's contiguous E/ep experts in every MoE block (meta or materialized)."""
+    if ep == 1:
+        return
+    for block in model.moe_blocks():
+        old = block.experts
+        per_rank = old.num_experts // ep
+        lo = ep_rank * per_rank
+        new = GroupedExperts(per_rank, old.hidden, old.intermediate, device=old.gate_up.device,
+                             dtype=old.gate_up.dtype, expert_offset=old.expert_offset + lo)
+        if not old.gate_up.is_meta:
+            with torch.no_grad():
+                new.gate_up.copy_(old.gate_up[lo:lo + per_rank])
+                new.down.copy_(old.down[lo:lo + per_rank])
+        block.experts = new
+
+
+# Ops whose outputs selective checkpointing keeps; everything else in a block is recomputed.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_fn(mode: str):
+    """A `(fn, *args) -> out` that recomputes fn in backward: all of it (full) or all but its matmuls
+    and attention (selective)."""
+    if mode == "full":
+        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
+
+    def selective(fn, *args):
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy))
+    return selective
+
+
+def apply_activation_checkpointing(model: QwenForCausalLM, mode: str) -> None:
+    if mode == "none":
+        return
+    for block in model.model.layers.values():
+        block.checkpoint_fn = checkpoint_fn(mode)
+
+
+def _mp_policy(device_type: str) -> MixedPrecisionPolicy:
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None:
+    mp = _mp_policy(device_type)
+    fsdp_modules = []
+    for block in model.model.layers.values():
+        experts = getattr(block.mlp, "experts", None)
+        if experts is not None:
+            fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=mp))
+        fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp))
+    fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
+    for module in fsdp_modules:
+        module.set_gradient_divide_factor(1.0)  # sums: the loss is already normalized globally
+
+
+def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes, cfg: Config) -> QwenForCausalLM:
+    if dims.ep > 1:
+        for block in model.moe_blocks():
+            block.dispatcher = build_dispatcher(meshes.ep_group, model.config.num_experts)
+    apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
+    apply_fsdp(model, meshes, meshes.world.device_type)
+    return model
+
+
+def _replication(t: torch.Tensor) -> int:
+    """How many ranks of the world hold each element of t (DTensor replicas, or all for plain tensors)."""
+    if isinstance(t, DTensor):
+        return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over gradients that live on different meshes (dense FSDP, expert FSDP x EP): every rank
+    adds its local shards' squares, weighted so replicated elements count once, then one all-reduce."""
+    if not grads:
+        return torch.zeros(())
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sq += local.float().pow(2).sum() / _replication(g)
+    if dist.is_initialized():
+        dist.all_reduce(sq)
+    return sq.sqrt()

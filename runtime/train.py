@@ -1,0 +1,198 @@
+"""The training loop: build (model, optimizer, schedule, data) from a Config, then step.
+
+One optimizer step = `grad_accum_steps` micro-batches per data rank. The loss of every micro-batch
+is its summed token cross-entropy divided by the label-token count of the whole global step (all
+micro-batches of all data ranks), so the distributed loss and gradients equal those of one process
+that sees the whole global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.checkpoint import CheckpointManager
+from runtime.config import Config, OptimConfig
+from runtime.data import build_dataloader, load_tokenizer
+from runtime.dist import DistEnv, all_reduce_sum
+from runtime.mesh import Meshes, ParallelDims
+from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
+from runtime.models.hf import config_from_hf, load_hf_weights, read_hf_config
+from runtime.models.qwen import QwenForCausalLM, init_weights, label_loss_sum
+
+log = logging.getLogger("runtime")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss; the message names the step and the last good checkpoint."""
+
+
+def model_config(cfg: Config):
+    hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
+    return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
+                          norm_rope_impl=cfg.model.norm_rope_impl,
+                          router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                          num_layers=cfg.model.num_layers_override)
+
+
+def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalLM:
+    """The model with this rank's weights: checkpoint shards (only its experts under EP) or a seeded
+    random init that is identical on every rank before experts are split."""
+    from runtime.parallelize import localize_experts
+
+    qcfg = model_config(cfg)
+    dims.check_experts(qcfg.num_experts)
+    dtype = DTYPES[cfg.model.dtype]
+    ep_rank = (env.rank % (dims.dp_shard * dims.cp)) % dims.ep
+    if cfg.model.path:
+        with torch.device("meta"):
+            model = QwenForCausalLM(qcfg, dtype=dtype)
+        localize_experts(model, ep_rank, dims.ep)
+        load_hf_weights(model, cfg.model.path, dtype, env.device)
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = QwenForCausalLM(qcfg, device="cpu", dtype=dtype)
+        init_weights(model)
+        localize_experts(model, ep_rank, dims.ep)
+        model.to(env.device)
+    if cfg.lora.enabled:
+        from runtime.lora import apply_lora
+
+        torch.manual_seed(cfg.train.seed + 1)  # LoRA A init, the same on every rank
+        apply_lora(model, cfg.lora)
+    if env.device.type == "cuda":
+        for p in model.parameters():  # fp32 master copies of what trains; autocast computes in bf16
+            if p.requires_grad:
+                p.data = p.data.float()
+    return model
+
+
+def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
+    """Linear warmup to 1, then cosine down to min_lr_ratio at max_steps (`step` counts from 0)."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: enable lora or unfreeze the model")
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                  fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
+    return optimizer, scheduler
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Total gradient norm over all parameters (dense and expert meshes alike), clipped to max_norm."""
+    from runtime.parallelize import total_grad_norm
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = total_grad_norm(grads)
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device))
+    return norm
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    records: list = field(default_factory=list)
+
+
+def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, dp_world: int) -> StepResult:
+    global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env.device)
+    if global_labels == 0:
+        raise ValueError("a global step has no label tokens: check data.kind and the chat template")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else nullcontext())
+    loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
+    for batch in batches:
+        batch = batch.to(env.device)
+        with autocast:
+            logits = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+                           max_seqlen=batch.max_seqlen)
+            loss = label_loss_sum(logits, batch.labels) / global_labels
+            aux = model.aux_loss()
+            # Balance loss: mean over micro-batches and data ranks (gradients are summed over ranks).
+            objective = loss if aux is None else loss + aux / (len(batches) * dp_world)
+        objective.backward()
+        loss_total += loss.detach()
+    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_value = all_reduce_sum(loss_total.item(), env.device)
+    return StepResult(loss_value, float(grad_norm), sum(b.input_ids.numel() for b in batches))
+
+
+def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
+          resume: bool = False) -> list[dict]:
+    """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank)."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, env, dims)
+    if meshes is not None:
+        from runtime.parallelize import parallelize
+
+        parallelize(model, dims, meshes, cfg)
+    optimizer, scheduler = build_optimizer(model, cfg, env.device)
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
+    loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,
+                              dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
+    ckpt = CheckpointManager(cfg.train.output_dir, cfg.checkpoint.keep_last, env.rank)
+    start = 0
+    if resume or cfg.checkpoint.resume:
+        latest = ckpt.latest()
+        if latest is None:
+            log.warning("resume requested but %s holds no checkpoint: starting from step 0", ckpt.root)
+        else:
+            start = ckpt.load(latest, model, optimizer, scheduler, loader)
+            log.info("resumed from %s (step %d)", latest, start)
+    peak = device_peak_flops(env.device)
+    flops_tok = flops_per_token(model.config, cfg.data.seq_len)
+    metrics = MetricsLogger(cfg.train.output_dir, cfg.train.max_steps, env.is_main, cfg.logging.progress_bar,
+                            cfg.logging.jsonl, cfg.logging.every_n_steps, start_step=start)
+    records, last_good, timer = [], ckpt.latest(), StepTimer()
+    try:
+        for step in range(start + 1, cfg.train.max_steps + 1):
+            batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+            result = train_step(model, batches, optimizer, cfg, env, dims.dp_world)
+            if not math.isfinite(result.loss):
+                raise TrainingDiverged(f"loss is {result.loss} at step {step}; last good checkpoint: "
+                                       f"{last_good or 'none (no checkpoint was saved yet)'}")
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            elapsed = timer.lap()
+            tokens = result.num_tokens * dims.dp_world
+            record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                      "tok_s": tokens / elapsed, "step_s": elapsed}
+            if peak:
+                record["mfu"] = flops_tok * tokens / elapsed / (peak * env.world_size)
+            if (mem := peak_memory_gib(env.device)) is not None:
+                record["peak_mem_gib"] = mem
+            records.append(record)
+            metrics.log(record)
+            every = cfg.checkpoint.every_n_steps
+            if every and step % every == 0 and step < cfg.train.max_steps:
+                last_good = ckpt.save(step, model, optimizer, scheduler, loader)
+        if cfg.checkpoint.save_final:
+            ckpt.save(cfg.train.max_steps, model, optimizer, scheduler, loader)
+        if cfg.checkpoint.export_hf:
+            from runtime.export import export_final
+
+            export_final(model, cfg, env)
+    finally:
+        metrics.close()
+    return records
