@@ -1,0 +1,120 @@
+"""`scattermoe` expert backend: ScatterMoE-style Triton kernels with fused LoRA and sentinel-skip.
+
+    y_MH = expert_backend("scattermoe")(x_MH, expert_ids_Mk, weights_Mk, experts)
+
+Shapes: M routed rows, k slots, S = M*k, E local experts, H hidden, I intermediate, r LoRA rank.
+Weights are read in the GroupedExperts layout through strides (gate_up [E, 2I, H], down [E, H, I],
+A [E, r, in], B [E, out, r]); the backward's transposes are views, never copies.
+
+Forward (valid slots only, expert-sorted; -1 slots are never sorted into a segment nor computed):
+    gate_up, h = SwiGLU(gather(x) @ W_gu^T + s (x A_gu^T) B_gu^T)      one kernel, [S, 2I] and [S, I]
+    z = h @ W_down^T + s (h A_down^T) B_down^T                          [S, H]
+    y[m] = sum_j w[m, j] z[pos(m, j)]                                   combine, skipping -1 slots
+Backward:
+    g = dy[token] @ W_down + s (dy B_down) A_down; d gate_up = SwiGLU'(w g); dw = <g, h>   one kernel
+    dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                           kernel + combine
+    dW, dA, dB: per-expert grouped reductions (grouped_xty) over the [S, r] intermediates
+    x A^T, h A^T, dy B, d gate_up B; dW is skipped for a frozen base weight.
+LoRA through the rank is fused into the GEMM K loop, except for few large experts (E <= 32 and
+out*in >= 20M per expert, e.g. Mixtral) where the rank-sized intermediate is computed by its own grouped
+product and the base K loop runs alone (`_split_lora`). lora_dropout > 0 in training raises
+NotImplementedError (use the eager backend for it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.backends import register_backend
+from moe.kernels.grouped_linear import LoraView, expert_linear, gate_up_swiglu, rank_product, swiglu_backward
+from moe.kernels.grouped_xty import grouped_xty
+from moe.kernels.routing import SlotOrder, combine, sort_slots
+
+_SPLIT_MAX_EXPERTS = 32
+_SPLIT_MIN_WEIGHT_ELEMS = 20_000_000
+
+
+def _split_lora(num_experts: int, out_features: int, in_features: int) -> bool:
+    """Few large experts: the fused rank product costs registers and shared memory in a K loop that
+    is long enough to pay for a separate [S, r] pass."""
+    return num_experts <= _SPLIT_MAX_EXPERTS and out_features * in_features >= _SPLIT_MIN_WEIGHT_ELEMS
+
+
+def _lora(A_ErK, B_ENr, scaling: float) -> LoraView | None:
+    if A_ErK is None:
+        return None
+    E, N, K = A_ErK.shape[0], B_ENr.shape[1], A_ErK.shape[2]
+    return LoraView(A_ErK, B_ENr, scaling, _split_lora(E, N, K))
+
+
+class _ScatterMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MH, weights_Mk, w_gu_E2IH, w_down_EHI, gu_A_ErH, gu_B_E2Ir, down_A_ErI, down_B_EHr,
+                slots: SlotOrder, scaling: float):
+        gu_S2I, h_SI, xa_Sr = gate_up_swiglu(x_MH, slots, w_gu_E2IH, _lora(gu_A_ErH, gu_B_E2Ir, scaling))
+        z_SH, ha_Sr = expert_linear(h_SI, slots, w_down_EHI, _lora(down_A_ErI, down_B_EHr, scaling),
+                                    gather=False)
+        ctx.save_for_backward(x_MH, weights_Mk, w_gu_E2IH, w_down_EHI, gu_A_ErH, gu_B_E2Ir, down_A_ErI,
+                              down_B_EHr, gu_S2I, h_SI, xa_Sr, ha_Sr)
+        ctx.slots, ctx.scaling = slots, scaling
+        return combine(z_SH, slots, weights_Mk)
+
+    @staticmethod
+    def backward(ctx, dy_MH):
+        (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B,
+         gu_S2I, h_SI, xa_Sr, ha_Sr) = ctx.saved_tensors
+        slots, s = ctx.slots, ctx.scaling
+        need = dict(zip(("x", "w", "gu", "down", "gu_A", "gu_B", "down_A", "down_B"), ctx.needs_input_grad))
+        dy_MH = dy_MH.contiguous()
+        has_lora = gu_A is not None
+        # The down projection read backwards: W_down^T [E, I, H], A := B_down^T, B := A_down^T.
+        down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
+        dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dy_MH, slots, w_down.transpose(1, 2), down_T, gu_S2I,
+                                                 weights_Mk)
+        grads = dict.fromkeys(need)
+        grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
+        dgub_Sr = None
+        if need["x"]:
+            gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
+            dxs_SH, dgub_Sr = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False)
+            grads["x"] = combine(dxs_SH, slots, None)
+        elif has_lora and need["gu_A"]:
+            dgub_Sr = rank_product(dgu_S2I, slots, gu_B.transpose(1, 2), gather=False)
+        xty = dict(slots=slots)
+        if need["gu"]:
+            grads["gu"] = grouped_xty(dgu_S2I, x_MH, gather_l=False, gather_r=True, **xty)
+        if need["down"]:
+            grads["down"] = grouped_xty(dy_MH, h_SI, gather_l=True, gather_r=False, weights_Mk=weights_Mk, **xty)
+        if has_lora:
+            if need["gu_A"]:
+                grads["gu_A"] = grouped_xty(dgub_Sr, x_MH, gather_l=False, gather_r=True, scaling=s, **xty)
+            if need["gu_B"]:
+                grads["gu_B"] = grouped_xty(dgu_S2I, xa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
+            if need["down_A"]:
+                grads["down_A"] = grouped_xty(dyb_Sr, h_SI, gather_l=False, gather_r=False,
+                                              weights_Mk=weights_Mk, scaling=s, **xty)
+            if need["down_B"]:
+                grads["down_B"] = grouped_xty(dy_MH, ha_Sr, gather_l=True, gather_r=False,
+                                              weights_Mk=weights_Mk, scaling=s, **xty)
+        return (*grads.values(), None, None)
+
+
+def _check(x_MH: torch.Tensor, experts) -> None:
+    if experts.has_lora and experts.lora_dropout > 0 and experts.training:
+        raise NotImplementedError(
+            f"scattermoe: lora_dropout={experts.lora_dropout} in training mode is not implemented (the fused "
+            "kernels read x once for the base and the LoRA path); set lora_dropout=0 or use the eager backend")
+    if not isinstance(experts.gate_up, torch.Tensor) or experts.gate_up.dtype != x_MH.dtype:
+        raise TypeError(f"scattermoe needs plain expert weights of the activation dtype {x_MH.dtype}, "
+                        f"got {type(experts.gate_up).__name__} {getattr(experts.gate_up, 'dtype', None)}")
+
+
+@register_backend("scattermoe")
+def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
+                       experts) -> torch.Tensor:
+    _check(x_MH, experts)
+    slots = sort_slots(expert_ids_Mk, experts.num_experts)
+    gu = experts.lora_params("gate_up") or (None, None)
+    down = experts.lora_params("down") or (None, None)
+    return _ScatterMoE.apply(x_MH, weights_Mk, experts.gate_up, experts.down, *gu, *down, slots,
+                             experts.lora_scaling)

@@ -1,0 +1,328 @@
+"""Gather -> grouped expert linear (+ fused LoRA) -> epilogue, over expert-sorted rows (ScatterMoE style).
+
+Shapes: M routed rows, S = M*k slots, E experts, N output columns, K reduction, r LoRA rank.
+Each expert-sorted position p (see routing.SlotOrder) belongs to expert e and reads input row
+`order[p] // k` of a token-layout input (gather=True) or row p of an expert-sorted input:
+
+    out[p] = in[row(p)] @ W_e^T + scaling * (in[row(p)] @ A_e^T) @ B_e^T
+
+with W_e = w_ENK[e] [N, K], A_e = A_ErK[e] [r, K], B_e = B_ENr[e] [N, r] read through their strides,
+so a transposed view (the backward's W^T, B^T, A^T) costs nothing. The LoRA product is either fused
+(in @ A^T accumulated in the K loop next to the base product, @ B^T in the epilogue; the rank-sized
+intermediate is written once, by the first column block) or split (the intermediate is computed
+beforehand by a rank-sized grouped product and the base K loop runs at full speed).
+
+Public launchers:
+    gate_up_swiglu(x_MH, slots, w_E2IH, lora)          -> gate_up_S2I, h_SI, xa_Sr  (SwiGLU fused)
+    expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
+    swiglu_backward(dy_MH, slots, w_EIH, lora, gate_up_S2I, weights_Mk)
+                                                       -> d_gate_up_S2I, dyb_Sr, d_weights_Mk
+Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
+the grid is sized from S and E, and each program finds its expert from the segment offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.routing import SlotOrder
+from moe.kernels.tuning import (GEMM_CONFIGS, GLU_BWD, GLU_FWD, LORA_FUSED, LORA_GIVEN, NO_LORA, PLAIN,
+                                bench, m_bucket, prune_gemm)
+
+# Column width of one partial sum of the routing-weight gradient (the smallest BLOCK_N).
+_DW_BLOCK = 16
+# Segment search vector width; a floor keeps one compiled variant for every E up to 256.
+_MIN_BLOCK_E = 256
+
+
+@dataclass(frozen=True)
+class LoraView:
+    """One projection's LoRA as the kernel reads it: A_ErK [E, r, K], B_ENr [E, N, r] (views allowed).
+
+    split: compute the rank-sized intermediate with its own grouped product instead of in the K loop.
+    """
+    A_ErK: torch.Tensor
+    B_ENr: torch.Tensor
+    scaling: float
+    split: bool
+
+    @property
+    def rank(self) -> int:
+        return self.A_ErK.shape[1]
+
+
+@triton.jit
+def _expert_block(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, segment end) of row block pid_m; expert >= E for surplus programs.
+
+    Blocks are numbered expert by expert (ceil(count_e / BLOCK_M) each), so a block never spans two
+    experts; computing the numbering here keeps BLOCK_M tunable without a host-side block table.
+    """
+    e_E = tl.arange(0, BLOCK_E)
+    in_E = e_E < E
+    start_E = tl.load(offsets_ptr + e_E, mask=in_E, other=0)
+    end_E = tl.load(offsets_ptr + e_E + 1, mask=in_E, other=0)
+    blocks_E = tl.cdiv(end_E - start_E, BLOCK_M)
+    stop_E = tl.cumsum(blocks_E, 0)
+    e = tl.sum((stop_E <= pid_m).to(tl.int32), 0)
+    is_e = e_E == e
+    first_block = tl.sum(tl.where(is_e, stop_E - blocks_E, 0), 0)
+    row0 = tl.sum(tl.where(is_e, start_E, 0), 0) + (pid_m - first_block) * BLOCK_M
+    return e, row0, tl.sum(tl.where(is_e, end_E, 0), 0)
+
+
+@triton.jit
+def _k_loop(in_ptrs, step_in, w_ptrs, step_w, a_ptrs, step_a, K, acc, acc_r,
+            LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K; rows and columns are pre-clamped."""
+    k_K = tl.arange(0, BLOCK_K)
+    for i in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(in_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_in = k_K < K - i * BLOCK_K
+            x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        acc = tl.dot(x, w, acc)
+        if LORA_IN_LOOP:
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=k_in[:, None], other=0.0)
+            acc_r = tl.dot(x, a, acc_r)
+            a_ptrs += step_a
+        in_ptrs += step_in
+        w_ptrs += step_w
+    return acc, acc_r
+
+
+@triton.jit
+def _columns(pid_n, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Weight rows of this column block (clamped in range) and their validity.
+
+    GLU_FWD interleaves gate row n and up row N + n in adjacent tile columns so one accumulator holds
+    both and the SwiGLU pairs them with a reshape + split.
+    """
+    c_N = tl.arange(0, BLOCK_N)
+    if EPILOGUE == GLU_FWD:
+        n_N = pid_n * (BLOCK_N // 2) + c_N // 2
+        wrow_N = n_N + (c_N % 2) * N
+    else:
+        n_N = pid_n * BLOCK_N + c_N
+        wrow_N = n_N
+    mask_N = n_N < N
+    return tl.where(mask_N, wrow_N, 0), mask_N
+
+
+@triton.jit
+def _lora_epilogue(acc, acc_r, ia_ptr, s_ia_m, p_M, mask_M, b_ptrs, s_b_r, R, scaling, write_ia,
+                   LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc + scaling * ia @ B^T, where ia = in @ A^T came from the K loop (then stored) or from memory."""
+    r_R = tl.arange(0, BLOCK_R)
+    mask_R = r_R < R
+    ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
+    if LORA == LORA_FUSED:
+        ia = acc_r.to(ia_ptr.dtype.element_ty)
+        if write_ia:
+            tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
+    else:
+        ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
+    b = tl.load(b_ptrs + r_R[:, None] * s_b_r, mask=mask_R[:, None], other=0.0)
+    return acc + scaling * tl.dot(ia, b)
+
+
+@triton.jit
+def _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, gu_ptr, s_gu_m, h_ptr, s_h_m,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+    n_N = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask = mask_M[:, None] & (n_N < N)[None, :]
+    row_M = p_M.to(tl.int64)[:, None]
+    dtype = gu_ptr.dtype.element_ty
+    tl.store(gu_ptr + row_M * s_gu_m + n_N[None, :], gate.to(dtype), mask=mask)
+    tl.store(gu_ptr + row_M * s_gu_m + N + n_N[None, :], up.to(dtype), mask=mask)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + row_M * s_h_m + n_N[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_epilogue(g_acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_dgu_m, gu_ptr, s_gu_m,
+                              rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_N: tl.constexpr, DW_BLOCK: tl.constexpr):
+    """g_acc = dy @ W_down_e (+LoRA), unweighted. Writes d(gate, up) = SwiGLU'(w * g_acc) and the
+    partial sums of d weights = <g_acc, h> over this column block."""
+    n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_N = n_N < N
+    row_M = p_M.to(tl.int64)[:, None]
+    gate = tl.load(gu_ptr + row_M * s_gu_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row_M * s_gu_m + N + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    # Masked columns have gate = up = 0, hence h = 0: they add nothing to the weight gradient.
+    dw_M = tl.sum(g_acc * silu * up, 1)
+    dh = g_acc * tl.load(rw_ptr + slot_M).to(tl.float32)[:, None]
+    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = dh * silu
+    mask = mask_M[:, None] & mask_N[None, :]
+    dtype = dgu_ptr.dtype.element_ty
+    tl.store(dgu_ptr + row_M * s_dgu_m + n_N[None, :], d_gate.to(dtype), mask=mask)
+    tl.store(dgu_ptr + row_M * s_dgu_m + N + n_N[None, :], d_up.to(dtype), mask=mask)
+    # This block owns BLOCK_N // DW_BLOCK partial columns: the sum goes in the first, zeros in the
+    # rest, so every column is written whatever BLOCK_N the autotuner picked (no stale partials).
+    c_C = tl.arange(0, BLOCK_N // DW_BLOCK)
+    col_C = pid_n * (BLOCK_N // DW_BLOCK) + c_C
+    part = tl.where(c_C[None, :] == 0, dw_M[:, None], 0.0)
+    tl.store(dw_ptr + row_M * s_dw_m + col_C[None, :], part, mask=mask_M[:, None] & (col_C < DW_COLS)[None, :])
+
+
+@triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R"],
+                 prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _grouped_linear_kernel(
+        in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
+        w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
+        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr, dw_ptr, s_dw_m, DW_COLS,
+        scaling, E, N, K, R, M_BUCKET,
+        GATHER: tl.constexpr, LORA: tl.constexpr, EPILOGUE: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, DW_BLOCK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """aux is h (GLU_FWD output) or gate_up (GLU_BWD input); rw/dw only for GLU_BWD."""
+    pid = tl.program_id(0)
+    if EPILOGUE == GLU_FWD:
+        num_n = tl.cdiv(N, BLOCK_N // 2)
+    else:
+        num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e, row0, row_end = _expert_block(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    if e >= E:
+        return
+    e64 = e.to(tl.int64)
+    p_M = row0 + tl.arange(0, BLOCK_M)
+    mask_M = p_M < row_end
+    # Surplus rows of the last block re-read row0: loads need no row mask, stores drop them.
+    p_M = tl.where(mask_M, p_M, row0)
+    slot_M = tl.load(order_ptr + p_M)
+    if GATHER:
+        rows_M = (slot_M // TOPK).to(tl.int64)
+    else:
+        rows_M = p_M.to(tl.int64)
+    wrow_N, mask_N = _columns(pid_n, N, EPILOGUE, BLOCK_N)
+    k_K = tl.arange(0, BLOCK_K)
+    in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
+    w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
+    if LORA == LORA_FUSED:
+        r_R = tl.minimum(tl.arange(0, BLOCK_R), R - 1)
+        a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
+    else:
+        a_ptrs = in_ptrs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, a_ptrs, BLOCK_K * s_a_k, K,
+                         acc, acc_r, LORA == LORA_FUSED, EVEN_K, BLOCK_K)
+    if LORA != NO_LORA:
+        b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
+        acc = _lora_epilogue(acc, acc_r, ia_ptr, s_ia_m, p_M, mask_M, b_ptrs, s_b_r, R, scaling, pid_n == 0,
+                             LORA, BLOCK_R)
+    if EPILOGUE == GLU_FWD:
+        _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
+                                 BLOCK_M, BLOCK_N)
+    elif EPILOGUE == GLU_BWD:
+        _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
+                                  rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_N, DW_BLOCK)
+    else:
+        out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
+
+
+def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
+            ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, epilogue: int,
+            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None,
+            dw_SC: torch.Tensor | None = None) -> None:
+    E, K = w_ENK.shape[0], w_ENK.shape[2]
+    lora_mode = NO_LORA if lora is None else (LORA_GIVEN if lora.split else LORA_FUSED)
+    A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
+    R = lora.rank if lora is not None else 0
+    cols_per_block = (lambda meta: meta["BLOCK_N"] // 2) if epilogue == GLU_FWD else (lambda meta: meta["BLOCK_N"])
+    S = slots.num_slots
+
+    def grid(meta):
+        # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus programs exit.
+        return ((triton.cdiv(S, meta["BLOCK_M"]) + E) * triton.cdiv(N, cols_per_block(meta)),)
+
+    def strides(t, n):
+        return t.stride() if t is not None else (0,) * n
+
+    _grouped_linear_kernel[grid](
+        in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
+        w_ENK, *w_ENK.stride(), A, *strides(A, 3), B, *strides(B, 3),
+        ia_Sr, ia_Sr.stride(0) if ia_Sr is not None else 0, out, out.stride(0),
+        aux, aux.stride(0) if aux is not None else 0,
+        rw_S, dw_SC, dw_SC.stride(0) if dw_SC is not None else 0, dw_SC.shape[1] if dw_SC is not None else 0,
+        lora.scaling if lora is not None else 0.0, E, N, K, R, m_bucket(S),
+        GATHER=gather, LORA=lora_mode, EPILOGUE=epilogue,
+        BLOCK_E=max(_MIN_BLOCK_E, triton.next_power_of_2(E)),
+        BLOCK_R=max(16, triton.next_power_of_2(R)), DW_BLOCK=_DW_BLOCK)
+
+
+def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gather: bool):
+    """The [S, r] intermediate in @ A^T: computed now by a rank-sized grouped product when split,
+    else allocated for the fused kernel to fill."""
+    if lora is None:
+        return None
+    ia_Sr = in_.new_empty(slots.num_slots, lora.rank)
+    if lora.split:
+        _launch(in_, slots, lora.A_ErK, lora.rank, None, None, ia_Sr, gather=gather, epilogue=PLAIN)
+    return ia_Sr
+
+
+def rank_product(in_: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor, gather: bool) -> torch.Tensor:
+    """ia[p] = in[row(p)] @ A_e^T: [S, r]."""
+    ia_Sr = in_.new_empty(slots.num_slots, A_ErK.shape[1])
+    _launch(in_, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=gather, epilogue=PLAIN)
+    return ia_Sr
+
+
+def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, lora: LoraView | None):
+    """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and h[p] = silu(gate) * up, for valid positions p."""
+    I2 = w_E2IH.shape[1]
+    S = slots.num_slots
+    gu_S2I = x_MH.new_empty(S, I2)
+    h_SI = x_MH.new_empty(S, I2 // 2)
+    xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
+    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, epilogue=GLU_FWD, aux=h_SI)
+    return gu_S2I, h_SI, xa_Sr
+
+
+def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, lora: LoraView | None,
+                  gather: bool):
+    """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None)."""
+    out_SN = in_.new_empty(slots.num_slots, w_ENK.shape[1])
+    ia_Sr = _rank_buffer(in_, slots, lora, gather)
+    _launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather, epilogue=PLAIN)
+    return out_SN, ia_Sr
+
+
+def swiglu_backward(dy_MH: torch.Tensor, slots: SlotOrder, w_EIH: torch.Tensor, lora: LoraView | None,
+                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor):
+    """Backward through the routing weight, the down projection and the SwiGLU in one kernel.
+
+    w_EIH is the down weight viewed transposed ([E, I, H]); lora views the down LoRA the same way
+    (A = B_down^T [E, r, H], B = A_down^T [E, I, r]). Returns d gate_up [S, 2I], dy @ B_down [S, r]
+    (unweighted; None without LoRA) and d weights [M, k] (fp32, zero at -1 slots).
+    """
+    S, I = slots.num_slots, w_EIH.shape[1]
+    dgu_S2I = dy_MH.new_empty(S, 2 * I)
+    dyb_Sr = _rank_buffer(dy_MH, slots, lora, gather=True)
+    dw_SC = torch.empty(S, triton.cdiv(I, _DW_BLOCK), device=dy_MH.device, dtype=torch.float32)
+    rw_S = weights_Mk.reshape(-1)
+    _launch(dy_MH, slots, w_EIH, I, lora, dyb_Sr, dgu_S2I, gather=True, epilogue=GLU_BWD, aux=gu_S2I,
+            rw_S=rw_S, dw_SC=dw_SC)
+    dw_S = dw_SC.sum(1)[slots.inv_S.long()]
+    dw_S = torch.where(slots.ids_S >= 0, dw_S, 0.0)
+    return dgu_S2I, dyb_Sr, dw_S.view(weights_Mk.shape)

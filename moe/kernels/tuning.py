@@ -1,0 +1,111 @@
+"""Autotuning configs and pruning for the scattermoe Triton kernels.
+
+Contract:
+    GEMM_CONFIGS / XTY_CONFIGS   candidate triton.Configs (one fixed small config under TRITON_INTERPRET=1,
+                                 where autotuning over several configs does not work)
+    prune_gemm / prune_xty       `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
+                                 pipelined tiles exceed the device's shared memory or whose live fp32 tiles
+                                 exceed a per-thread register budget
+    m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
+                                 token count re-tunes only when it crosses a power of two
+    bench                        a shorter do_bench for the autotuner (the kernels run for ~0.1-2 ms)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.testing
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# The kernel epilogues and LoRA modes (constexpr values shared with grouped_linear.py).
+PLAIN, GLU_FWD, GLU_BWD = 0, 1, 2
+NO_LORA, LORA_FUSED, LORA_GIVEN = 0, 1, 2
+
+# Per-thread budget (32-bit registers) for the fp32 tiles live at once; above it the kernel spills.
+_REG_BUDGET = 192
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int, names=("BLOCK_M", "BLOCK_N", "BLOCK_K")):
+    return triton.Config(dict(zip(names, (bm, bn, bk))), num_warps=warps, num_stages=stages)
+
+
+_XTY_NAMES = ("BLOCK_P", "BLOCK_Q", "BLOCK_K")
+
+if INTERPRET:
+    GEMM_CONFIGS = [_config(16, 32, 16, 4, 1)]
+    XTY_CONFIGS = [_config(32, 32, 16, 4, 1, _XTY_NAMES)]
+else:
+    # Kept short on purpose: every config is compiled once per kernel variant on a cold cache.
+    GEMM_CONFIGS = [_config(*c) for c in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4),
+                                          (128, 128, 64, 4, 4), (64, 128, 64, 4, 4))]
+    XTY_CONFIGS = [_config(*c, _XTY_NAMES) for c in ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4),
+                                                     (64, 128, 64, 4, 4), (64, 64, 64, 4, 4))]
+
+
+def m_bucket(rows: int) -> int:
+    return max(_MIN_DOT, triton.next_power_of_2(rows))
+
+
+def _clamp(block: int, extent: int) -> int:
+    return min(block, max(_MIN_DOT, triton.next_power_of_2(extent)))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_bytes(device: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def _fits(c: triton.Config, stage_elems: int, elem_bytes: int, live_fp32: int, device: int) -> bool:
+    smem_ok = c.num_stages * stage_elems * elem_bytes <= _shared_memory_bytes(device)
+    return smem_ok and live_fp32 <= _REG_BUDGET * 32 * c.num_warps
+
+
+def _dedupe_or_smallest(kept: dict, configs: list[triton.Config]) -> list[triton.Config]:
+    if kept:
+        return list(kept.values())
+    return [min(configs, key=lambda c: c.num_stages * sum(c.kwargs.values()))]
+
+
+def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    args = {**named_args, **kwargs}
+    epilogue, lora, block_r = args["EPILOGUE"], args["LORA"], args["BLOCK_R"]
+    # GLU_FWD tiles interleave gate and up columns: BLOCK_N covers 2x the output columns.
+    cols = 2 * args["N"] if epilogue == GLU_FWD else args["N"]
+    min_n = 2 * _MIN_DOT if epilogue == GLU_FWD else _MIN_DOT
+    device = args["in_ptr"].device.index
+    kept = {}
+    for c in configs:
+        bm = c.kwargs["BLOCK_M"]
+        bn = max(min_n, _clamp(c.kwargs["BLOCK_N"], cols))
+        bk = _clamp(c.kwargs["BLOCK_K"], args["K"])
+        stage = bm * bk + bn * bk + (block_r * bk if lora == LORA_FUSED else 0)
+        live = bm * bn + (bm * block_r if lora != NO_LORA else 0)
+        if epilogue == GLU_BWD:
+            live += 2 * bm * bn  # the gate and up tiles loaded in the epilogue
+        if _fits(c, stage, args["in_ptr"].element_size(), live, device):
+            kept[(bm, bn, bk, c.num_warps, c.num_stages)] = _config(bm, bn, bk, c.num_warps, c.num_stages)
+    return _dedupe_or_smallest(kept, configs)
+
+
+def prune_xty(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    args = {**named_args, **kwargs}
+    device = args["l_ptr"].device.index
+    kept = {}
+    for c in configs:
+        bp = _clamp(c.kwargs["BLOCK_P"], args["P"])
+        bq = _clamp(c.kwargs["BLOCK_Q"], args["Q"])
+        bk = c.kwargs["BLOCK_K"]
+        if _fits(c, bk * (bp + bq), args["l_ptr"].element_size(), bp * bq, device):
+            kept[(bp, bq, bk, c.num_warps, c.num_stages)] = _config(bp, bq, bk, c.num_warps, c.num_stages,
+                                                                    _XTY_NAMES)
+    return _dedupe_or_smallest(kept, configs)
+
+
+def bench(kernel_call, quantiles):
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
