@@ -168,7 +168,7 @@ class Config(Section):
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        key = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see runtime/config.py for the schema)"

@@ -1,0 +1,70 @@
+"""Single-process training: the tiny example learns; errors end the run cleanly; NaN stops it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.launch import run
+from runtime.train import TrainingDiverged, lr_factor
+from runtime.config import OptimConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+
+
+def test_tiny_example_loss_falls(tmp_path):
+    records = run([str(EXAMPLE), "--max-steps", "30", "--output-dir", str(tmp_path)])
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3, losses
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, 31))
+    assert {"loss", "lr", "grad_norm", "tok_s"} <= set(logged[0])
+    assert (tmp_path / "checkpoints" / "step_00000030").is_dir()
+
+
+def test_lr_schedule_warmup_then_cosine():
+    o = OptimConfig(warmup_steps=4, min_lr_ratio=0.1)
+    factors = [lr_factor(s, o, 20) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert abs(lr_factor(20, o, 20) - 0.1) < 1e-9
+
+
+def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
+    import runtime.train as train_mod
+
+    real = train_mod.label_loss_sum
+    calls = {"n": 0}
+
+    def poisoned(logits, labels):  # the 4th step's loss turns NaN
+        calls["n"] += 1
+        return real(logits, labels) * (float("nan") if calls["n"] == 4 else 1.0)
+
+    monkeypatch.setattr(train_mod, "label_loss_sum", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"at step 4; last good checkpoint: .*step_00000002"):
+        run([str(_config_with(tmp_path, "checkpoint:\n  every_n_steps: 2\n")), "--max-steps", "6",
+             "--output-dir", str(tmp_path)])
+
+
+def _config_with(tmp_path: Path, extra_yaml: str) -> Path:
+    text = EXAMPLE.read_text().replace("tiny/", str(ROOT / "examples" / "tiny") + "/")
+    text = text.split("checkpoint:")[0] + extra_yaml + "logging:\n  progress_bar: false\n"
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_cli_error_is_one_clean_message(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("lr: 3.0e-3", "lr: -1"))
+    proc = subprocess.run([sys.executable, "-m", "runtime.launch", str(bad)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "optim.lr: Input should be greater than 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
