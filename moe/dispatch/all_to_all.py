@@ -1,0 +1,140 @@
+"""`all_to_all` dispatcher: expert parallelism over one process group with uneven all_to_all_single.
+
+Shapes: T tokens of this rank, H hidden, k top-k, R = ep ranks of the group, E experts in all,
+S rows this rank sends (one per (token, destination rank) pair), M rows it receives and computes.
+
+Placement: rank r of the group owns the global experts [r * E/ep, (r+1) * E/ep).
+
+Dispatch
+  1. needs_TR[t, r]: token t has at least one of its top-k experts on rank r. A token travels once
+     to each such rank, not once per slot: its k slots arrive together and the backend sums the
+     valid ones there, so combine receives one partial sum per (token, rank).
+  2. The send buffer lists the (rank, token) pairs rank-major, tokens ascending (token_S); each row
+     carries the token's ids remapped to the destination's local ids, -1 for slots owned elsewhere.
+  3. The split sizes are exchanged (the only host-device sync), then x, weights and ids each travel
+     in one uneven all_to_all. The M received rows are grouped by source rank, each source's rows in
+     its token order.
+Combine: the reverse all_to_all sends each row's partial sum back to its source rank, where
+  index_add adds the partial sums of each token.
+Autograd: the backward of an all_to_all is the reverse all_to_all, so dispatch's backward has the
+  shape of combine and combine's the shape of dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+
+
+@dataclass
+class AllToAllRouted(Routed):
+    token_S: torch.Tensor  # source token of each row this rank sent, in send order
+    send_splits: list[int]  # rows sent to each rank of the group
+    recv_splits: list[int]  # rows received from each rank (they sum to M)
+    num_tokens: int        # T of this rank, the length of combine's output
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _DispatchAllToAll(torch.autograd.Function):
+    """Rows (x, weights, ids) out to their destination ranks; gradients of x and weights back."""
+
+    @staticmethod
+    def forward(ctx, x_SH, w_Sk, ids_Sk, send_splits, recv_splits, group):
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        ids_Mk = _all_to_all(ids_Sk, recv_splits, send_splits, group)
+        ctx.mark_non_differentiable(ids_Mk)
+        return (_all_to_all(x_SH, recv_splits, send_splits, group),
+                _all_to_all(w_Sk, recv_splits, send_splits, group), ids_Mk)
+
+    @staticmethod
+    def backward(ctx, grad_x_MH, grad_w_Mk, _grad_ids):
+        # Both gradients travel even when this rank's are zeros (undefined grads are materialized):
+        # every rank must issue the same collectives in the same order, or the group hangs.
+        back = (ctx.send_splits, ctx.recv_splits, ctx.group)
+        return _all_to_all(grad_x_MH, *back), _all_to_all(grad_w_Mk, *back), None, None, None, None
+
+
+class _CombineAllToAll(torch.autograd.Function):
+    """Partial sums back to their source ranks; their gradients out again along the dispatch path.
+
+    The dispatched x_MH and weights_Mk are inputs (gradient None) only to tie the dispatch node into
+    this rank's backward graph: a backend that computed nothing (a rank that received no rows)
+    returns a y_MH with no history, and without the tie this rank would skip the backward
+    collectives the other ranks wait in.
+    """
+
+    @staticmethod
+    def forward(ctx, y_MH, x_MH, w_Mk, send_splits, recv_splits, group):
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        return _all_to_all(y_MH, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_y_SH):
+        grad_y_MH = _all_to_all(grad_y_SH, ctx.recv_splits, ctx.send_splits, ctx.group)
+        return grad_y_MH, None, None, None, None, None
+
+
+def _send_order(needs_TR: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_S, rank_S) of the needed (rank, token) pairs, rank-major with tokens ascending."""
+    T = needs_TR.shape[0]
+    needs_P = needs_TR.t().reshape(-1)  # pair p = r * T + t
+    # A stable sort moves the needed pairs to the front in pair order; unlike nonzero it costs no
+    # host sync, since num_rows is already on the host after the split exchange.
+    pair_S = torch.argsort((~needs_P).to(torch.uint8), stable=True)[:num_rows]
+    return pair_S % T, pair_S // T
+
+
+class AllToAllDispatcher(Dispatcher):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        ep = dist.get_world_size(group)
+        if num_experts % ep != 0:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep}: "
+                             "every EP rank must own the same number of experts")
+        self.group = group
+        self.ep = ep
+        self.num_local_experts = num_experts // ep
+
+    def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor,
+                 topk_w_Tk: torch.Tensor) -> AllToAllRouted:
+        check_routing_shapes(x_TH, topk_ids_Tk, topk_w_Tk)
+        T = x_TH.shape[0]
+        owner_Tk = topk_ids_Tk // self.num_local_experts
+        needs_TR = torch.zeros(T, self.ep, dtype=torch.bool, device=x_TH.device).scatter_(1, owner_Tk, True)
+        send_splits, recv_splits = self._exchange_splits(needs_TR.sum(0))
+        token_S, rank_S = _send_order(needs_TR, sum(send_splits))
+        ids_Sk = self._local_ids(topk_ids_Tk.index_select(0, token_S), rank_S)
+        x_MH, w_Mk, ids_Mk = _DispatchAllToAll.apply(
+            x_TH.index_select(0, token_S), topk_w_Tk.index_select(0, token_S), ids_Sk,
+            send_splits, recv_splits, self.group)
+        return AllToAllRouted(x_MH, ids_Mk, w_Mk, token_S, send_splits, recv_splits, T)
+
+    def combine(self, y_MH: torch.Tensor, routed: AllToAllRouted) -> torch.Tensor:
+        if y_MH.shape != routed.x_MH.shape:
+            raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
+                             f"{tuple(routed.x_MH.shape)}")
+        y_SH = _CombineAllToAll.apply(y_MH, routed.x_MH, routed.weights_Mk, routed.send_splits,
+                                      routed.recv_splits, self.group)
+        return y_SH.new_zeros(routed.num_tokens, y_SH.shape[1]).index_add(0, routed.token_S, y_SH)
+
+    def _exchange_splits(self, send_counts_R: torch.Tensor) -> tuple[list[int], list[int]]:
+        recv_counts_R = torch.empty_like(send_counts_R)
+        dist.all_to_all_single(recv_counts_R, send_counts_R, group=self.group)
+        # The one host-device sync of EP: the uneven all_to_alls need their split sizes on the host.
+        counts = torch.cat([send_counts_R, recv_counts_R]).tolist()
+        return counts[:self.ep], counts[self.ep:]
+
+    def _local_ids(self, ids_Sk: torch.Tensor, rank_S: torch.Tensor) -> torch.Tensor:
+        """Global ids -> the destination rank's local ids, -1 where another rank owns the slot."""
+        first_S1 = (rank_S * self.num_local_experts).unsqueeze(1)
+        local_Sk = ids_Sk - first_S1
+        owned_Sk = (local_Sk >= 0) & (local_Sk < self.num_local_experts)
+        return torch.where(owned_Sk, local_Sk, -1)

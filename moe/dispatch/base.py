@@ -1,0 +1,48 @@
+"""The dispatcher contract: where routed tokens are computed, and how their results come back.
+
+Shapes: T tokens of this rank, H hidden, k top-k, M rows this rank computes.
+
+    routed = dispatcher.dispatch(x_TH, topk_ids_Tk, topk_w_Tk)
+    y_MH = backend(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, experts)
+    out_TH = dispatcher.combine(y_MH, routed)
+
+`expert_ids_Mk` holds *local* expert ids, or -1 for a slot whose expert lives on another rank;
+backends skip -1 slots. `y_MH` is already the routing-weighted sum over the valid slots of each
+row, so combine only has to bring rows home and add them per token. Both calls are differentiable:
+the backward of dispatch is a combine-shaped op and vice versa, and gradients reach x_TH and
+topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Routed:
+    x_MH: torch.Tensor           # rows this rank computes
+    expert_ids_Mk: torch.Tensor  # local expert id per slot, -1 where the expert lives elsewhere
+    weights_Mk: torch.Tensor     # routing weights, dtype as given to dispatch; -1 slots are ignored
+
+
+class Dispatcher(ABC):
+    @abstractmethod
+    def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> Routed:
+        """Sends each token to the ranks that own its experts; returns the rows this rank computes."""
+
+    @abstractmethod
+    def combine(self, y_MH: torch.Tensor, routed: Routed) -> torch.Tensor:
+        """Brings the backend's rows back to their tokens: out_TH[t] = sum of its rows' y."""
+
+
+def check_routing_shapes(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> None:
+    """Shape checks only: they read no tensor data, so they cost no host-device sync."""
+    if x_TH.dim() != 2 or topk_ids_Tk.dim() != 2:
+        raise ValueError(f"dispatch expects x [T, H] and topk_ids [T, k], got {tuple(x_TH.shape)} "
+                         f"and {tuple(topk_ids_Tk.shape)}")
+    if topk_ids_Tk.shape != topk_w_Tk.shape or topk_ids_Tk.shape[0] != x_TH.shape[0]:
+        raise ValueError(f"dispatch: x {tuple(x_TH.shape)}, topk_ids {tuple(topk_ids_Tk.shape)} and "
+                         f"topk_w {tuple(topk_w_Tk.shape)} disagree on T or k")
