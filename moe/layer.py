@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 
@@ -46,12 +45,11 @@ class MoEBlock(nn.Module):
         x_TH = x.reshape(-1, shape[-1])
         routing = self.gate(x_TH)
         self.aux_loss = routing.aux_loss
-        compute = expert_backend(self.backend)
         if self.dispatcher is None:
-            out_TH = compute(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk, self.experts)
+            out_TH = self.experts(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk, backend=self.backend)
         else:
             routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
-            y_MH = compute(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, self.experts)
+            y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend)
             out_TH = self.dispatcher.combine(y_MH, routed)
         if self.shared_expert is not None:
             shared_TH = self.shared_expert(x_TH)

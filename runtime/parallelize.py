@@ -9,6 +9,7 @@ the same global batch, for dense, expert, router and LoRA parameters alike.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,25 @@ def localize_experts(model: QwenForCausalLM, ep_rank: int, ep: int) -> None:
                 new.gate_up.copy_(old.gate_up[lo:lo + per_rank])
                 new.down.copy_(old.down[lo:lo + per_rank])
         block.experts = new
+
+
+@torch.no_grad()
+def seed_lora_A(model: QwenForCausalLM, seed: int) -> None:
+    """Re-draws every LoRA A from a generator keyed by (seed, parameter name), for the full expert
+    count, keeping this rank's slice: the same values whatever the EP size or init order (B is 0).
+    Kaiming-uniform with a=sqrt(5), PEFT's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    modules = dict(model.named_modules())
+    for fqn, param in model.named_parameters():
+        if "lora_A" not in fqn:
+            continue
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{fqn}".encode()))
+        owner = modules[fqn.rsplit(".", 1)[0]]
+        shape, lo = tuple(param.shape), 0
+        if isinstance(owner, GroupedExperts):
+            shape, lo = (model.config.num_experts, *shape[1:]), owner.expert_offset
+        bound = 1.0 / math.sqrt(shape[-1])
+        full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        param.copy_(full[lo:lo + param.shape[0]] if isinstance(owner, GroupedExperts) else full)
 
 
 # Ops whose outputs selective checkpointing keeps; everything else in a block is recomputed.
@@ -90,6 +110,7 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None
     fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
     for module in fsdp_modules:
         module.set_gradient_divide_factor(1.0)  # sums: the loss is already normalized globally
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes, cfg: Config) -> QwenForCausalLM:
@@ -101,14 +122,14 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes, cfg:
     return model
 
 
-def _replication(t: torch.Tensor) -> int:
+def _replication(t: torch.Tensor, world_size: int) -> int:
     """How many ranks of the world hold each element of t (DTensor replicas, or all for plain tensors)."""
     if isinstance(t, DTensor):
         return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return world_size
 
 
-def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], world_size: int) -> torch.Tensor:
     """L2 norm over gradients that live on different meshes (dense FSDP, expert FSDP x EP): every rank
     adds its local shards' squares, weighted so replicated elements count once, then one all-reduce."""
     if not grads:
@@ -117,7 +138,7 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     sq = torch.zeros((), device=device, dtype=torch.float32)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        sq += local.float().pow(2).sum() / _replication(g)
-    if dist.is_initialized():
+        sq += local.float().pow(2).sum() / _replication(g, world_size)
+    if world_size > 1:
         dist.all_reduce(sq)
     return sq.sqrt()

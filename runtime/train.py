@@ -64,8 +64,10 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     if cfg.lora.enabled:
         from runtime.lora import apply_lora
 
-        torch.manual_seed(cfg.train.seed + 1)  # LoRA A init, the same on every rank
+        from runtime.parallelize import seed_lora_A
+
         apply_lora(model, cfg.lora)
+        seed_lora_A(model, cfg.train.seed)
     if env.device.type == "cuda":
         for p in model.parameters():  # fp32 master copies of what trains; autocast computes in bf16
             if p.requires_grad:
@@ -93,12 +95,12 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     return optimizer, scheduler
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> torch.Tensor:
     """Total gradient norm over all parameters (dense and expert meshes alike), clipped to max_norm."""
     from runtime.parallelize import total_grad_norm
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = total_grad_norm(grads)
+    norm = total_grad_norm(grads, world_size)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
@@ -114,8 +116,9 @@ class StepResult:
     records: list = field(default_factory=list)
 
 
-def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, dp_world: int) -> StepResult:
-    global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env.device)
+def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, dp_world: int,
+               on_grads=None) -> StepResult:
+    global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env)
     if global_labels == 0:
         raise ValueError("a global step has no label tokens: check data.kind and the chat template")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else nullcontext())
@@ -131,16 +134,19 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, dp_wo
             objective = loss if aux is None else loss + aux / (len(batches) * dp_world)
         objective.backward()
         loss_total += loss.detach()
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+    if on_grads is not None:
+        on_grads(model)
+    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, env.world_size)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_value = all_reduce_sum(loss_total.item(), env.device)
+    loss_value = all_reduce_sum(loss_total.item(), env)
     return StepResult(loss_value, float(grad_norm), sum(b.input_ids.numel() for b in batches))
 
 
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
-          resume: bool = False) -> list[dict]:
-    """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank)."""
+          resume: bool = False, on_grads=None) -> list[dict]:
+    """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
+    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it)."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
     if meshes is not None:
@@ -168,7 +174,7 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     try:
         for step in range(start + 1, cfg.train.max_steps + 1):
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-            result = train_step(model, batches, optimizer, cfg, env, dims.dp_world)
+            result = train_step(model, batches, optimizer, cfg, env, dims.dp_world, on_grads)
             if not math.isfinite(result.loss):
                 raise TrainingDiverged(f"loss is {result.loss} at step {step}; last good checkpoint: "
                                        f"{last_good or 'none (no checkpoint was saved yet)'}")

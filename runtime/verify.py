@@ -1,0 +1,130 @@
+"""Distributed-vs-single-process parity as a user command:
+
+    torchrun --nproc_per_node 4 -m runtime.verify --ep 2 cfg.yaml [--steps 3]
+
+runs K optimizer steps with the requested parallelism, then (on rank 0) the same K steps of the same
+config in one process over the same global batch, and prints per-step loss, grad-norm and per-tensor
+gradient deltas with PASS/FAIL. Tolerances (norm-relative): fp32 loss 1e-5, grads 1e-4; bf16 (GPU
+autocast) loss 2e-2, grads 5e-2 — bf16 rounding differs with the reduction order of sharded sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from runtime.config import Config
+from runtime.dist import DistEnv
+from runtime.mesh import Meshes, ParallelDims
+
+TOLERANCES = {"float32": {"loss": 1e-5, "grad": 1e-4}, "bfloat16": {"loss": 2e-2, "grad": 5e-2}}
+
+
+def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism) -> Config:
+    update = {"train": cfg.train.model_copy(update={"max_steps": steps, "output_dir": output_dir}),
+              "checkpoint": cfg.checkpoint.model_copy(update={"every_n_steps": 0, "save_final": False,
+                                                               "export_hf": False, "resume": False}),
+              "logging": cfg.logging.model_copy(update={"progress_bar": False, "jsonl": False})}
+    if parallelism:
+        update["parallelism"] = cfg.parallelism.model_copy(update=parallelism)
+    return cfg.model_copy(update=update)
+
+
+def full_grads(model: torch.nn.Module, meshes: Meshes | None) -> dict[str, torch.Tensor]:
+    """Every gradient as the full tensor on CPU: FSDP shards gathered, EP expert slices concatenated
+    in expert order. A collective on every rank; all ranks get the result."""
+    out = {}
+    for fqn, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if meshes is not None and ".experts." in fqn and meshes.experts["ep"].size() > 1:
+            parts = [torch.empty_like(g) for _ in range(meshes.experts["ep"].size())]
+            dist.all_gather(parts, g.contiguous(), group=meshes.ep_group)
+            g = torch.cat(parts)
+        out[fqn] = g.detach().float().cpu().clone()  # clipping later scales p.grad in place
+    return out
+
+
+def record_run(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None) -> list[dict]:
+    """Trains cfg.train.max_steps steps; per step: loss, grad norm and the full gradients."""
+    from runtime.train import train
+
+    grads: list[dict] = []
+    records = train(cfg, env, dims, meshes, on_grads=lambda m: grads.append(full_grads(m, meshes)))
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g} for r, g in zip(records, grads)]
+
+
+def reference_run(cfg: Config, dims: ParallelDims, steps: int, device: torch.device) -> list[dict]:
+    """The same global batch in one process: micro-batch x dp_world, no parallelism."""
+    with tempfile.TemporaryDirectory() as out:
+        ref = _verification_config(cfg, steps, out, dp_replicate=1, dp_shard=1, cp=1, ep=1)
+        ref = ref.model_copy(update={"train": ref.train.model_copy(
+            update={"micro_batch_size": cfg.train.micro_batch_size * dims.dp_world})})
+        return record_run(ref, DistEnv(0, 1, 0, device), ParallelDims(1, 1, 1, 1, 1), None)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def compare(dist_steps: list[dict], ref_steps: list[dict], dtype: str) -> tuple[bool, list[str]]:
+    tol = TOLERANCES[dtype]
+    lines, ok = [f"{'step':>4} {'loss':>12} {'ref loss':>12} {'rel':>9} {'gnorm rel':>9} {'worst grad (rel)':>40}  result"], True
+    for i, (d, r) in enumerate(zip(dist_steps, ref_steps), 1):
+        loss_rel = abs(d["loss"] - r["loss"]) / max(abs(r["loss"]), 1e-12)
+        gn_rel = abs(d["grad_norm"] - r["grad_norm"]) / max(abs(r["grad_norm"]), 1e-12)
+        if set(d["grads"]) != set(r["grads"]):
+            missing = sorted(set(r["grads"]) ^ set(d["grads"]))
+            return False, lines + [f"gradient sets differ: {missing[:5]}"]
+        errs = {k: _rel(d["grads"][k], r["grads"][k]) for k in r["grads"]}
+        worst = max(errs, key=errs.get)
+        step_ok = loss_rel <= tol["loss"] and errs[worst] <= tol["grad"] and gn_rel <= tol["grad"]
+        ok &= step_ok
+        lines.append(f"{i:>4} {d['loss']:>12.6f} {r['loss']:>12.6f} {loss_rel:>9.1e} {gn_rel:>9.1e} "
+                     f"{worst[-32:]:>32} {errs[worst]:>7.1e}  {'PASS' if step_ok else 'FAIL'}")
+    return ok, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from runtime.dist import init_distributed
+    from runtime.launch import prepare, report_failure, setup_logging
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--steps", type=int, default=3)
+    known, rest = extra.parse_known_args(argv)
+    args, cfg, dims = prepare(rest)
+    env = init_distributed()
+    setup_logging(env.rank)
+    try:
+        meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None
+        with tempfile.TemporaryDirectory() as out:
+            dist_steps = record_run(_verification_config(cfg, known.steps, out), env, dims, meshes)
+        ok = True
+        if env.is_main:
+            ref_steps = reference_run(cfg, dims, known.steps, env.device)
+            dtype = "bfloat16" if env.device.type == "cuda" else "float32"
+            ok, lines = compare(dist_steps, ref_steps, dtype)
+            print(f"verify: {dims} vs one process, {known.steps} steps, {dtype}, tolerances {TOLERANCES[dtype]}")
+            print("\n".join(lines))
+            print("PASS" if ok else "FAIL")
+        if env.world_size > 1:
+            flag = torch.tensor([int(ok)], device=env.device)
+            dist.broadcast(flag, 0)
+            ok = bool(flag.item())
+            dist.destroy_process_group()
+        return 0 if ok else 1
+    except Exception as err:
+        report_failure(err, env.rank)
+        import os
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
