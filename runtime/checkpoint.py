@@ -5,6 +5,8 @@ Layout: <output_dir>/checkpoints/step_00000012/ holds the DCP shards of model + 
 temporary sibling folder that is renamed only once every rank has finished, so a crash mid-save
 leaves the last good checkpoint intact; only the newest `keep_last` survive.
 With LoRA only trainable parameters are saved (the frozen base comes from model.path on resume).
+Under EP every rank holds different experts under the same names, so expert entries are saved
+under names tagged with the EP rank ("....experts.gate_up.ep1of4"); resuming needs the same ep.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_EP_TAG = re.compile(r"\.ep\d+of\d+$")
 
 
 class ResumeError(ValueError):
@@ -48,11 +51,29 @@ def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen)
 
 
+def _rename(model_sd: dict, optim_sd: dict, rename) -> tuple[dict, dict]:
+    groups = [{**g, "params": [rename(p) for p in g["params"]]} for g in optim_sd.get("param_groups", [])]
+    return ({rename(k): v for k, v in model_sd.items()},
+            {"state": {rename(k): v for k, v in optim_sd.get("state", {}).items()}, "param_groups": groups})
+
+
 class CheckpointManager:
-    def __init__(self, output_dir: str | Path, keep_last: int, rank: int):
+    def __init__(self, output_dir: str | Path, keep_last: int, rank: int, ep_rank: int = 0, ep: int = 1):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         self.rank = rank
+        self.ep_tag = f".ep{ep_rank}of{ep}" if ep > 1 else ""
+
+    def _tag(self, key: str) -> str:
+        return key + self.ep_tag if ".experts." in key else key
+
+    def _untag(self, key: str) -> str:
+        return key.removesuffix(self.ep_tag) if self.ep_tag and ".experts." in key else key
+
+    def _state(self, model, optimizer) -> dict:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options(model))
+        model_sd, optim_sd = _rename(model_sd, optim_sd, self._tag)
+        return {"model": model_sd, "optim": optim_sd}
 
     def step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -70,8 +91,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options(model))
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save(self._state(model, optimizer), checkpoint_id=str(tmp))
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": _rng_state()}
         torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
@@ -90,15 +110,16 @@ class CheckpointManager:
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
                  if k.startswith("model.") and hasattr(v, "size")}
-        model_sd, _ = get_state_dict(model, optimizer, options=_state_dict_options(model))
-        ours = {k: tuple(v.shape) for k, v in model_sd.items()}
+        # Other EP ranks' experts live beside ours under their own tags.
+        saved = {k: v for k, v in saved.items() if not _EP_TAG.search(k) or (self.ep_tag and k.endswith(self.ep_tag))}
+        ours = {k: tuple(v.shape) for k, v in self._state(model, optimizer)["model"].items()}
         missing = sorted(set(ours) - set(saved))
         unexpected = sorted(set(saved) - set(ours))
         mismatched = sorted(f"{k}: checkpoint {saved[k]} vs model {ours[k]}" for k in set(ours) & set(saved)
                             if saved[k] != ours[k])
         if missing or unexpected or mismatched:
-            lines = [f"checkpoint {path} was written for a different model (check model.path, lora and "
-                     "train.output_dir, or start without --resume):"]
+            lines = [f"checkpoint {path} was written for a different model or ep size (check model.path, lora, "
+                     "parallelism.ep and train.output_dir, or start without --resume):"]
             for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
                 if items:
                     lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:10]))
@@ -107,12 +128,11 @@ class CheckpointManager:
     def load(self, path: Path, model, optimizer, scheduler, loader) -> int:
         """Restores everything `save` wrote; returns the step to continue after."""
         self.check_compatible(path, model, optimizer)
-        options = _state_dict_options(model)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=options)
+        model_sd, optim_sd = _rename(state["model"], state["optim"], self._untag)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=_state_dict_options(model))
         extra = torch.load(path / f"extra_rank{self.rank}.pt", weights_only=False)
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])

@@ -65,6 +65,10 @@ class ParallelDims:
         """Data slice of a global rank: ranks differing only in their cp coordinate share it."""
         return rank // self.cp
 
+    def ep_rank(self, rank: int) -> int:
+        """Position in the EP group: EP groups are runs of `ep` consecutive ranks."""
+        return rank % self.ep
+
     def build_meshes(self, device_type: str) -> Meshes:
         world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp),
                                  mesh_dim_names=("dp_replicate", "dp_shard", "cp"))

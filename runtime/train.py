@@ -49,7 +49,7 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     qcfg = model_config(cfg)
     dims.check_experts(qcfg.num_experts)
     dtype = DTYPES[cfg.model.dtype]
-    ep_rank = (env.rank % (dims.dp_shard * dims.cp)) % dims.ep
+    ep_rank = dims.ep_rank(env.rank)
     if cfg.model.path:
         with torch.device("meta"):
             model = QwenForCausalLM(qcfg, dtype=dtype)
@@ -157,7 +157,8 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,
                               dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
-    ckpt = CheckpointManager(cfg.train.output_dir, cfg.checkpoint.keep_last, env.rank)
+    ckpt = CheckpointManager(cfg.train.output_dir, cfg.checkpoint.keep_last, env.rank,
+                             ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
     start = 0
     if resume or cfg.checkpoint.resume:
         latest = ckpt.latest()
