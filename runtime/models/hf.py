@@ -199,13 +199,10 @@ def _key_report(path, missing: list[str], unexpected: list[str], limit: int = 20
 
 
 def _finish_meta_init(model: QwenForCausalLM, device, dtype) -> None:
-    """Re-ties lm_head, materializes what checkpoints do not hold (LoRA factors, rope buffers)."""
+    """Re-ties lm_head and recomputes the rope buffers (checkpoints hold neither). LoRA is applied
+    after loading (runtime.lora.apply_lora), so every parameter must have come from the checkpoint."""
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for module in model.modules():
-        if isinstance(module, GroupedExperts) and module.has_lora and module.gate_up_lora_A.is_meta:
-            module.to_empty(device=device, recurse=False)
-            module.reset_parameters()
     model.model.rotary_emb.reset_parameters(model.config.rope, model.config.head_dim, device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
