@@ -138,3 +138,25 @@ class CheckpointManager:
         loader.load_state_dict(extra["loader"])
         _set_rng_state(extra["rng"])
         return extra["step"]
+
+
+def export_final(model, cfg, rank: int, meshes=None) -> Path:
+    """The trained result in HF form, gathered from the shards: a PEFT adapter (LoRA runs) under
+    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it."""
+    from functools import partial
+
+    from runtime.lora import export_peft
+    from runtime.models.hf import save_pretrained
+    from runtime.parallelize import full_state_dict, gather_full
+
+    out = Path(cfg.train.output_dir)
+    if cfg.lora.enabled:
+        out = out / "adapter"
+        export_peft(model, out, cfg.model.path, gather=partial(gather_full, meshes=meshes))
+    else:
+        out = out / "hf"
+        state = full_state_dict(model, meshes)
+        if rank == 0:
+            save_pretrained(model, out, state=state)
+    _barrier()
+    return out

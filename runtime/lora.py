@@ -170,6 +170,9 @@ def experts_B_from_peft(B_peft: torch.Tensor, num_experts: int) -> torch.Tensor:
     return B_peft.reshape(B_peft.shape[0], -1, num_experts).permute(2, 0, 1)
 
 
+Gather = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
 @dataclass
 class _Site:
     """One LoRA factor: our parameter, its PEFT key and shape, and the layout maps between the two."""
@@ -178,6 +181,7 @@ class _Site:
     peft_shape: tuple[int, ...]
     to_peft: Callable[[torch.Tensor], torch.Tensor]  # our full tensor -> PEFT tensor
     from_peft: Callable[[torch.Tensor], torch.Tensor]  # PEFT tensor -> our (EP-local) tensor
+    expert: bool = False  # an expert factor: EP ranks hold slices of it
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -197,9 +201,9 @@ def _expert_sites(name: str, m: GroupedExperts, total_experts: int) -> list[_Sit
         key = f"{PEFT_PREFIX}{name}.{wrapper}lora_"
         sites += [
             _Site(key + "A.weight", A, (total_experts * r, A.shape[-1]), experts_A_to_peft,
-                  lambda t: experts_A_from_peft(t, total_experts)[lo:hi]),
+                  lambda t: experts_A_from_peft(t, total_experts)[lo:hi], expert=True),
             _Site(key + "B.weight", B, (B.shape[1], r * total_experts), experts_B_to_peft,
-                  lambda t: experts_B_from_peft(t, total_experts)[lo:hi]),
+                  lambda t: experts_B_from_peft(t, total_experts)[lo:hi], expert=True),
         ]
     return sites
 
@@ -238,17 +242,17 @@ def _lora_hparams(model: nn.Module) -> dict:
 # ----------------------------------------------------------------------------- export
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """Gathers a DTensor (FSDP / EP shard) into the full tensor; plain tensors pass through."""
+def _full(t: torch.Tensor, expert: bool) -> torch.Tensor:
+    """Gathers a DTensor (FSDP shard) into the full tensor; plain tensors pass through."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's LoRA factors under PEFT's keys and layout, full tensors on the CPU (collective with
-    DTensors: every rank calls it)."""
+def peft_state_dict(model: nn.Module, gather: Gather = _full) -> dict[str, torch.Tensor]:
+    """The model's LoRA factors under PEFT's keys and layout, full tensors on the CPU. `gather(t,
+    expert)` assembles a sharded tensor (a collective with DTensors or EP: every rank calls it)."""
     out = {}
     for site in _sites(model):
-        tensor = site.to_peft(_full(site.param.detach())).cpu().contiguous()
+        tensor = site.to_peft(gather(site.param.detach(), site.expert)).cpu().contiguous()
         if tuple(tensor.shape) != site.peft_shape:
             raise ValueError(f"{site.peft_key}: shape {tuple(tensor.shape)} after gathering, PEFT expects "
                              f"{site.peft_shape}; EP-local experts must be DTensors to export all of them")
@@ -273,9 +277,10 @@ def peft_lora_config(model: nn.Module, base_model_name_or_path: str | None = Non
         base_model_name_or_path=base_model_name_or_path)
 
 
-def export_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None) -> None:
+def export_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None,
+                gather: Gather = _full) -> None:
     """Writes the adapter to out_dir atomically (temp sibling folder, then rename); rank 0 writes."""
-    tensors = peft_state_dict(model)
+    tensors = peft_state_dict(model, gather)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     peft_config = peft_lora_config(model, base_model_name_or_path)

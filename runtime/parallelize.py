@@ -142,3 +142,20 @@ def total_grad_norm(grads: list[torch.Tensor], world_size: int) -> torch.Tensor:
     if world_size > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
+
+
+def gather_full(t: torch.Tensor, expert: bool, meshes: Meshes | None) -> torch.Tensor:
+    """The full tensor behind a parameter (or gradient): FSDP shards gathered, and for experts the
+    EP ranks' slices concatenated in expert order. A collective: every rank calls it, in one order."""
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if expert and meshes is not None and meshes.experts["ep"].size() > 1:
+        parts = [torch.empty_like(full) for _ in range(meshes.experts["ep"].size())]
+        dist.all_gather(parts, full.contiguous(), group=meshes.ep_group)
+        full = torch.cat(parts)
+    return full
+
+
+def full_state_dict(model: nn.Module, meshes: Meshes | None) -> dict[str, torch.Tensor]:
+    """Every entry of model.state_dict() as a full CPU tensor (collective; see gather_full)."""
+    return {fqn: gather_full(t, ".experts." in fqn, meshes).detach().cpu()
+            for fqn, t in model.state_dict().items()}

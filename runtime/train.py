@@ -197,9 +197,9 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
         if cfg.checkpoint.save_final:
             ckpt.save(cfg.train.max_steps, model, optimizer, scheduler, loader)
         if cfg.checkpoint.export_hf:
-            from runtime.export import export_final
+            from runtime.checkpoint import export_final
 
-            export_final(model, cfg, env)
+            export_final(model, cfg, env.rank, meshes)
     finally:
         metrics.close()
     return records

@@ -16,7 +16,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from runtime.config import Config
 from runtime.dist import DistEnv
@@ -38,17 +37,11 @@ def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism
 def full_grads(model: torch.nn.Module, meshes: Meshes | None) -> dict[str, torch.Tensor]:
     """Every gradient as the full tensor on CPU: FSDP shards gathered, EP expert slices concatenated
     in expert order. A collective on every rank; all ranks get the result."""
-    out = {}
-    for fqn, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        if meshes is not None and ".experts." in fqn and meshes.experts["ep"].size() > 1:
-            parts = [torch.empty_like(g) for _ in range(meshes.experts["ep"].size())]
-            dist.all_gather(parts, g.contiguous(), group=meshes.ep_group)
-            g = torch.cat(parts)
-        out[fqn] = g.detach().float().cpu().clone()  # clipping later scales p.grad in place
-    return out
+    from runtime.parallelize import gather_full
+
+    # clone: clipping later scales p.grad in place
+    return {fqn: gather_full(p.grad, ".experts." in fqn, meshes).detach().float().cpu().clone()
+            for fqn, p in model.named_parameters() if p.grad is not None}
 
 
 def record_run(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None) -> list[dict]:

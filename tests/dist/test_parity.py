@@ -55,5 +55,6 @@ def test_distributed_matches_single_process(run_dist, tmp_path, mesh, lora):
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
     ref_steps = reference_run(cfg, dims, STEPS, torch.device("cpu"))
     ok, lines = compare(dist_steps, ref_steps, "float32")
+    print("\n".join(lines))
     assert ok, "\n".join(lines)
     assert len(dist_steps) == STEPS and all(s["grads"] for s in dist_steps)
