@@ -43,14 +43,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """Normalize each q/k head over D and rotate its first `rotary_dim` dims; see the module docstring."""
     if impl not in IMPLS:
         raise ValueError(f"qk_norm_rope: impl must be one of {IMPLS}, got {impl!r}")
-    rotary_dim = _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim)
+    _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim)
     if impl == "torch" or (impl == "auto" and not q.is_cuda):
         return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
-    return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, rotary_dim)
+    return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
 
 
-def _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim: int | None) -> int:
-    """Validate shapes once, up front; returns the effective rotary_dim."""
+def _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim: int | None) -> None:
+    """Validate shapes once, up front. After this, cos.shape[-1] is the rotary dim both impls use."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, S, heads, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     head_dim = q.shape[-1]
@@ -66,7 +66,6 @@ def _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim: int | None) ->
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[-1] != rotary_dim or t.shape[1] != q.shape[1] or t.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"{name} must be [B or 1, S, rotary_dim={rotary_dim}]; got {tuple(t.shape)}")
-    return rotary_dim
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -100,8 +99,6 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float,
     return q_out, k_out
 
 
-
-
 # ----------------------------------------------------------------------------- triton kernels
 #
 # Rows are the flattened (b, s, h) triples of q (then of k); a program handles a tile of BLOCK_R rows.
@@ -110,18 +107,26 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float,
 # the q count work on q, the rest on k. Outputs and input grads are written contiguous.
 
 
-def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, rotary_dim):
+def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset):
     if triton is None:
         raise RuntimeError("qk_norm_rope(impl='triton') needs the triton package")
-    del rotary_dim  # the ops read it from cos.shape[-1], which _check_inputs tied to it
     return torch.ops.moert.qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, float(eps), bool(unit_offset))
 
 
-def _launch_config(head_dim: int) -> tuple[int, int]:
-    """(rows per tile, num_warps). ~2K elements per tile: enough bytes in flight per program while the
-    backward's eight [rows, R/2] fp32 operands still fit in registers. One fixed config, no autotune
-    (the interpreter cannot autotune, and the backward's partial-sum buffer depends on the tile)."""
-    return max(1, 2048 // triton.next_power_of_2(head_dim)), 4
+def _launch_config(padded_row: int, backward: bool) -> tuple[int, int]:
+    """(rows per tile, num_warps) for rows of `padded_row` elements as the kernel holds them.
+    ~2K elements per tile: enough bytes in flight per program while the backward's operands stay in
+    registers without spilling (checked with ptxas for sm_90). One fixed config, no autotune: the
+    interpreter cannot autotune, and the backward's partial-sum buffer depends on the tile.
+    benchmarks/bench_norm_rope.py --sweep replaces this function to compare configs."""
+    del backward  # same config for both passes until a GPU sweep says otherwise
+    rows = max(1, 2048 // padded_row)
+    return 1 << (rows.bit_length() - 1), 4
+
+
+# Backward grid: about this many programs per SM, each looping over an equal share of the row tiles.
+# Several waves keep the tail short; the dW partial rows they write cost ~0.5% of the traffic.
+BWD_PROGRAMS_PER_SM = 16
 
 
 @functools.lru_cache
@@ -132,8 +137,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _kernel(fn):
-    """wrap_triton for the GPU; the interpreter's kernels are launched as they are (older torch's
-    wrap_triton rejects them)."""
+    """wrap_triton on the GPU. Interpreted kernels (CPU tests) are launched directly: nothing traces
+    them there, and not every torch release's wrap_triton accepts them."""
     return fn if type(fn).__name__ == "InterpretedFunction" else wrap_triton(fn)
 
 
@@ -151,14 +156,15 @@ def _dense_last_dim(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _meta(head_dim: int, rotary_dim: int, unit_offset: bool) -> dict:
+def _meta(head_dim: int, rotary_dim: int, unit_offset: bool, backward: bool) -> dict:
     """Compile-time kernel arguments; int() pins symbolic sizes (tracing with dynamic shapes)."""
     head_dim, rotary_dim = int(head_dim), int(rotary_dim)
     half, tail = rotary_dim // 2, head_dim - rotary_dim
-    block_r, num_warps = _launch_config(head_dim)
-    return {"D": head_dim, "HALF": half, "TAIL": tail, "BLOCK_R": block_r,
-            "BLOCK_HALF": triton.next_power_of_2(half), "BLOCK_TAIL": triton.next_power_of_2(max(tail, 1)),
-            "UNIT_OFFSET": unit_offset, "num_warps": num_warps}
+    block_half = triton.next_power_of_2(half)
+    block_tail = triton.next_power_of_2(max(tail, 1))
+    block_r, num_warps = _launch_config(2 * block_half + (block_tail if tail else 0), backward)
+    return {"D": head_dim, "HALF": half, "TAIL": tail, "BLOCK_R": block_r, "BLOCK_HALF": block_half,
+            "BLOCK_TAIL": block_tail, "UNIT_OFFSET": unit_offset, "num_warps": num_warps}
 
 
 if triton is not None:
@@ -243,9 +249,11 @@ if triton is not None:
         w1 = _load_weight(w_ptr, cols, col_ok, UNIT_OFFSET)[None, :]
         w2 = _load_weight(w_ptr + HALF, cols, col_ok, UNIT_OFFSET)[None, :]
         wt = _load_weight(w_ptr, tcols, tcols < D, UNIT_OFFSET)[None, :]
-        dw1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-        dw2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-        dwt = tl.zeros([BLOCK_TAIL], dtype=tl.float32)
+        # dW accumulates per (row slot, col) and is reduced over rows once at the end: a row reduction
+        # per tile would cross warps (shared memory + barrier) in every iteration.
+        dw1 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
+        dwt = tl.zeros([BLOCK_R, BLOCK_TAIL], dtype=tl.float32)
         for i in range(tiles_per_prog):
             rows = (prog * tiles_per_prog + i) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < n_rows
@@ -277,14 +285,14 @@ if triton is not None:
             # RoPE is a rotation per frequency pair; its backward applies the transposed rotation.
             dy1 = g1 * cos1 + g2 * sin2
             dy2 = g2 * cos2 - g1 * sin1
-            dw1 += tl.sum(dy1 * n1, axis=0)
-            dw2 += tl.sum(dy2 * n2, axis=0)
+            dw1 += dy1 * n1
+            dw2 += dy2 * n2
             dn1 = dy1 * w1
             dn2 = dy2 * w2
             dot = tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)
             if TAIL > 0:
                 nt = xt * rstd
-                dwt += tl.sum(gt * nt, axis=0)
+                dwt += gt * nt
                 dnt = gt * wt
                 dot += tl.sum(dnt * nt, axis=1)
             # d/dx of x * rstd(x): rstd * (dn - n * mean(dn * n))
@@ -294,30 +302,30 @@ if triton is not None:
             tl.store(dx_ptr + dx_row + HALF + cols, (rstd * (dn2 - n2 * mean_dot)).to(dx_ty), mask=mask)
             if TAIL > 0:
                 tl.store(dx_ptr + dx_row + tcols, (rstd * (dnt - nt * mean_dot)).to(dx_ty), mask=tmask)
-        tl.store(dw_ptr + cols, dw1, mask=col_ok)
-        tl.store(dw_ptr + HALF + cols, dw2, mask=col_ok)
+        tl.store(dw_ptr + cols, tl.sum(dw1, axis=0), mask=col_ok)
+        tl.store(dw_ptr + HALF + cols, tl.sum(dw2, axis=0), mask=col_ok)
         if TAIL > 0:
-            tl.store(dw_ptr + tcols, dwt, mask=tcols < D)
+            tl.store(dw_ptr + tcols, tl.sum(dwt, axis=0), mask=tcols < D)
 
     @triton.jit
     def _qk_norm_rope_bwd_kernel(
             q_ptr, k_ptr, gq_ptr, gk_ptr, dq_ptr, dk_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, dw_ptr,
-            n_q_rows, n_k_rows, n_progs, q_tiles_per_prog, k_tiles_per_prog, S, HQ, HK,
+            n_q_rows, n_k_rows, n_q_progs, tiles_per_prog, S, HQ, HK,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_gqb, stride_gqs, stride_gqh, stride_gkb, stride_gks, stride_gkh, stride_cb, stride_cs, eps,
             D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-        """Programs [0, n_progs) do q, [n_progs, 2 n_progs) do k; program p writes dw partial row p of
-        the [2, n_progs, D] fp32 buffer (no atomics: the caller sums over programs)."""
+        """Programs below n_q_progs do q, the rest k; program p writes row p of the [programs, D] fp32
+        dW partial buffer (no atomics: the caller sums the q rows and the k rows)."""
         pid = tl.program_id(0)
         dw_row_ptr = dw_ptr + pid.to(tl.int64) * D
-        if pid < n_progs:
-            _bwd_rows(q_ptr, gq_ptr, dq_ptr, q_w_ptr, cos_ptr, sin_ptr, dw_row_ptr, pid, q_tiles_per_prog,
+        if pid < n_q_progs:
+            _bwd_rows(q_ptr, gq_ptr, dq_ptr, q_w_ptr, cos_ptr, sin_ptr, dw_row_ptr, pid, tiles_per_prog,
                       n_q_rows, S, HQ, stride_qb, stride_qs, stride_qh, stride_gqb, stride_gqs, stride_gqh,
                       stride_cb, stride_cs, eps, D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
         else:
-            _bwd_rows(k_ptr, gk_ptr, dk_ptr, k_w_ptr, cos_ptr, sin_ptr, dw_row_ptr, pid - n_progs,
-                      k_tiles_per_prog, n_k_rows, S, HK, stride_kb, stride_ks, stride_kh,
+            _bwd_rows(k_ptr, gk_ptr, dk_ptr, k_w_ptr, cos_ptr, sin_ptr, dw_row_ptr, pid - n_q_progs,
+                      tiles_per_prog, n_k_rows, S, HK, stride_kb, stride_ks, stride_kh,
                       stride_gkb, stride_gks, stride_gkh, stride_cb, stride_cs, eps,
                       D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
 
@@ -329,9 +337,9 @@ if triton is not None:
         batch, seq, heads_q, head_dim = q.shape
         heads_k = k.shape[2]
         cos, sin = _rope_table(cos, sin, batch)
-        q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
-            torch.empty_like(k, memory_format=torch.contiguous_format)
-        meta = _meta(head_dim, cos.shape[-1], unit_offset)
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        meta = _meta(head_dim, cos.shape[-1], unit_offset, backward=False)
         n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
         n_q_tiles = triton.cdiv(n_q_rows, meta["BLOCK_R"])
         n_tiles = n_q_tiles + triton.cdiv(n_k_rows, meta["BLOCK_R"])
@@ -355,23 +363,26 @@ if triton is not None:
         cos, sin = _rope_table(cos, sin, batch)
         grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
         grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
-        meta = _meta(head_dim, cos.shape[-1], unit_offset)
+        meta = _meta(head_dim, cos.shape[-1], unit_offset, backward=True)
         n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
         n_q_tiles = triton.cdiv(n_q_rows, meta["BLOCK_R"])
         n_k_tiles = triton.cdiv(n_k_rows, meta["BLOCK_R"])
-        # A few programs per SM, each looping over many tiles, keeps the dW partial buffer small.
-        n_progs = max(1, min(4 * _num_sms(q.device), max(n_q_tiles, n_k_tiles)))
-        dw_partial = torch.empty((2, n_progs, head_dim), dtype=torch.float32, device=q.device)
-        _kernel(_qk_norm_rope_bwd_kernel)[(2 * n_progs,)](
-            q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial,
-            n_q_rows, n_k_rows, n_progs, triton.cdiv(n_q_tiles, n_progs), triton.cdiv(n_k_tiles, n_progs),
-            seq, heads_q, heads_k,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            grad_q_out.stride(0), grad_q_out.stride(1), grad_q_out.stride(2),
-            grad_k_out.stride(0), grad_k_out.stride(1), grad_k_out.stride(2),
-            cos.stride(0), cos.stride(1), eps, **meta)
-        # Separate sums: the two weight grads must not be views of one buffer (custom-op outputs may not alias).
-        return (grad_q, grad_k, dw_partial[0].sum(0).to(q_weight.dtype), dw_partial[1].sum(0).to(k_weight.dtype))
+        # Every program gets the same number of tiles (q and k programs alike), so none runs long.
+        tiles_per_prog = max(1, triton.cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(q.device)))
+        n_q_progs, n_k_progs = triton.cdiv(n_q_tiles, tiles_per_prog), triton.cdiv(n_k_tiles, tiles_per_prog)
+        dw_partial = torch.empty((n_q_progs + n_k_progs, head_dim), dtype=torch.float32, device=q.device)
+        if n_q_progs + n_k_progs > 0:
+            _kernel(_qk_norm_rope_bwd_kernel)[(n_q_progs + n_k_progs,)](
+                q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial,
+                n_q_rows, n_k_rows, n_q_progs, tiles_per_prog, seq, heads_q, heads_k,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                grad_q_out.stride(0), grad_q_out.stride(1), grad_q_out.stride(2),
+                grad_k_out.stride(0), grad_k_out.stride(1), grad_k_out.stride(2),
+                cos.stride(0), cos.stride(1), eps, **meta)
+        # Two sums, not one over a [2, D] view: custom-op outputs may not alias each other.
+        grad_q_weight = dw_partial[:n_q_progs].sum(0).to(q_weight.dtype)
+        grad_k_weight = dw_partial[n_q_progs:].sum(0).to(k_weight.dtype)
+        return grad_q, grad_k, grad_q_weight, grad_k_weight
 
     def _setup_context(ctx, inputs, output):
         q, k, q_weight, k_weight, cos, sin, eps, unit_offset = inputs

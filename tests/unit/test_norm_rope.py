@@ -52,7 +52,9 @@ def make_inputs(batch=2, seq=5, heads_q=4, heads_k=2, head_dim=16, rotary_dim=No
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone().requires_grad_()
+    """A grad-requiring copy with the same strides (clone() would make a strided view contiguous)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t).requires_grad_()
 
 
 def forward_and_grads(fn, q, k, q_w, k_w, cos, sin, seed=1):
@@ -205,6 +207,7 @@ def assert_triton_matches_reference(inputs, unit_offset, rotary_dim, grad_transf
 @pytest.mark.parametrize("unit_offset", [False, True])
 def test_interp_triton_matches_reference(head_dim, rotary_dim, unit_offset):
     inputs = make_inputs(batch=2, seq=3, heads_q=3, heads_k=1, head_dim=head_dim, rotary_dim=rotary_dim)
+    assert not inputs[0].is_contiguous() and not inputs[1].is_contiguous()
     assert_triton_matches_reference(inputs, unit_offset, rotary_dim)
 
 
@@ -217,8 +220,10 @@ def test_interp_broadcast_cos_contiguous_inputs_and_strided_grads():
 
 
 @interp
-def test_interp_many_tiles_per_backward_program():
-    """On CPU the backward runs 16 programs per tensor: q gets 38 tiles of 32 rows (3 per program, ragged
-    end), k gets 10 (some programs get none): exercises the dW partial loop and its empty programs."""
+def test_interp_many_tiles_per_backward_program(monkeypatch):
+    """With 4 backward programs as the target (4 "SMs" on the CPU, 1 per SM), the 38 q tiles and 10 k
+    tiles of 32 rows go 12 per program: q programs loop with a ragged end, the k program runs past its
+    rows. Exercises the dW partial loop and its masking."""
+    monkeypatch.setattr(norm_rope, "BWD_PROGRAMS_PER_SM", 1)
     inputs = make_inputs(batch=2, seq=150, heads_q=4, heads_k=1, head_dim=64, rotary_dim=32)
     assert_triton_matches_reference(inputs, False, 32)
