@@ -52,13 +52,21 @@ def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor
 
 
 def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, fallback):
-    y_NO = grouped_linear(x_NI, w_EOI, offs_E, fallback)
+    # torch._grouped_mm has no autocast rule: operands take the activations' dtype explicitly.
+    y_NO = grouped_linear(x_NI, w_EOI.to(x_NI.dtype), offs_E, fallback)
     if lora is not None:
         A_ErI, B_EOr = lora
         x_lora = F.dropout(x_NI, dropout, training) if dropout > 0 else x_NI
-        xa_Nr = grouped_linear(x_lora, A_ErI, offs_E, fallback)
-        y_NO = y_NO + scaling * grouped_linear(xa_Nr, B_EOr, offs_E, fallback)
+        xa_Nr = grouped_linear(x_lora, A_ErI.to(x_NI.dtype), offs_E, fallback)
+        y_NO = y_NO + scaling * grouped_linear(xa_Nr, B_EOr.to(x_NI.dtype), offs_E, fallback)
     return y_NO
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on (the fp32 residual stream enters the experts), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def sort_valid_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
@@ -79,15 +87,15 @@ def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     M, k = expert_ids_Mk.shape
     slots_N, offs_E = sort_valid_slots(expert_ids_Mk, experts.num_experts)
     rows_N = slots_N // k
-    reason = _grouped_mm_supported(x_MH, experts.hidden, 2 * experts.intermediate, experts.intermediate,
+    x_NH = x_MH.index_select(0, rows_N).to(compute_dtype(x_MH))
+    reason = _grouped_mm_supported(x_NH, experts.hidden, 2 * experts.intermediate, experts.intermediate,
                                    max(experts.lora_rank, 4))
     if reason:
         _warn_once(reason)
     lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, reason is not None)
-    x_NH = x_MH.index_select(0, rows_N)
     gate_up_N2I = _lora_grouped_linear(x_NH, experts.gate_up, experts.lora_params("gate_up"), *lora_args)
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
     out_NH = _lora_grouped_linear(F.silu(gate_NI) * up_NI, experts.down, experts.lora_params("down"),
                                   *lora_args)
     w_N1 = weights_Mk.reshape(-1).index_select(0, slots_N).unsqueeze(-1).to(out_NH.dtype)
-    return torch.zeros_like(x_MH).index_add(0, rows_N, out_NH * w_N1)
+    return torch.zeros_like(x_MH).index_add(0, rows_N, (out_NH * w_N1).to(x_MH.dtype))

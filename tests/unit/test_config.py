@@ -87,3 +87,9 @@ def test_launch_checks_mesh_against_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(MeshError, match="world size is 4"):
         prepare([str(EXAMPLE), "--dp-shard", "2"])
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora.yaml", "qwen3-30b-a3b-full.yaml"])
+def test_real_shape_examples_validate(name):
+    cfg = load_config(EXAMPLE.parent / name)
+    assert cfg.model.path and cfg.parallelism.ep > 1
