@@ -42,6 +42,8 @@ MESHES = {
     "fsdp2": (2, dict()),
     "fsdp4_ep2": (4, dict(ep=2)),
     "hsdp2x2_ep2": (4, dict(dp_replicate=2, ep=2)),
+    "fsdp4_ep2_selective_ac": (4, dict(ep=2, activation_checkpoint="selective")),
+    "ep2_full_ac": (2, dict(ep=2, activation_checkpoint="full")),
 }
 
 
