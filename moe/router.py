@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,13 +20,21 @@ class RouterOutput:
     aux_loss: torch.Tensor | None  # Switch load-balancing loss of this layer, None when disabled
 
 
-def switch_aux_loss(probs_TE: torch.Tensor, topk_ids_Tk: torch.Tensor) -> torch.Tensor:
+def switch_aux_loss(probs_TE: torch.Tensor, topk_ids_Tk: torch.Tensor, group=None) -> torch.Tensor:
     """Switch Transformer balance loss: E * sum_e f_e * P_e with f_e the top-k assignment share
-    (sums to k, as transformers computes it) and P_e the mean router probability."""
+    (sums to k, as transformers computes it) and P_e the mean router probability.
+
+    With a data-parallel `group`, f_e and the token count are those of the global batch (one small
+    all-reduce, no gradient needed) and P_e sums this rank's probabilities over the global count:
+    the ranks' losses add up to the global-batch loss, and so do their gradients."""
     T, E = probs_TE.shape
     # One-hot sum instead of bincount: no host sync and a fixed shape for torch.compile.
-    counts_E = F.one_hot(topk_ids_Tk.reshape(-1), E).sum(0).to(probs_TE.dtype)
-    return E * torch.sum(counts_E / T * probs_TE.mean(0))
+    counts_E = F.one_hot(topk_ids_Tk.reshape(-1), E).sum(0).to(torch.float32)
+    stats = torch.cat([counts_E, counts_E.new_tensor([T])])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    counts_E, total_T = stats[:E], stats[E]
+    return E * torch.sum(counts_E / total_T * probs_TE.sum(0) / total_T)
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -38,6 +47,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.aux_loss_coef = aux_loss_coef
+        self.balance_group = None  # data-parallel group for a global-batch balance loss (set by the runtime)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype))
         if not self.weight.is_meta:
             nn.init.normal_(self.weight, std=0.02)
@@ -50,5 +60,5 @@ class SoftmaxTopKRouter(nn.Module):
             topk_w_Tk = topk_w_Tk / topk_w_Tk.sum(dim=-1, keepdim=True)
         aux = None
         if self.aux_loss_coef > 0 and self.training:
-            aux = self.aux_loss_coef * switch_aux_loss(probs_TE, topk_ids_Tk)
+            aux = self.aux_loss_coef * switch_aux_loss(probs_TE, topk_ids_Tk, self.balance_group)
         return RouterOutput(topk_ids_Tk, topk_w_Tk.to(x_TH.dtype), aux)

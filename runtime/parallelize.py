@@ -114,8 +114,10 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes, cfg: Config) -> QwenForCausalLM:
-    if dims.ep > 1:
-        for block in model.moe_blocks():
+    for block in model.moe_blocks():
+        # Every rank's tokens (data and context shards alike) form the global batch.
+        block.gate.balance_group = dist.group.WORLD
+        if dims.ep > 1:
             block.dispatcher = build_dispatcher(meshes.ep_group, model.config.num_experts)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
     apply_fsdp(model, meshes, meshes.world.device_type)

@@ -116,8 +116,7 @@ class StepResult:
     records: list = field(default_factory=list)
 
 
-def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, dp_world: int,
-               on_grads=None) -> StepResult:
+def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None) -> StepResult:
     global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env)
     if global_labels == 0:
         raise ValueError("a global step has no label tokens: check data.kind and the chat template")
@@ -130,8 +129,8 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, dp_wo
                            max_seqlen=batch.max_seqlen)
             loss = label_loss_sum(logits, batch.labels) / global_labels
             aux = model.aux_loss()
-            # Balance loss: mean over micro-batches and data ranks (gradients are summed over ranks).
-            objective = loss if aux is None else loss + aux / (len(batches) * dp_world)
+            # Balance loss of the global micro-batch (the ranks' shares add up), mean over micro-batches.
+            objective = loss if aux is None else loss + aux / len(batches)
         objective.backward()
         loss_total += loss.detach()
     if on_grads is not None:
@@ -175,7 +174,7 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     try:
         for step in range(start + 1, cfg.train.max_steps + 1):
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-            result = train_step(model, batches, optimizer, cfg, env, dims.dp_world, on_grads)
+            result = train_step(model, batches, optimizer, cfg, env, on_grads)
             if not math.isfinite(result.loss):
                 raise TrainingDiverged(f"loss is {result.loss} at step {step}; last good checkpoint: "
                                        f"{last_good or 'none (no checkpoint was saved yet)'}")

@@ -18,8 +18,7 @@ EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 
 
 def config(out: str, lora: bool, micro_batch: int, ep: int):
-    # The balance loss is per rank (not global-batch) under DP, so it is off in exactness tests.
-    return load_config(EXAMPLE, {"model.router_aux_loss_coef": 0.0,
+    return load_config(EXAMPLE, {
         "data.seq_len": 64, "train.micro_batch_size": micro_batch, "optim.warmup_steps": 0,
         "train.max_steps": 1, "train.output_dir": out, "logging.progress_bar": False,
         "checkpoint.save_final": False, "checkpoint.export_hf": True, "lora.enabled": lora, "lora.rank": 4,

@@ -20,7 +20,7 @@ STEPS = 3
 
 def tiny_config(lora: bool, tmp: str, **parallelism):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
-                 "model.router_aux_loss_coef": 0.0, "lora.enabled": lora, "lora.rank": 4,
+                 "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
                  "train.max_steps": STEPS, "parallelism.dp_shard": -1}
     overrides.update({f"parallelism.{k}": v for k, v in parallelism.items()})
     cfg = load_config(EXAMPLE, overrides)
