@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from moe.kernels.routing import SlotOrder
-from moe.kernels.tuning import (GEMM_CONFIGS, GLU_BWD, GLU_FWD, LORA_FUSED, LORA_GIVEN, NO_LORA, PLAIN,
-                                bench, m_bucket, prune_gemm)
+from moe.kernels.tuning import GEMM_CONFIGS, bench, m_bucket, prune_gemm
 
 # Column width of one partial sum of the routing-weight gradient (the smallest BLOCK_N).
 _DW_BLOCK = 16
@@ -102,14 +101,14 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, a_ptrs, step_a, K, acc, acc_r,
 
 
 @triton.jit
-def _columns(pid_n, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _columns(pid_n, N, GLU_FWD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Weight rows of this column block (clamped in range) and their validity.
 
     GLU_FWD interleaves gate row n and up row N + n in adjacent tile columns so one accumulator holds
     both and the SwiGLU pairs them with a reshape + split.
     """
     c_N = tl.arange(0, BLOCK_N)
-    if EPILOGUE == GLU_FWD:
+    if GLU_FWD:
         n_N = pid_n * (BLOCK_N // 2) + c_N // 2
         wrow_N = n_N + (c_N % 2) * N
     else:
@@ -121,12 +120,12 @@ def _columns(pid_n, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _lora_epilogue(acc, acc_r, ia_ptr, s_ia_m, p_M, mask_M, b_ptrs, s_b_r, R, scaling, write_ia,
-                   LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                   LORA_IN_LOOP: tl.constexpr, BLOCK_R: tl.constexpr):
     """acc + scaling * ia @ B^T, where ia = in @ A^T came from the K loop (then stored) or from memory."""
     r_R = tl.arange(0, BLOCK_R)
     mask_R = r_R < R
     ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
-    if LORA == LORA_FUSED:
+    if LORA_IN_LOOP:
         ia = acc_r.to(ia_ptr.dtype.element_ty)
         if write_ia:
             tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
@@ -158,19 +157,21 @@ def _swiglu_backward_epilogue(g_acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_d
     n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_N = n_N < N
     row_M = p_M.to(tl.int64)[:, None]
+    # Rounding g to the activation dtype (as eager's dH is) halves the epilogue's register spills.
+    g = g_acc.to(dgu_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.load(gu_ptr + row_M * s_gu_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row_M * s_gu_m + N + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
     # Masked columns have gate = up = 0, hence h = 0: they add nothing to the weight gradient.
-    dw_M = tl.sum(g_acc * silu * up, 1)
-    dh = g_acc * tl.load(rw_ptr + slot_M).to(tl.float32)[:, None]
-    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = dh * silu
+    dw_M = tl.sum(g * silu * up, 1)
+    dh = g * tl.load(rw_ptr + slot_M).to(tl.float32)[:, None]
     mask = mask_M[:, None] & mask_N[None, :]
     dtype = dgu_ptr.dtype.element_ty
+    tl.store(dgu_ptr + row_M * s_dgu_m + N + n_N[None, :], (dh * silu).to(dtype), mask=mask)
+    # d silu(g)/dg = sig + silu * (1 - sig)
+    d_gate = dh * up * (sig + silu * (1.0 - sig))
     tl.store(dgu_ptr + row_M * s_dgu_m + n_N[None, :], d_gate.to(dtype), mask=mask)
-    tl.store(dgu_ptr + row_M * s_dgu_m + N + n_N[None, :], d_up.to(dtype), mask=mask)
     # This block owns BLOCK_N // DW_BLOCK partial columns: the sum goes in the first, zeros in the
     # rest, so every column is written whatever BLOCK_N the autotuner picked (no stale partials).
     c_C = tl.arange(0, BLOCK_N // DW_BLOCK)
@@ -188,12 +189,15 @@ def _grouped_linear_kernel(
         w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
         ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr, dw_ptr, s_dw_m, DW_COLS,
         scaling, E, N, K, R, M_BUCKET,
-        GATHER: tl.constexpr, LORA: tl.constexpr, EPILOGUE: tl.constexpr,
+        GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr,
+        GLU_FWD: tl.constexpr, GLU_BWD: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, DW_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """aux is h (GLU_FWD output) or gate_up (GLU_BWD input); rw/dw only for GLU_BWD."""
+    """Epilogue: GLU_FWD (SwiGLU; aux = h output), GLU_BWD (SwiGLU backward; aux = gate_up input,
+    rw/dw the routing weights and their gradient partials) or neither (plain store). LoRA: none,
+    in the K loop (LORA_IN_LOOP, ia written) or read from ia."""
     pid = tl.program_id(0)
-    if EPILOGUE == GLU_FWD:
+    if GLU_FWD:
         num_n = tl.cdiv(N, BLOCK_N // 2)
     else:
         num_n = tl.cdiv(N, BLOCK_N)
@@ -212,11 +216,11 @@ def _grouped_linear_kernel(
         rows_M = (slot_M // TOPK).to(tl.int64)
     else:
         rows_M = p_M.to(tl.int64)
-    wrow_N, mask_N = _columns(pid_n, N, EPILOGUE, BLOCK_N)
+    wrow_N, mask_N = _columns(pid_n, N, GLU_FWD, BLOCK_N)
     k_K = tl.arange(0, BLOCK_K)
     in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
     w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
-    if LORA == LORA_FUSED:
+    if LORA_IN_LOOP:
         r_R = tl.minimum(tl.arange(0, BLOCK_R), R - 1)
         a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
     else:
@@ -224,15 +228,15 @@ def _grouped_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, a_ptrs, BLOCK_K * s_a_k, K,
-                         acc, acc_r, LORA == LORA_FUSED, EVEN_K, BLOCK_K)
-    if LORA != NO_LORA:
+                         acc, acc_r, LORA_IN_LOOP, EVEN_K, BLOCK_K)
+    if HAS_LORA:
         b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
         acc = _lora_epilogue(acc, acc_r, ia_ptr, s_ia_m, p_M, mask_M, b_ptrs, s_b_r, R, scaling, pid_n == 0,
-                             LORA, BLOCK_R)
-    if EPILOGUE == GLU_FWD:
+                             LORA_IN_LOOP, BLOCK_R)
+    if GLU_FWD:
         _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                  BLOCK_M, BLOCK_N)
-    elif EPILOGUE == GLU_BWD:
+    elif GLU_BWD:
         _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                   rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_N, DW_BLOCK)
     else:
@@ -241,19 +245,20 @@ def _grouped_linear_kernel(
 
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
-            ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, epilogue: int,
+            ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, epilogue: str = "plain",
             aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None,
             dw_SC: torch.Tensor | None = None) -> None:
+    """epilogue: "plain" | "glu_fwd" | "glu_bwd" (see the kernel)."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
-    lora_mode = NO_LORA if lora is None else (LORA_GIVEN if lora.split else LORA_FUSED)
+    glu_fwd = epilogue == "glu_fwd"
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
-    cols_per_block = (lambda meta: meta["BLOCK_N"] // 2) if epilogue == GLU_FWD else (lambda meta: meta["BLOCK_N"])
     S = slots.num_slots
 
     def grid(meta):
+        cols_per_block = meta["BLOCK_N"] // 2 if glu_fwd else meta["BLOCK_N"]
         # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus programs exit.
-        return ((triton.cdiv(S, meta["BLOCK_M"]) + E) * triton.cdiv(N, cols_per_block(meta)),)
+        return ((triton.cdiv(S, meta["BLOCK_M"]) + E) * triton.cdiv(N, cols_per_block),)
 
     def strides(t, n):
         return t.stride() if t is not None else (0,) * n
@@ -261,11 +266,11 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
     _grouped_linear_kernel[grid](
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
         w_ENK, *w_ENK.stride(), A, *strides(A, 3), B, *strides(B, 3),
-        ia_Sr, ia_Sr.stride(0) if ia_Sr is not None else 0, out, out.stride(0),
-        aux, aux.stride(0) if aux is not None else 0,
-        rw_S, dw_SC, dw_SC.stride(0) if dw_SC is not None else 0, dw_SC.shape[1] if dw_SC is not None else 0,
+        ia_Sr, strides(ia_Sr, 2)[0], out, out.stride(0), aux, strides(aux, 2)[0],
+        rw_S, dw_SC, strides(dw_SC, 2)[0], dw_SC.shape[1] if dw_SC is not None else 0,
         lora.scaling if lora is not None else 0.0, E, N, K, R, m_bucket(S),
-        GATHER=gather, LORA=lora_mode, EPILOGUE=epilogue,
+        GATHER=gather, HAS_LORA=lora is not None, LORA_IN_LOOP=lora is not None and not lora.split,
+        GLU_FWD=glu_fwd, GLU_BWD=epilogue == "glu_bwd",
         BLOCK_E=max(_MIN_BLOCK_E, triton.next_power_of_2(E)),
         BLOCK_R=max(16, triton.next_power_of_2(R)), DW_BLOCK=_DW_BLOCK)
 
@@ -277,14 +282,14 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
         return None
     ia_Sr = in_.new_empty(slots.num_slots, lora.rank)
     if lora.split:
-        _launch(in_, slots, lora.A_ErK, lora.rank, None, None, ia_Sr, gather=gather, epilogue=PLAIN)
+        _launch(in_, slots, lora.A_ErK, lora.rank, None, None, ia_Sr, gather=gather)
     return ia_Sr
 
 
 def rank_product(in_: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor, gather: bool) -> torch.Tensor:
     """ia[p] = in[row(p)] @ A_e^T: [S, r]."""
     ia_Sr = in_.new_empty(slots.num_slots, A_ErK.shape[1])
-    _launch(in_, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=gather, epilogue=PLAIN)
+    _launch(in_, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=gather)
     return ia_Sr
 
 
@@ -295,7 +300,7 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, l
     gu_S2I = x_MH.new_empty(S, I2)
     h_SI = x_MH.new_empty(S, I2 // 2)
     xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
-    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, epilogue=GLU_FWD, aux=h_SI)
+    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, epilogue="glu_fwd", aux=h_SI)
     return gu_S2I, h_SI, xa_Sr
 
 
@@ -304,7 +309,7 @@ def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, lora
     """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None)."""
     out_SN = in_.new_empty(slots.num_slots, w_ENK.shape[1])
     ia_Sr = _rank_buffer(in_, slots, lora, gather)
-    _launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather, epilogue=PLAIN)
+    _launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather)
     return out_SN, ia_Sr
 
 
@@ -321,7 +326,7 @@ def swiglu_backward(dy_MH: torch.Tensor, slots: SlotOrder, w_EIH: torch.Tensor, 
     dyb_Sr = _rank_buffer(dy_MH, slots, lora, gather=True)
     dw_SC = torch.empty(S, triton.cdiv(I, _DW_BLOCK), device=dy_MH.device, dtype=torch.float32)
     rw_S = weights_Mk.reshape(-1)
-    _launch(dy_MH, slots, w_EIH, I, lora, dyb_Sr, dgu_S2I, gather=True, epilogue=GLU_BWD, aux=gu_S2I,
+    _launch(dy_MH, slots, w_EIH, I, lora, dyb_Sr, dgu_S2I, gather=True, epilogue="glu_bwd", aux=gu_S2I,
             rw_S=rw_S, dw_SC=dw_SC)
     dw_S = dw_SC.sum(1)[slots.inv_S.long()]
     dw_S = torch.where(slots.ids_S >= 0, dw_S, 0.0)

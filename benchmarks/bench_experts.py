@@ -1,0 +1,223 @@
+"""Whole expert layer (gate_up + SwiGLU + down + routing-weighted combine), forward and forward+backward.
+
+    python benchmarks/bench_experts.py [--quick] [--out DIR] [--backends eager,grouped_mm,scattermoe]
+
+Per real MoE shape (T=8192 tokens; --quick: T=2048 and two shapes), backend and mode it reports the
+median time over CUDA events after warmup (autotuning happens in the warmup), the peak memory above
+the resident tensors, and achieved TFLOP/s (valid slots only) next to a bf16 matmul rate measured in
+the same run. Modes: `full` (base weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base),
+each with all slots valid (ep1) and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the
+first 1/ep of the experts, every other slot is -1). Then it checks the targets (set for one H200 at
+Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the table goes on.
+`--out DIR` writes DIR/bench_experts.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moe.backends import expert_backend  # noqa: E402
+from moe.experts import GroupedExperts  # noqa: E402
+
+SHAPES = {  # E, H, I, k
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "qwen3.5-35b-a3b": (256, 2048, 512, 8),
+    "olmoe": (64, 2048, 1024, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+}
+MODES = {"full": 0, "lora16": 16}  # LoRA rank; a LoRA mode freezes the base weights
+EAGER_MAX_SECONDS = 10.0  # one eager fwd+bwd slower than this is timed once, not repeated
+
+
+@dataclass
+class Row:
+    shape: str
+    tokens: int
+    mode: str
+    ep: int
+    backend: str
+    fwd_ms: float | None = None
+    fwd_bwd_ms: float | None = None
+    peak_gib: float | None = None
+    tflops: float | None = None
+    pct_matmul: float | None = None
+    note: str = ""
+
+
+def layer_flops(valid_slots: int, H: int, I: int, rank: int, train_base: bool) -> float:
+    """FLOPs of one fwd+bwd: the base GEMMs (dW only when trained) plus the LoRA products."""
+    base = 2 * valid_slots * H * 3 * I          # gate_up (2I x H) + down (H x I)
+    lora = 2 * valid_slots * rank * (2 * H + 3 * I)  # x A^T and (xA) B^T for both projections
+    # backward: dX through the base and through the rank (= forward), dA + dB (= forward again)
+    return base * (3 if train_base else 2) + lora * 3
+
+
+def cuda_time_ms(fn, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times
+
+
+def matmul_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(cuda_time_ms(lambda: a @ b, iters=20, warmup=5))
+    return 2 * n**3 / ms / 1e9
+
+
+def make_case(shape: str, T: int, mode: str, ep: int):
+    E, H, I, k = SHAPES[shape]
+    rank = MODES[mode]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w, ids = torch.randn(T, E, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
+    E_local = E // ep
+    ids = torch.where(ids < E_local, ids, -1)
+    ex = GroupedExperts(E_local, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None,
+                        device="cuda", dtype=torch.bfloat16)
+    if rank:
+        ex.gate_up.requires_grad_(False)
+        ex.down.requires_grad_(False)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w.requires_grad_(True)
+    flops = layer_flops(int((ids >= 0).sum()), H, I, rank, train_base=not rank)
+    return ex, x, ids, w, flops
+
+
+def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
+    ex, x, ids, w, flops = make_case(row.shape, row.tokens, row.mode, row.ep)
+    backend = expert_backend(row.backend)
+    dy = torch.randn_like(x)
+    params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+
+    def fwd():
+        with torch.no_grad():
+            backend(x, ids, w, ex)
+
+    def fwd_bwd():
+        for p in params:
+            p.grad = None
+        backend(x, ids, w, ex).backward(dy)
+
+    if row.backend == "eager":  # per-expert loop: time one call first and cap the repetitions
+        t0 = time.perf_counter()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 > EAGER_MAX_SECONDS:
+            iters, warmup, row.note = 1, 0, f"eager capped: 1 iter ({time.perf_counter() - t0:.0f} s)"
+        else:
+            iters, warmup = min(iters, 2), 0
+    row.fwd_ms = statistics.median(cuda_time_ms(fwd, iters, warmup))
+    fwd_bwd()  # grads allocated before the memory baseline, as in a training step
+    torch.cuda.synchronize()
+    base_bytes = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    row.fwd_bwd_ms = statistics.median(cuda_time_ms(fwd_bwd, iters, warmup))
+    row.peak_gib = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
+    row.tflops = flops / row.fwd_bwd_ms / 1e9
+    row.pct_matmul = 100 * row.tflops / matmul
+    return row
+
+
+def run_all(shapes: list[str], T: int, backends: list[str], iters: int, warmup: int, matmul: float) -> list[Row]:
+    rows = []
+    for shape in shapes:
+        for mode in MODES:
+            for ep in (1, 2, 4):
+                for name in backends:
+                    row = Row(shape, T, mode, ep, name)
+                    try:
+                        bench_variant(row, iters, warmup, matmul)
+                    except Exception as exc:  # one failing variant must not kill the table
+                        row.note = f"n/a: {type(exc).__name__}: {str(exc).splitlines()[0][:90] if str(exc) else ''}"
+                    torch.cuda.empty_cache()
+                    rows.append(row)
+                    print_row(row)
+    return rows
+
+
+def fmt(v, spec: str) -> str:
+    return format(v, spec) if v is not None else "-"
+
+
+def print_header(matmul: float) -> None:
+    print(f"device: {torch.cuda.get_device_name()}  bf16 matmul 8192^3: {matmul:.0f} TFLOP/s")
+    print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':10} {'fwd ms':>8} {'fwd+bwd ms':>10} "
+          f"{'peak GiB':>8} {'TFLOP/s':>7} {'%mm':>4}  note")
+
+
+def print_row(r: Row) -> None:
+    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:10} {fmt(r.fwd_ms, '8.3f')} "
+          f"{fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} {fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
+
+
+def targets(rows: list[Row]) -> list[dict]:
+    """The issue's targets, at Qwen3-30B-A3B shapes for scattermoe (set for one H200 at T=8192)."""
+    def get(mode, ep, field):
+        for r in rows:
+            if (r.shape, r.mode, r.ep, r.backend) == ("qwen3-30b-a3b", mode, ep, "scattermoe"):
+                return getattr(r, field)
+        return None
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    checks = [
+        ("full fine-tune fwd+bwd ms", get("full", 1, "fwd_bwd_ms"), 4.0),
+        ("LoRA r=16 frozen base fwd+bwd ms", get("lora16", 1, "fwd_bwd_ms"), 3.0),
+        ("LoRA fwd overhead over base fwd", ratio(get("lora16", 1, "fwd_ms"), get("full", 1, "fwd_ms")), 1.15),
+        ("full: 75% -1 slots / all valid", ratio(get("full", 4, "fwd_bwd_ms"), get("full", 1, "fwd_bwd_ms")), 0.35),
+        ("LoRA: 75% -1 slots / all valid",
+         ratio(get("lora16", 4, "fwd_bwd_ms"), get("lora16", 1, "fwd_bwd_ms")), 0.35),
+    ]
+    out = []
+    print("\ntargets (scattermoe, qwen3-30b-a3b; set for one H200, T=8192):")
+    for name, value, limit in checks:
+        verdict = "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
+        print(f"  {name:36} {fmt(value, '7.3f')}  <= {limit:<5} {verdict}")
+        out.append(dict(target=name, value=value, limit=limit, verdict=verdict))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
+    ap.add_argument("--out", help="directory for bench_experts.json")
+    ap.add_argument("--backends", default="eager,grouped_mm,scattermoe")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
+    T = 2048 if args.quick else 8192
+    matmul = matmul_tflops()
+    print_header(matmul)
+    rows = run_all(shapes, T, args.backends.split(","), args.iters, warmup=3, matmul=matmul)
+    checks = targets(rows)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_experts.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                           command=" ".join(sys.argv), matmul_tflops=matmul, rows=[asdict(r) for r in rows],
+                           targets=checks), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
