@@ -4,8 +4,9 @@
 
 runs K optimizer steps with the requested parallelism, then (on rank 0) the same K steps of the same
 config in one process over the same global batch, and prints per-step loss, grad-norm and per-tensor
-gradient deltas with PASS/FAIL. Tolerances (norm-relative): fp32 loss 1e-5, grads 1e-4; bf16 (GPU
-autocast) loss 2e-2, grads 5e-2 — bf16 rounding differs with the reduction order of sharded sums.
+gradient deltas with PASS/FAIL. Tolerances (norm-relative): fp32 loss 1e-5, grads 1e-4; bf16 (GPU:
+FSDP casts parameters to bf16, the one-process reference autocasts fp32 parameters) loss 2e-2, grads
+5e-2, router weights 1e-1: the rounding differs, and in the router it moves near-tie top-k choices.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from runtime.config import Config
 from runtime.dist import DistEnv
 from runtime.mesh import Meshes, ParallelDims
 
-TOLERANCES = {"float32": {"loss": 1e-5, "grad": 1e-4}, "bfloat16": {"loss": 2e-2, "grad": 5e-2}}
+TOLERANCES = {"float32": {"loss": 1e-5, "grad": 1e-4, "router_grad": 1e-4},
+              "bfloat16": {"loss": 2e-2, "grad": 5e-2, "router_grad": 1e-1}}
+
+
+def _grad_tolerance(fqn: str, tol: dict) -> float:
+    return tol["router_grad"] if fqn.endswith("mlp.gate.weight") else tol["grad"]
 
 
 def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism) -> Config:
@@ -76,8 +82,10 @@ def compare(dist_steps: list[dict], ref_steps: list[dict], dtype: str) -> tuple[
             missing = sorted(set(r["grads"]) ^ set(d["grads"]))
             return False, lines + [f"gradient sets differ: {missing[:5]}"]
         errs = {k: _rel(d["grads"][k], r["grads"][k]) for k in r["grads"]}
-        worst = max(errs, key=errs.get)
-        step_ok = loss_rel <= tol["loss"] and errs[worst] <= tol["grad"] and gn_rel <= tol["grad"]
+        # worst relative to its own tolerance
+        worst = max(errs, key=lambda k: errs[k] / _grad_tolerance(k, tol))
+        step_ok = (loss_rel <= tol["loss"] and errs[worst] <= _grad_tolerance(worst, tol)
+                   and gn_rel <= tol["grad"])
         ok &= step_ok
         lines.append(f"{i:>4} {d['loss']:>12.6f} {r['loss']:>12.6f} {loss_rel:>9.1e} {gn_rel:>9.1e} "
                      f"{worst[-32:]:>32} {errs[worst]:>7.1e}  {'PASS' if step_ok else 'FAIL'}")

@@ -88,8 +88,9 @@ def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     slots_N, offs_E = sort_valid_slots(expert_ids_Mk, experts.num_experts)
     rows_N = slots_N // k
     x_NH = x_MH.index_select(0, rows_N).to(compute_dtype(x_MH))
+    lora_dims = (experts.lora_rank,) if experts.has_lora else ()
     reason = _grouped_mm_supported(x_NH, experts.hidden, 2 * experts.intermediate, experts.intermediate,
-                                   max(experts.lora_rank, 4))
+                                   *lora_dims)
     if reason:
         _warn_once(reason)
     lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, reason is not None)

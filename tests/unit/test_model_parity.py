@@ -87,3 +87,13 @@ def test_fused_expert_layout_loads_like_per_expert(tmp_path):
     b = from_pretrained(fused_dir, expert_backend="eager")
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
+
+
+def test_grouped_mm_runs_without_fallback_at_aligned_dims(caplog):
+    """The fast path must not silently fall back to the per-expert loop at real (aligned) shapes."""
+    from moe.backends.grouped_mm import _grouped_mm_supported
+
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16)
+    assert _grouped_mm_supported(x, 2048, 1536, 768) is None
+    assert _grouped_mm_supported(x, 2048, 1536, 768, 16) is None
+    assert "not 16-byte aligned" in _grouped_mm_supported(x, 2048, 1536, 768, 4)
