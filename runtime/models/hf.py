@@ -98,28 +98,26 @@ class SafetensorsCheckpoint:
     def keys(self) -> set[str]:
         return set(self.files)
 
-    def shapes(self, keys) -> dict[str, tuple[int, ...]]:
-        """Tensor shapes from the safetensors headers, without reading data."""
+    def _each_file(self, keys):
+        """(open handle, its keys) for every file holding some of `keys`, each file opened once."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for key in keys:
             by_file[self.files[key]].append(key)
-        out = {}
         for file, names in by_file.items():
             with safe_open(file, "pt") as handle:
-                out.update({k: tuple(handle.get_slice(k).get_shape()) for k in names})
-        return out
+                yield handle, names
+
+    def shapes(self, keys) -> dict[str, tuple[int, ...]]:
+        """Tensor shapes from the safetensors headers, without reading data."""
+        return {k: tuple(handle.get_slice(k).get_shape()) for handle, names in self._each_file(keys) for k in names}
 
     def read(self, requests: dict[str, tuple[int, int] | None]) -> dict[str, torch.Tensor]:
-        """Reads {key: (start, end) rows of dim 0, or None for all}, opening each file once."""
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for key in requests:
-            by_file[self.files[key]].append(key)
+        """Reads {key: (start, end) rows of dim 0, or None for all}."""
         out = {}
-        for file, keys in by_file.items():
-            with safe_open(file, "pt") as handle:
-                for key in keys:
-                    rows = requests[key]
-                    out[key] = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0]:rows[1]]
+        for handle, keys in self._each_file(requests):
+            for key in keys:
+                rows = requests[key]
+                out[key] = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0]:rows[1]]
         return out
 
 
