@@ -7,14 +7,16 @@ median time over CUDA events after warmup (autotuning happens in the warmup), th
 the resident tensors, and achieved TFLOP/s (valid slots only) next to a bf16 matmul rate measured in
 the same run. Modes: `full` (base weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base),
 each with all slots valid (ep1) and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the
-first 1/ep of the experts, every other slot is -1). Then it checks the targets (set for one H200 at
-Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the table goes on.
-`--out DIR` writes DIR/bench_experts.json.
+first 1/ep of the experts, every other slot is -1); `scattermoe-split` forces scattermoe's split-LoRA
+path (chosen automatically only for few large experts) for comparison. Then it checks the targets
+(set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
+table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe.backends import expert_backend  # noqa: E402
-from moe.experts import GroupedExperts  # noqa: E402
+from moe.backends import expert_backend
+from moe.experts import GroupedExperts
 
 SHAPES = {  # E, H, I, k
     "qwen3-30b-a3b": (128, 2048, 768, 8),
@@ -102,9 +104,27 @@ def make_case(shape: str, T: int, mode: str, ep: int):
     return ex, x, ids, w, flops
 
 
+@contextlib.contextmanager
+def forced_split_lora():
+    """scattermoe's split-LoRA path at any shape, to compare it with the fused path it picks there."""
+    import moe.backends.scattermoe as sm
+    saved = sm._SPLIT_MAX_EXPERTS, sm._SPLIT_MIN_WEIGHT_ELEMS
+    sm._SPLIT_MAX_EXPERTS, sm._SPLIT_MIN_WEIGHT_ELEMS = 1 << 30, 0
+    try:
+        yield
+    finally:
+        sm._SPLIT_MAX_EXPERTS, sm._SPLIT_MIN_WEIGHT_ELEMS = saved
+
+
 def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
+    split = row.backend == "scattermoe-split"
+    with forced_split_lora() if split else contextlib.nullcontext():
+        backend = expert_backend("scattermoe" if split else row.backend)
+        return _bench_variant(row, backend, iters, warmup, matmul)
+
+
+def _bench_variant(row: Row, backend, iters: int, warmup: int, matmul: float) -> Row:
     ex, x, ids, w, flops = make_case(row.shape, row.tokens, row.mode, row.ep)
-    backend = expert_backend(row.backend)
     dy = torch.randn_like(x)
     params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
 
@@ -137,20 +157,24 @@ def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
     return row
 
 
-def run_all(shapes: list[str], T: int, backends: list[str], iters: int, warmup: int, matmul: float) -> list[Row]:
+def run_all(shapes: list[str], T: int, backends: list[str], iters: int, warmup: int, matmul: float,
+            on_row) -> list[Row]:
     rows = []
     for shape in shapes:
-        for mode in MODES:
+        for mode, rank in MODES.items():
             for ep in (1, 2, 4):
-                for name in backends:
+                extra = ["scattermoe-split"] if "scattermoe" in backends and rank and ep == 1 else []
+                for name in backends + extra:
                     row = Row(shape, T, mode, ep, name)
                     try:
                         bench_variant(row, iters, warmup, matmul)
-                    except Exception as exc:  # one failing variant must not kill the table
-                        row.note = f"n/a: {type(exc).__name__}: {str(exc).splitlines()[0][:90] if str(exc) else ''}"
+                    except Exception as exc:  # noqa: BLE001 - one failing variant must not kill the table
+                        first_line = str(exc).splitlines()[0][:90] if str(exc) else ""
+                        row.note = f"n/a: {type(exc).__name__}: {first_line}"
                     torch.cuda.empty_cache()
                     rows.append(row)
                     print_row(row)
+                    on_row(rows)
     return rows
 
 
@@ -160,20 +184,21 @@ def fmt(v, spec: str) -> str:
 
 def print_header(matmul: float) -> None:
     print(f"device: {torch.cuda.get_device_name()}  bf16 matmul 8192^3: {matmul:.0f} TFLOP/s")
-    print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':10} {'fwd ms':>8} {'fwd+bwd ms':>10} "
+    print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':16} {'fwd ms':>8} {'fwd+bwd ms':>10} "
           f"{'peak GiB':>8} {'TFLOP/s':>7} {'%mm':>4}  note")
 
 
 def print_row(r: Row) -> None:
-    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:10} {fmt(r.fwd_ms, '8.3f')} "
-          f"{fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} {fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
+    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} "
+          f"{fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
+          f"{fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
 
 
 def targets(rows: list[Row]) -> list[dict]:
     """The issue's targets, at Qwen3-30B-A3B shapes for scattermoe (set for one H200 at T=8192)."""
-    def get(mode, ep, field):
+    def get(mode, ep, field, backend="scattermoe"):
         for r in rows:
-            if (r.shape, r.mode, r.ep, r.backend) == ("qwen3-30b-a3b", mode, ep, "scattermoe"):
+            if (r.shape, r.mode, r.ep, r.backend) == ("qwen3-30b-a3b", mode, ep, backend):
                 return getattr(r, field)
         return None
 
@@ -183,8 +208,12 @@ def targets(rows: list[Row]) -> list[dict]:
     checks = [
         ("full fine-tune fwd+bwd ms", get("full", 1, "fwd_bwd_ms"), 4.0),
         ("LoRA r=16 frozen base fwd+bwd ms", get("lora16", 1, "fwd_bwd_ms"), 3.0),
-        ("LoRA fwd overhead over base fwd", ratio(get("lora16", 1, "fwd_ms"), get("full", 1, "fwd_ms")), 1.15),
-        ("full: 75% -1 slots / all valid", ratio(get("full", 4, "fwd_bwd_ms"), get("full", 1, "fwd_bwd_ms")), 0.35),
+        ("LoRA fwd overhead over base fwd",
+         ratio(get("lora16", 1, "fwd_ms"), get("full", 1, "fwd_ms")), 1.15),
+        ("  same, split-LoRA path forced", ratio(get("lora16", 1, "fwd_ms", "scattermoe-split"),
+                                                 get("full", 1, "fwd_ms")), 1.15),
+        ("full: 75% -1 slots / all valid",
+         ratio(get("full", 4, "fwd_bwd_ms"), get("full", 1, "fwd_bwd_ms")), 0.35),
         ("LoRA: 75% -1 slots / all valid",
          ratio(get("lora16", 4, "fwd_bwd_ms"), get("lora16", 1, "fwd_bwd_ms")), 0.35),
     ]
@@ -193,7 +222,7 @@ def targets(rows: list[Row]) -> list[dict]:
     for name, value, limit in checks:
         verdict = "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
         print(f"  {name:36} {fmt(value, '7.3f')}  <= {limit:<5} {verdict}")
-        out.append(dict(target=name, value=value, limit=limit, verdict=verdict))
+        out.append({"target": name, "value": value, "limit": limit, "verdict": verdict})
     return out
 
 
@@ -208,15 +237,20 @@ def main() -> None:
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = 2048 if args.quick else 8192
     matmul = matmul_tflops()
-    print_header(matmul)
-    rows = run_all(shapes, T, args.backends.split(","), args.iters, warmup=3, matmul=matmul)
-    checks = targets(rows)
-    if args.out:
+
+    def save(rows: list[Row], checks: list[dict] | None = None) -> None:
+        """Rewritten after every row, so a run cut short still leaves its log."""
+        if not args.out:
+            return
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_experts.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                           command=" ".join(sys.argv), matmul_tflops=matmul, rows=[asdict(r) for r in rows],
-                           targets=checks), f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                       "command": " ".join(sys.argv), "matmul_tflops": matmul,
+                       "rows": [asdict(r) for r in rows], "targets": checks}, f, indent=1)
+
+    print_header(matmul)
+    rows = run_all(shapes, T, args.backends.split(","), args.iters, warmup=3, matmul=matmul, on_row=save)
+    save(rows, targets(rows))
 
 
 if __name__ == "__main__":

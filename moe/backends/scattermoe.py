@@ -80,11 +80,12 @@ class _ScatterMoE(torch.autograd.Function):
             grads["x"] = combine(dxs_SH, slots, None)
         elif has_lora and need["gu_A"]:
             dgub_Sr = rank_product(dgu_S2I, slots, gu_B.transpose(1, 2), gather=False)
-        xty = dict(slots=slots)
+        xty = {"slots": slots}
         if need["gu"]:
             grads["gu"] = grouped_xty(dgu_S2I, x_MH, gather_l=False, gather_r=True, **xty)
         if need["down"]:
-            grads["down"] = grouped_xty(dy_MH, h_SI, gather_l=True, gather_r=False, weights_Mk=weights_Mk, **xty)
+            grads["down"] = grouped_xty(dy_MH, h_SI, gather_l=True, gather_r=False, weights_Mk=weights_Mk,
+                                        **xty)
         if has_lora:
             if need["gu_A"]:
                 grads["gu_A"] = grouped_xty(dgub_Sr, x_MH, gather_l=False, gather_r=True, scaling=s, **xty)
@@ -103,7 +104,8 @@ def _check(x_MH: torch.Tensor, experts) -> None:
     if experts.has_lora and experts.lora_dropout > 0 and experts.training:
         raise NotImplementedError(
             f"scattermoe: lora_dropout={experts.lora_dropout} in training mode is not implemented (the fused "
-            "kernels read x once for the base and the LoRA path); set lora_dropout=0 or use the eager backend")
+            "kernels read x once for the base and the LoRA path); set lora_dropout=0 or use the eager "
+            "backend")
     if not isinstance(experts.gate_up, torch.Tensor) or experts.gate_up.dtype != x_MH.dtype:
         raise TypeError(f"scattermoe needs plain expert weights of the activation dtype {x_MH.dtype}, "
                         f"got {type(experts.gate_up).__name__} {getattr(experts.gate_up, 'dtype', None)}")

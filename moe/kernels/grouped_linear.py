@@ -79,7 +79,7 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, a_ptrs, step_a, K, acc, acc_r,
             LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K; rows and columns are pre-clamped."""
     k_K = tl.arange(0, BLOCK_K)
-    for i in range(0, tl.cdiv(K, BLOCK_K)):
+    for i in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(in_ptrs)
             w = tl.load(w_ptrs)
@@ -119,20 +119,11 @@ def _columns(pid_n, N, GLU_FWD: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _lora_epilogue(acc, acc_r, ia_ptr, s_ia_m, p_M, mask_M, b_ptrs, s_b_r, R, scaling, write_ia,
-                   LORA_IN_LOOP: tl.constexpr, BLOCK_R: tl.constexpr):
-    """acc + scaling * ia @ B^T, where ia = in @ A^T came from the K loop (then stored) or from memory."""
+def _lora_product(ia, b_ptrs, s_b_r, R, scaling, BLOCK_R: tl.constexpr):
+    """scaling * ia @ B^T for this tile's columns ([BLOCK_M, BLOCK_R] x [BLOCK_R, BLOCK_N], fp32)."""
     r_R = tl.arange(0, BLOCK_R)
-    mask_R = r_R < R
-    ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
-    if LORA_IN_LOOP:
-        ia = acc_r.to(ia_ptr.dtype.element_ty)
-        if write_ia:
-            tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
-    else:
-        ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
-    b = tl.load(b_ptrs + r_R[:, None] * s_b_r, mask=mask_R[:, None], other=0.0)
-    return acc + scaling * tl.dot(ia, b)
+    b = tl.load(b_ptrs + r_R[:, None] * s_b_r, mask=(r_R < R)[:, None], other=0.0)
+    return scaling * tl.dot(ia, b)
 
 
 @triton.jit
@@ -177,7 +168,8 @@ def _swiglu_backward_epilogue(g_acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_d
     c_C = tl.arange(0, BLOCK_N // DW_BLOCK)
     col_C = pid_n * (BLOCK_N // DW_BLOCK) + c_C
     part = tl.where(c_C[None, :] == 0, dw_M[:, None], 0.0)
-    tl.store(dw_ptr + row_M * s_dw_m + col_C[None, :], part, mask=mask_M[:, None] & (col_C < DW_COLS)[None, :])
+    tl.store(dw_ptr + row_M * s_dw_m + col_C[None, :], part,
+             mask=mask_M[:, None] & (col_C < DW_COLS)[None, :])
 
 
 @triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R"],
@@ -225,14 +217,25 @@ def _grouped_linear_kernel(
         a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
     else:
         a_ptrs = in_ptrs
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        r_R = tl.arange(0, BLOCK_R)
+        ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
+        b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
+    if HAS_LORA and not LORA_IN_LOOP:
+        # Split LoRA: the rank-sized ia is already in memory; its product seeds the accumulator, so
+        # nothing LoRA-related stays live across the K loop (the base loop keeps its registers).
+        ia = tl.load(ia_ptrs, mask=(r_R < R)[None, :], other=0.0)
+        acc = _lora_product(ia, b_ptrs, s_b_r, R, scaling, BLOCK_R)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, a_ptrs, BLOCK_K * s_a_k, K,
                          acc, acc_r, LORA_IN_LOOP, EVEN_K, BLOCK_K)
-    if HAS_LORA:
-        b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
-        acc = _lora_epilogue(acc, acc_r, ia_ptr, s_ia_m, p_M, mask_M, b_ptrs, s_b_r, R, scaling, pid_n == 0,
-                             LORA_IN_LOOP, BLOCK_R)
+    if LORA_IN_LOOP:
+        ia = acc_r.to(ia_ptr.dtype.element_ty)
+        if pid_n == 0:  # every column block computed the same ia: one writes it
+            tl.store(ia_ptrs, ia, mask=mask_M[:, None] & (r_R < R)[None, :])
+        acc += _lora_product(ia, b_ptrs, s_b_r, R, scaling, BLOCK_R)
     if GLU_FWD:
         _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                  BLOCK_M, BLOCK_N)
@@ -240,7 +243,8 @@ def _grouped_linear_kernel(
         _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                   rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_N, DW_BLOCK)
     else:
-        out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + n_N[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
 
 

@@ -39,7 +39,7 @@ def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, off
     row0 = tl.load(offsets_ptr + e)
     row_end = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    for i in range(0, tl.cdiv(row_end - row0, BLOCK_K)):
+    for i in range(tl.cdiv(row_end - row0, BLOCK_K)):
         p_K = row0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_K = p_K < row_end
         p_K = tl.where(mask_K, p_K, row0)
@@ -53,12 +53,12 @@ def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, off
         else:
             rows_r = p_K.to(tl.int64)
         # Rows past the segment must load zeros: they are inside the reduction.
-        lt = tl.load(l_ptr + rows_l[:, None] * s_l_m + i_P[None, :] * s_l_c, mask=mask_K[:, None] & mask_P[None, :],
-                     other=0.0)
+        lt = tl.load(l_ptr + rows_l[:, None] * s_l_m + i_P[None, :] * s_l_c,
+                     mask=mask_K[:, None] & mask_P[None, :], other=0.0)
         if SCALE_L:
             lt = (lt * tl.load(rw_ptr + slot_K).to(tl.float32)[:, None]).to(l_ptr.dtype.element_ty)
-        rt = tl.load(r_ptr + rows_r[:, None] * s_r_m + j_Q[None, :] * s_r_c, mask=mask_K[:, None] & mask_Q[None, :],
-                     other=0.0)
+        rt = tl.load(r_ptr + rows_r[:, None] * s_r_m + j_Q[None, :] * s_r_c,
+                     mask=mask_K[:, None] & mask_Q[None, :], other=0.0)
         acc = tl.dot(tl.trans(lt), rt, acc)
     out_ptrs = out_ptr + e.to(tl.int64) * s_o_e + i_P[:, None] * s_o_p + j_Q[None, :] * s_o_q
     tl.store(out_ptrs, (acc * scaling).to(out_ptr.dtype.element_ty), mask=mask_P[:, None] & mask_Q[None, :])

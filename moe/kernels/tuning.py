@@ -54,7 +54,7 @@ def _clamp(block: int, extent: int) -> int:
     return min(block, max(_MIN_DOT, triton.next_power_of_2(extent)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_memory_bytes(device: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
@@ -84,8 +84,8 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
         bn = max(min_n, _clamp(c.kwargs["BLOCK_N"], cols))
         bk = _clamp(c.kwargs["BLOCK_K"], args["K"])
         stage = bm * bk + bn * bk + (block_r * bk if args["LORA_IN_LOOP"] else 0)
-        acc = bm * bn + (bm * block_r if args["HAS_LORA"] else 0)
-        budget = _ACC_REGS_LORA_OR_GLU_BWD if args["HAS_LORA"] or glu_bwd else _ACC_REGS
+        acc = bm * bn + (bm * block_r if args["LORA_IN_LOOP"] else 0)
+        budget = _ACC_REGS_LORA_OR_GLU_BWD if args["LORA_IN_LOOP"] or glu_bwd else _ACC_REGS
         if _fits(c, stage, args["in_ptr"].element_size(), acc, budget, device):
             kept[(bm, bn, bk, c.num_warps, c.num_stages)] = _config(bm, bn, bk, c.num_warps, c.num_stages)
     return _dedupe_or_smallest(kept, configs)

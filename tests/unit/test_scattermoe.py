@@ -11,18 +11,18 @@ import os
 # Must precede the first triton import: the kernels are decorated for the interpreter at import time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import subprocess
+import sys
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
-from moe.backends import expert_backend  # noqa: E402
-from moe.experts import GroupedExperts  # noqa: E402
-from moe.kernels import tuning  # noqa: E402
-from moe.kernels.routing import sort_slots  # noqa: E402
+from moe.backends import expert_backend
+from moe.experts import GroupedExperts
+from moe.kernels import tuning
+from moe.kernels.routing import sort_slots
 
 if not tuning.INTERPRET and not torch.cuda.is_available():
     pytest.skip("moe.kernels was imported before TRITON_INTERPRET=1 was set and there is no GPU",
@@ -76,7 +76,8 @@ def assert_matches_eager(ex, x, ids, w):
     return got
 
 
-@pytest.mark.parametrize("E,k,rank,split", [(4, 1, R, False), (8, 2, R, False), (8, 2, R, True), (4, 2, 0, False)],
+@pytest.mark.parametrize("E,k,rank,split",
+                         [(4, 1, R, False), (8, 2, R, False), (8, 2, R, True), (4, 2, 0, False)],
                          ids=["E4-k1-lora", "E8-k2-lora", "E8-k2-lora-split", "E4-k2-full"])
 def test_matches_eager(E, k, rank, split, monkeypatch):
     if split:  # force the few-large-experts path at tiny shapes
