@@ -10,7 +10,10 @@ with W_e = w_ENK[e] [N, K], A_e = A_ErK[e] [r, K], B_e = B_ENr[e] [N, r] read th
 so a transposed view (the backward's W^T, B^T, A^T) costs nothing. The LoRA product is either fused
 (in @ A^T accumulated in the K loop next to the base product, @ B^T in the epilogue; the rank-sized
 intermediate is written once, by the first column block) or split (the intermediate is computed
-beforehand by a rank-sized grouped product and the base K loop runs at full speed).
+beforehand by a rank-sized grouped product; its product with B^T seeds the accumulator, so the base
+K loop runs with the registers of the LoRA-free kernel). SwiGLU is fused into the epilogues: forward
+(gate and up columns interleaved in one accumulator) and backward (together with the routing weight
+and its gradient).
 
 Public launchers:
     gate_up_swiglu(x_MH, slots, w_E2IH, lora)          -> gate_up_S2I, h_SI, xa_Sr  (SwiGLU fused)
@@ -213,8 +216,9 @@ def _grouped_linear_kernel(
     in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
     w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
     if LORA_IN_LOOP:
-        r_R = tl.minimum(tl.arange(0, BLOCK_R), R - 1)
-        a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
+        # Clamped rank rows (BLOCK_R >= 16 > r possibly): duplicates meet zero rows of B^T later.
+        r_clamped_R = tl.minimum(tl.arange(0, BLOCK_R), R - 1)
+        a_ptrs = a_ptr + e64 * s_a_e + r_clamped_R[None, :] * s_a_r + k_K[:, None] * s_a_k
     else:
         a_ptrs = in_ptrs
     if HAS_LORA:
