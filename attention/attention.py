@@ -85,28 +85,39 @@ def check_attn_backend(name: str) -> None:
 
 
 class Qwen3Attention(nn.Module):
+    """Qwen3 attention. `gated=True` is the Qwen3.5 / Qwen3-Next form: q_proj yields a query and a
+    gate per head ([q | gate] per head), the output is multiplied by sigmoid(gate) before o_proj, the
+    q/k norms use (1 + w), and RoPE may cover only the first `rotary_dim` dims."""
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 bias: bool = False, backend: str = "sdpa", norm_rope_impl: str = "auto",
-                 device=None, dtype=None):
+                 bias: bool = False, backend: str = "sdpa", norm_rope_impl: str = "auto", gated: bool = False,
+                 rotary_dim: int | None = None, o_bias: bool = False, device=None, dtype=None):
         super().__init__()
         check_attn_backend(backend)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.backend, self.norm_rope_impl = eps, backend, norm_rope_impl
+        self.gated, self.rotary_dim = gated, rotary_dim
         self.scale = head_dim ** -0.5
         factory = dict(device=device, dtype=dtype)
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias, **factory)
+        q_out = num_heads * head_dim * (2 if gated else 1)
+        self.q_proj = nn.Linear(hidden, q_out, bias=bias, **factory)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False, **factory)
-        self.q_norm = RMSNorm(head_dim, eps, **factory)
-        self.k_norm = RMSNorm(head_dim, eps, **factory)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias, **factory)
+        self.q_norm = RMSNorm(head_dim, eps, unit_offset=gated, **factory)
+        self.k_norm = RMSNorm(head_dim, eps, unit_offset=gated, **factory)
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         B, S, _ = x_BSH.shape
-        q_BSHD = self.q_proj(x_BSH).view(B, S, self.num_heads, self.head_dim)
+        q_BSHD = self.q_proj(x_BSH).view(B, S, self.num_heads, -1)
+        if self.gated:
+            q_BSHD, gate_BSHD = q_BSHD.chunk(2, dim=-1)
         k_BSKD = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
         v_BSKD = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
         q_BSHD, k_BSKD = qk_norm_rope(q_BSHD, k_BSKD, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                      self.eps, impl=self.norm_rope_impl)
+                                      self.eps, unit_offset=self.gated, rotary_dim=self.rotary_dim,
+                                      impl=self.norm_rope_impl)
         out_BSHD = ATTN_BACKENDS[self.backend](q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
+        if self.gated:
+            out_BSHD = out_BSHD * torch.sigmoid(gate_BSHD)
         return self.o_proj(out_BSHD.reshape(B, S, -1))
