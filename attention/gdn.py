@@ -1,0 +1,152 @@
+"""Gated DeltaNet (the linear-attention layer of Qwen3.5 / Qwen3-Next) over packed sequences.
+
+    gdn = GatedDeltaNet(hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, eps,
+                        layout="qwen3_5" | "qwen3_next", op_set="torch" | "fla", device=None, dtype=None)
+    y_BSH = gdn(x_BSH, meta)      # meta: attention.attention.AttnMeta or None
+
+Computation (per token t, value head h, key head h * num_k_heads // num_v_heads):
+    q, k, v = silu(depthwise causal conv1d(in-projection))     window `conv_kernel`, reset per document
+    beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated delta rule(l2norm(q) * head_k_dim^-0.5, l2norm(k), v, g, beta)   state reset per document
+    y = out_proj(rmsnorm(o) * norm.weight * silu(z))
+
+Packed input: B rows of S tokens; `meta.cu_seqlens` (int32 [docs + 1], boundaries over the flattened
+B*S tokens, never crossing a row: what the collator builds) says where documents start. Rows that hold
+several documents REQUIRE meta.cu_seqlens: the layer sees no position_ids, and without cu_seqlens
+(meta None, or meta.cu_seqlens None as in an SDPA-only AttnMeta) every row is one document.
+meta.max_seqlen and meta.sdpa_mask_B1SS are not used.
+
+Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py), chosen at build time, one contract:
+    docs = ops.prepare_docs(cu_seqlens, B, S, device)
+    y_BSD = ops.causal_conv1d_silu(x_BSD, weight_DW, docs)
+    o_BSHV = ops.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
+`torch` is plain PyTorch (CPU path, reference); `fla` wraps flash-linear-attention's CUDA kernels in
+opaque torch.library custom ops and is imported only when chosen.
+
+Parameters carry the HF names (conv1d.weight, dt_bias, A_log, norm.weight, out_proj.weight and
+in_proj_qkv/z/b/a for qwen3_5, in_proj_qkvz/ba for qwen3_next), so checkpoints load by name and the
+projections are plain nn.Linear children that LoRA can swap. The qwen3_next projections interleave per
+key-head group ([q, k, v_group, z_group] and [b_group, a_group] for each of num_k_heads groups).
+
+Shapes: x_BSH [B, S, hidden], conv channels D = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim,
+q/k_BSHK [B, S, num_k_heads, head_k_dim], v/z/o_BSHV [B, S, num_v_heads, head_v_dim], g/beta_BSH
+[B, S, num_v_heads].
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.attention import AttnMeta
+
+GDN_OP_SETS = ("torch", "fla")
+GDN_LAYOUTS = ("qwen3_5", "qwen3_next")
+
+
+def check_gdn_op_set(name: str) -> None:
+    """Raises ValueError naming the fix when op set `name` cannot run here."""
+    if name not in GDN_OP_SETS:
+        raise ValueError(f"unknown GDN op set {name!r}; choose one of {list(GDN_OP_SETS)}")
+    if name == "fla":
+        if not torch.cuda.is_available():
+            raise ValueError("GDN op set 'fla' needs a CUDA device; use op set 'torch' on CPU")
+        if importlib.util.find_spec("fla") is None:
+            raise ValueError("GDN op set 'fla' needs flash-linear-attention==0.6.0 (pip install "
+                             "'moe-runtime[gdn]'); or use op set 'torch'")
+
+
+def load_op_set(name: str):
+    """The op-set module; importing `fla` only here keeps it off CPU-only runs."""
+    check_gdn_op_set(name)
+    return importlib.import_module(f"attention.gdn_ops_{name}")
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(o) * weight * silu(z) over the head dim, with the HF rounding: fp32 norm, weight applied
+    in the input dtype, gate in fp32, result in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        o32 = o.float()
+        normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(o.dtype) * F.silu(z.float())).to(o.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, eps: float, layout: str = "qwen3_5", op_set: str = "torch",
+                 device=None, dtype=None):
+        super().__init__()
+        if layout not in GDN_LAYOUTS:
+            raise ValueError(f"unknown GDN layout {layout!r}; choose one of {list(GDN_LAYOUTS)}")
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        self.ops = load_op_set(op_set)
+        self.layout, self.op_set = layout, op_set
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        factory = dict(device=device, dtype=dtype)
+        if layout == "qwen3_5":
+            self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False, **factory)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False, **factory)
+            self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False, **factory)
+            self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False, **factory)
+        else:
+            self.in_proj_qkvz = nn.Linear(hidden, conv_dim + self.value_dim, bias=False, **factory)
+            self.in_proj_ba = nn.Linear(hidden, 2 * num_v_heads, bias=False, **factory)
+        # Only its weight [D, 1, W] is used (by the op set); nn.Conv1d keeps the HF name and init.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, padding=conv_kernel - 1,
+                                bias=False, **factory)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads, **factory))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, **factory))
+        self.norm = GatedRMSNorm(head_v_dim, eps, **factory)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HF init of the decay parameters: dt_bias = 1, A = exp(A_log) ~ U(0.01, 16)."""
+        if self.A_log.is_meta:
+            return
+        with torch.no_grad():
+            self.dt_bias.fill_(1.0)
+            self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(0.01, 16).log())
+
+    def project(self, x_BSH: torch.Tensor):
+        """(conv input qkv_BSD in [q | k | v] channel order, z_BSHV, b_BSH, a_BSH)."""
+        B, S, _ = x_BSH.shape
+        if self.layout == "qwen3_5":
+            return (self.in_proj_qkv(x_BSH), self.in_proj_z(x_BSH).view(B, S, self.num_v_heads, self.head_v_dim),
+                    self.in_proj_b(x_BSH), self.in_proj_a(x_BSH))
+        group = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x_BSH).view(B, S, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
+                                 group * self.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x_BSH).view(B, S, self.num_k_heads, 2 * group).split([group, group], dim=-1)
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        return (qkv, z.reshape(B, S, self.num_v_heads, self.head_v_dim),
+                b.reshape(B, S, self.num_v_heads), a.reshape(B, S, self.num_v_heads))
+
+    def forward(self, x_BSH: torch.Tensor, meta: AttnMeta | None = None) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        qkv_BSD, z_BSHV, b_BSH, a_BSH = self.project(x_BSH)
+        docs = self.ops.prepare_docs(meta.cu_seqlens if meta is not None else None, B, S, x_BSH.device)
+        qkv_BSD = self.ops.causal_conv1d_silu(qkv_BSD, self.conv1d.weight.squeeze(1), docs)
+        q, k, v = qkv_BSD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta_BSH = b_BSH.sigmoid()
+        # fp32 decay: exp(A_log) overflows fp16 and the decay's cumsum needs the precision
+        g_BSH = -self.A_log.float().exp() * F.softplus(a_BSH.float() + self.dt_bias)
+        o_BSHV = self.ops.chunk_gated_delta_rule(
+            q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+            v.unflatten(-1, (self.num_v_heads, self.head_v_dim)), g_BSH, beta_BSH, docs)
+        return self.out_proj(self.norm(o_BSHV, z_BSHV).flatten(2))
