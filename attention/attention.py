@@ -42,11 +42,11 @@ def packed_causal_mask(position_ids_BS: torch.Tensor) -> torch.Tensor:
 
 def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
                     max_seqlen: int | None = None, backend: str = "sdpa") -> AttnMeta:
-    if position_ids_BS is None:
-        return AttnMeta()
-    if backend == "flash":
+    if position_ids_BS is None or backend == "flash":
         return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    return AttnMeta(sdpa_mask_B1SS=packed_causal_mask(position_ids_BS))
+    # cu_seqlens ride along for the GDN layers of hybrid models
+    return AttnMeta(sdpa_mask_B1SS=packed_causal_mask(position_ids_BS), cu_seqlens=cu_seqlens,
+                    max_seqlen=max_seqlen)
 
 
 def sdpa_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:

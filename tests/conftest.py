@@ -17,6 +17,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 TINY_MOE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                 max_position_embeddings=256, rms_norm_eps=1e-6, norm_topk_prob=True)
+TINY_HYBRID = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                   max_position_embeddings=256, rms_norm_eps=1e-6)
 TINY_DENSE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=96, max_position_embeddings=256)
 
@@ -31,16 +36,42 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
 
 def write_hf_checkpoint(path, kind: str = "moe", seed: int = 0, **overrides):
     """Writes a randomly perturbed transformers model with save_pretrained; returns the HF model."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     torch.manual_seed(seed)
-    if kind == "moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_MOE, **overrides}))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**{**TINY_DENSE, **overrides}))
+    model = _build_hf_model(kind, overrides)
     perturb_(model, seed)
     model.save_pretrained(path)
     return model.eval()
+
+
+def _build_hf_model(kind: str, overrides: dict):
+    import transformers as tf
+
+    if kind == "moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**TINY_MOE, **overrides}))
+    if kind == "dense":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**TINY_DENSE, **overrides}))
+    if kind == "qwen3_next":
+        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**TINY_HYBRID, **overrides}))
+    hybrid = {k: v for k, v in {**TINY_HYBRID, **overrides}.items()}
+    if kind == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        hybrid.pop("intermediate_size")
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**hybrid))
+    if kind == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok"):
+            hybrid.pop(key)
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hybrid))
+    if kind == "qwen3_5_moe_vl":  # the published *ForConditionalGeneration layout
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        hybrid.pop("intermediate_size")
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=1, spatial_merge_size=1)
+        return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision))
+    raise ValueError(kind)
 
 
 @pytest.fixture(scope="session")

@@ -23,9 +23,18 @@ from torch import nn
 
 from attention.rope import RopeConfig
 from moe.experts import GroupedExperts
-from runtime.models.qwen import QwenConfig, QwenForCausalLM, init_weights
+from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM, init_weights
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# The published Qwen3.5 checkpoints are *ForConditionalGeneration: text config nested, text weights
+# under model.language_model.*; we load their text part and save the text-only *ForCausalLM layout.
+CONDITIONAL_GENERATION = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+                          "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}
+TEXT_PREFIX = "model.language_model."
+# Checkpoint parts the text model never uses: vision tower, multi-token-prediction heads.
+_FOREIGN = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up|down)$")
 
 
@@ -53,44 +62,71 @@ def rope_config_from_hf(hf: dict) -> RopeConfig:
                       **extras)
 
 
+def text_config(hf: dict) -> dict:
+    """The text model's HF config: nested text_config of a *ForConditionalGeneration, else hf itself."""
+    if hf.get("model_type") not in CONDITIONAL_GENERATION:
+        return hf
+    model_type, architecture = CONDITIONAL_GENERATION[hf["model_type"]]
+    return {**hf["text_config"], "model_type": model_type, "architectures": [architecture]}
+
+
+def _gdn_config(hf: dict, model_type: str) -> GDNConfig:
+    return GDNConfig(num_k_heads=hf["linear_num_key_heads"], num_v_heads=hf["linear_num_value_heads"],
+                     head_k_dim=hf["linear_key_head_dim"], head_v_dim=hf["linear_value_head_dim"],
+                     conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+                     layout="qwen3_next" if model_type == "qwen3_next" else "qwen3_5")
+
+
 def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
     """Our config from a HF config dict; `runtime_options` sets expert_backend, attn_backend, ..."""
+    hf = text_config(hf)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     num_layers = runtime_options.pop("num_layers", None) or hf["num_hidden_layers"]
-    moe = model_type == "qwen3_moe"
+    moe = model_type in MOE_MODEL_TYPES
+    hybrid = model_type in HYBRID_MODEL_TYPES
+    hybrid_fields = dict(layer_types=tuple(hf["layer_types"][:num_layers]), gated_attention=True,
+                         norm_unit_offset=True, gdn=_gdn_config(hf, model_type),
+                         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0
+                         ) if hybrid else {}
+    # Qwen3.5-MoE always renormalizes its top-k weights and has no norm_topk_prob key.
+    norm_topk = hf.get("norm_topk_prob", model_type == "qwen3_5_moe_text")
     return QwenConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
         num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"], rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        intermediate_size=hf.get("intermediate_size") or 0, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope=rope_config_from_hf(hf), tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=hf.get("attention_bias", False), initializer_range=hf.get("initializer_range", 0.02),
         num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
         num_experts_per_tok=hf.get("num_experts_per_tok", 0) if moe else 0,
         moe_intermediate_size=hf.get("moe_intermediate_size", 0) if moe else 0,
-        norm_topk_prob=hf.get("norm_topk_prob", False), decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), hf_config=hf, **runtime_options)
+        norm_topk_prob=norm_topk, decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), hf_config=hf, **hybrid_fields, **runtime_options)
 
 
 class SafetensorsCheckpoint:
-    """Key -> file index over a single-file or sharded (model.safetensors.index.json) checkpoint."""
+    """Key -> file index over a single-file or sharded (model.safetensors.index.json) checkpoint.
+    Keys are presented in the text-only layout: model.language_model.X reads as model.X, and vision /
+    MTP tensors are left out."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: self.path / f for k, f in weight_map.items()}
+            stored = {k: self.path / f for k, f in weight_map.items()}
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {self.path}")
-            self.files = {}
+            stored = {}
             for f in files:
                 with safe_open(f, "pt") as handle:
-                    self.files.update({k: f for k in handle.keys()})
+                    stored.update({k: f for k in handle.keys()})
+        # our name -> (file, name in the file)
+        self.files = {_text_name(k): (f, k) for k, f in stored.items() if not _FOREIGN.match(k)}
 
     def __contains__(self, key: str) -> bool:
         return key in self.files
@@ -99,26 +135,33 @@ class SafetensorsCheckpoint:
         return set(self.files)
 
     def _each_file(self, keys):
-        """(open handle, its keys) for every file holding some of `keys`, each file opened once."""
-        by_file: dict[Path, list[str]] = defaultdict(list)
+        """(open handle, [(our key, stored key)]) per file holding some of `keys`, each opened once."""
+        by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
         for key in keys:
-            by_file[self.files[key]].append(key)
+            file, stored = self.files[key]
+            by_file[file].append((key, stored))
         for file, names in by_file.items():
             with safe_open(file, "pt") as handle:
                 yield handle, names
 
     def shapes(self, keys) -> dict[str, tuple[int, ...]]:
         """Tensor shapes from the safetensors headers, without reading data."""
-        return {k: tuple(handle.get_slice(k).get_shape()) for handle, names in self._each_file(keys) for k in names}
+        return {k: tuple(handle.get_slice(stored).get_shape())
+                for handle, names in self._each_file(keys) for k, stored in names}
 
     def read(self, requests: dict[str, tuple[int, int] | None]) -> dict[str, torch.Tensor]:
         """Reads {key: (start, end) rows of dim 0, or None for all}."""
         out = {}
-        for handle, keys in self._each_file(requests):
-            for key in keys:
+        for handle, names in self._each_file(requests):
+            for key, stored in names:
                 rows = requests[key]
-                out[key] = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0]:rows[1]]
+                out[key] = (handle.get_tensor(stored) if rows is None
+                            else handle.get_slice(stored)[rows[0]:rows[1]])
         return out
+
+
+def _text_name(key: str) -> str:
+    return "model." + key.removeprefix(TEXT_PREFIX) if key.startswith(TEXT_PREFIX) else key
 
 
 def _expert_sources(ckpt: SafetensorsCheckpoint, prefix: str, name: str, experts: GroupedExperts):
@@ -300,6 +343,8 @@ def atomic_dir(out_dir: str | Path):
 def hf_config_dict(cfg: QwenConfig, dtype: torch.dtype) -> dict:
     hf = dict(cfg.hf_config)
     hf["num_hidden_layers"] = cfg.num_layers
+    if "layer_types" in hf:
+        hf["layer_types"] = list(hf["layer_types"][:cfg.num_layers])
     hf["dtype"] = str(dtype).removeprefix("torch.")
     return hf
 

@@ -1,4 +1,7 @@
-"""Qwen3 (dense) and Qwen3-MoE decoders assembled from `attention/` and `moe/` layers.
+"""Qwen3 / Qwen3-MoE and the hybrid Qwen3.5 / Qwen3.5-MoE / Qwen3-Next decoders, assembled from
+`attention/` and `moe/` layers. Hybrid models interleave Gated DeltaNet (`linear_attn`) and gated
+attention (`self_attn`) blocks by `layer_types`, use (1 + w) RMSNorms, and add a sigmoid-gated
+shared expert to every MoE block.
 
 Module names follow the HF checkpoints (model.layers.{i}.self_attn.q_proj, ...mlp.gate, ...) so the
 checkpoint mapping in `hf.py` is a rename of the expert tensors only.
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta
+from attention.gdn import GatedDeltaNet
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
 from moe.experts import GroupedExperts
@@ -23,6 +27,16 @@ from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GDNConfig:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    layout: str  # "qwen3_5" | "qwen3_next": the projections' key layout
 
 
 @dataclass
@@ -46,13 +60,23 @@ class QwenConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Hybrid models (Qwen3.5, Qwen3-Next); `layer_types` empty means every block is full attention.
+    layer_types: tuple[str, ...] = ()
+    gated_attention: bool = False
+    norm_unit_offset: bool = False
+    shared_expert_intermediate_size: int = 0
+    gdn: GDNConfig | None = None
     # Runtime choices, not part of the HF config
     expert_backend: str = "grouped_mm"
     attn_backend: str = "sdpa"
     norm_rope_impl: str = "auto"
+    gdn_op_set: str = "torch"
     router_aux_loss_coef: float = 0.0
     # The HF config.json this came from, written back by save_pretrained.
     hf_config: dict = field(default_factory=dict, repr=False)
+
+    def is_linear_attention(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
@@ -66,18 +90,36 @@ def build_mlp(cfg: QwenConfig, layer: int, device=None, dtype=None) -> nn.Module
                                cfg.router_aux_loss_coef, device=device, dtype=dtype)
     experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                              device=device, dtype=dtype)
-    return MoEBlock(router, experts, backend=cfg.expert_backend)
+    shared, shared_gate = None, None
+    if cfg.shared_expert_intermediate_size:
+        shared = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, device=device, dtype=dtype)
+        shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False, device=device, dtype=dtype)
+    return MoEBlock(router, experts, backend=cfg.expert_backend, shared_expert=shared,
+                    shared_expert_gate=shared_gate)
+
+
+def build_token_mixer(cfg: QwenConfig, layer: int, rotary_dim: int, device=None, dtype=None) -> tuple[str, nn.Module]:
+    """(HF module name, module): Gated DeltaNet for linear-attention layers, else (gated) attention."""
+    factory = dict(device=device, dtype=dtype)
+    if cfg.is_linear_attention(layer):
+        g = cfg.gdn
+        return "linear_attn", GatedDeltaNet(cfg.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
+                                            g.conv_kernel, cfg.rms_norm_eps, layout=g.layout, op_set=cfg.gdn_op_set,
+                                            **factory)
+    return "self_attn", Qwen3Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       cfg.rms_norm_eps, cfg.attention_bias, cfg.attn_backend, cfg.norm_rope_impl,
+                                       gated=cfg.gated_attention, rotary_dim=rotary_dim, **factory)
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: QwenConfig, layer: int, device=None, dtype=None):
+    def __init__(self, cfg: QwenConfig, layer: int, rotary_dim: int, device=None, dtype=None):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.self_attn = Qwen3Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                        cfg.rms_norm_eps, cfg.attention_bias, cfg.attn_backend,
-                                        cfg.norm_rope_impl, **factory)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        norm = dict(eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset, **factory)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.mixer_name, mixer = build_token_mixer(cfg, layer, rotary_dim, **factory)
+        self.add_module(self.mixer_name, mixer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.mlp = build_mlp(cfg, layer, **factory)
         # Set by runtime.parallelize for activation checkpointing: (fn, *args) -> fn(*args) recomputed.
         self.checkpoint_fn = None
@@ -88,7 +130,11 @@ class DecoderBlock(nn.Module):
         return self._forward(h_BSH, cos, sin, meta)
 
     def _forward(self, h_BSH, cos, sin, meta):
-        h_BSH = h_BSH + self.self_attn(self.input_layernorm(h_BSH), cos, sin, meta)
+        x_BSH = self.input_layernorm(h_BSH)
+        if self.mixer_name == "linear_attn":
+            h_BSH = h_BSH + self.linear_attn(x_BSH, meta)
+        else:
+            h_BSH = h_BSH + self.self_attn(x_BSH, cos, sin, meta)
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 
@@ -96,10 +142,13 @@ class QwenModel(nn.Module):
     def __init__(self, cfg: QwenConfig, device=None, dtype=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        # A ModuleDict keyed by layer index keeps FQNs stable when layers are dropped or reordered.
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, i, device, dtype) for i in range(cfg.num_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, device=device)
+        rotary_dim = self.rotary_emb.rotary_dim
+        # A ModuleDict keyed by layer index keeps FQNs stable when layers are dropped or reordered.
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, i, rotary_dim, device, dtype)
+                                     for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset, device=device,
+                            dtype=dtype)
 
 
 class QwenForCausalLM(nn.Module):
@@ -115,6 +164,9 @@ class QwenForCausalLM(nn.Module):
                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
         B, S = input_ids_BS.shape
         h_BSH = self.model.embed_tokens(input_ids_BS)
+        if position_ids_BS is not None and cu_seqlens is None and self.config.layer_types:
+            # GDN layers need document boundaries; the collator passes them, direct calls may not.
+            cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
         meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, self.config.attn_backend)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
@@ -134,6 +186,17 @@ class QwenForCausalLM(nn.Module):
         """Sum of the router balance losses of the last forward (None when disabled)."""
         losses = [b.aux_loss for b in self.moe_blocks() if b.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
+
+
+def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Document boundaries over the flattened B*S tokens (a document starts where the position is 0
+    and at every row start). Data-dependent: the collator computes these once per batch instead."""
+    B, S = position_ids_BS.shape
+    starts = position_ids_BS == 0
+    starts[:, 0] = True
+    begin = torch.nonzero(starts.flatten()).flatten()
+    cu = torch.cat([begin, begin.new_tensor([B * S])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -157,5 +220,5 @@ def init_weights(model: QwenForCausalLM) -> None:
         elif isinstance(module, GroupedExperts):
             nn.init.normal_(module.gate_up, std=std)
             nn.init.normal_(module.down, std=std)
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, (RMSNorm, GatedDeltaNet)):
             module.reset_parameters()
