@@ -78,24 +78,26 @@ def _expert_block(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.cons
 
 
 @triton.jit
-def _k_loop(in_ptrs, step_in, w_ptrs, step_w, a_ptrs, step_a, K, acc, acc_r,
+def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r,
             LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K; rows and columns are pre-clamped."""
+    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K. Rows are pre-clamped; weight columns
+    and rank rows are masked, never clamped: a clamped index hides the contiguity of a transposed
+    weight view (the backward's W^T) and its loads lose vectorization and async pipelining."""
     k_K = tl.arange(0, BLOCK_K)
     for i in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(in_ptrs)
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs, mask=mask_N[None, :], other=0.0)
         else:
             k_in = k_K < K - i * BLOCK_K
             x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=k_in[:, None] & mask_N[None, :], other=0.0)
         acc = tl.dot(x, w, acc)
         if LORA_IN_LOOP:
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                a = tl.load(a_ptrs, mask=mask_R[None, :], other=0.0)
             else:
-                a = tl.load(a_ptrs, mask=k_in[:, None], other=0.0)
+                a = tl.load(a_ptrs, mask=k_in[:, None] & mask_R[None, :], other=0.0)
             acc_r = tl.dot(x, a, acc_r)
             a_ptrs += step_a
         in_ptrs += step_in
@@ -105,7 +107,7 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, a_ptrs, step_a, K, acc, acc_r,
 
 @triton.jit
 def _columns(pid_n, N, GLU_FWD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Weight rows of this column block (clamped in range) and their validity.
+    """Weight rows of this column block and their validity (loads mask, stores drop the rest).
 
     GLU_FWD interleaves gate row n and up row N + n in adjacent tile columns so one accumulator holds
     both and the SwiGLU pairs them with a reshape + split.
@@ -117,15 +119,14 @@ def _columns(pid_n, N, GLU_FWD: tl.constexpr, BLOCK_N: tl.constexpr):
     else:
         n_N = pid_n * BLOCK_N + c_N
         wrow_N = n_N
-    mask_N = n_N < N
-    return tl.where(mask_N, wrow_N, 0), mask_N
+    return wrow_N, n_N < N
 
 
 @triton.jit
-def _lora_product(ia, b_ptrs, s_b_r, R, scaling, BLOCK_R: tl.constexpr):
+def _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R: tl.constexpr):
     """scaling * ia @ B^T for this tile's columns ([BLOCK_M, BLOCK_R] x [BLOCK_R, BLOCK_N], fp32)."""
     r_R = tl.arange(0, BLOCK_R)
-    b = tl.load(b_ptrs + r_R[:, None] * s_b_r, mask=(r_R < R)[:, None], other=0.0)
+    b = tl.load(b_ptrs + r_R[:, None] * s_b_r, mask=(r_R < R)[:, None] & mask_N[None, :], other=0.0)
     return scaling * tl.dot(ia, b)
 
 
@@ -228,31 +229,30 @@ def _grouped_linear_kernel(
     k_K = tl.arange(0, BLOCK_K)
     in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
     w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
+    r_R = tl.arange(0, BLOCK_R)
+    mask_R = r_R < R
     if LORA_IN_LOOP:
-        # Clamped rank rows (BLOCK_R >= 16 > r possibly): duplicates meet zero rows of B^T later.
-        r_clamped_R = tl.minimum(tl.arange(0, BLOCK_R), R - 1)
-        a_ptrs = a_ptr + e64 * s_a_e + r_clamped_R[None, :] * s_a_r + k_K[:, None] * s_a_k
+        a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
     else:
         a_ptrs = in_ptrs
     if HAS_LORA:
-        r_R = tl.arange(0, BLOCK_R)
         ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
         b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
     if HAS_LORA and not LORA_IN_LOOP:
         # Split LoRA: the rank-sized ia is already in memory; its product seeds the accumulator, so
         # nothing LoRA-related stays live across the K loop (the base loop keeps its registers).
-        ia = tl.load(ia_ptrs, mask=(r_R < R)[None, :], other=0.0)
-        acc = _lora_product(ia, b_ptrs, s_b_r, R, scaling, BLOCK_R)
+        ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
+        acc = _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, a_ptrs, BLOCK_K * s_a_k, K,
-                         acc, acc_r, LORA_IN_LOOP, EVEN_K, BLOCK_K)
+    acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs, BLOCK_K * s_a_k,
+                         mask_R, K, acc, acc_r, LORA_IN_LOOP, EVEN_K, BLOCK_K)
     if LORA_IN_LOOP:
         ia = acc_r.to(ia_ptr.dtype.element_ty)
         if pid_n == 0:  # every column block computed the same ia: one writes it
-            tl.store(ia_ptrs, ia, mask=mask_M[:, None] & (r_R < R)[None, :])
-        acc += _lora_product(ia, b_ptrs, s_b_r, R, scaling, BLOCK_R)
+            tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
+        acc += _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
     if GLU_FWD:
         _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                  BLOCK_M, BLOCK_N)
