@@ -11,6 +11,7 @@ first 1/ep of the experts, every other slot is -1); `scattermoe-split` forces sc
 path (chosen automatically only for few large experts) for comparison. Then it checks the targets
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
+`--profile` prints the per-kernel CUDA times of one fwd+bwd instead (to see which kernel to work on).
 """
 
 from __future__ import annotations
@@ -227,6 +228,32 @@ def targets(rows: list[Row]) -> list[dict]:
     return out
 
 
+def profile_kernels(shapes: list[str], T: int, backends: list[str]) -> None:
+    """CUDA kernels of one fwd+bwd (after warmup) in launch order, for each backend, shape and mode at
+    ep1. Launch order, not a summary by name: scattermoe's GEMM variants share one kernel name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for shape in shapes:
+        for mode in MODES:
+            for name in backends:
+                ex, x, ids, w, _ = make_case(shape, T, mode, ep=1)
+                backend, dy = expert_backend(name), torch.randn_like(x)
+                for _ in range(3):
+                    backend(x, ids, w, ex).backward(dy)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    backend(x, ids, w, ex).backward(dy)
+                    torch.cuda.synchronize()
+                kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+                total_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+                print(f"\n== {shape} T={T} {mode} {name}: {len(kernels)} kernels, {total_ms:.3f} ms")
+                for e in kernels:
+                    print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} ms  {e.name[:100]}")
+                del ex, x, ids, w
+                torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
@@ -234,9 +261,14 @@ def main() -> None:
     ap.add_argument("--backends", default="eager,grouped_mm,scattermoe")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the table: per-kernel CUDA times of one fwd+bwd (torch.profiler)")
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = 2048 if args.quick else 8192
+    if args.profile:
+        profile_kernels(shapes, T, args.backends.split(","))
+        return
     matmul = matmul_tflops()
 
     def save(rows: list[Row], checks: list[dict] | None = None) -> None:
