@@ -34,6 +34,8 @@ class ModelConfig(Section):
     expert_backend: Literal["eager", "grouped_mm", "scattermoe"] = "grouped_mm"
     attn_backend: Literal["sdpa", "flash"] = "sdpa"
     norm_rope_impl: Literal["auto", "torch", "triton"] = "auto"
+    # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed, else torch.
+    gdn_op_set: Literal["auto", "torch", "fla"] = "auto"
     router_aux_loss_coef: float = Field(0.0, ge=0.0)
     # Fewer decoder layers than the checkpoint has (parity checks of big models).
     num_layers_override: int | None = Field(None, ge=1)
@@ -64,7 +66,9 @@ class LoraConfig(Section):
     rank: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "experts"]] = Field(
+    # GDN projections: in_proj_qkv/z/b/a (Qwen3.5), in_proj_qkvz/ba (Qwen3-Next), out_proj.
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "experts", "in_proj_qkv", "in_proj_z",
+                                 "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj"]] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
 
 

@@ -54,7 +54,9 @@ from moe.experts import GroupedExperts
 from runtime.config import LoraConfig
 from runtime.models.hf import atomic_dir
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",
+                     # Gated DeltaNet projections (Qwen3.5 and Qwen3-Next layouts)
+                     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 EXPERTS_TARGET = "experts"
 PEFT_PREFIX = "base_model.model."
 # Our GroupedExperts projection -> (transformers parameter name, PEFT wrapper path under the experts module).

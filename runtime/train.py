@@ -33,10 +33,18 @@ class TrainingDiverged(RuntimeError):
     """A non-finite loss; the message names the step and the last good checkpoint."""
 
 
+def gdn_op_set(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import importlib.util
+
+    return "fla" if torch.cuda.is_available() and importlib.util.find_spec("fla") else "torch"
+
+
 def model_config(cfg: Config):
     hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
     return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
-                          norm_rope_impl=cfg.model.norm_rope_impl,
+                          norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=gdn_op_set(cfg.model.gdn_op_set),
                           router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                           num_layers=cfg.model.num_layers_override)
 

@@ -249,3 +249,26 @@ def test_dropout_acts_in_train_mode_only(moe_ckpt):
         model.eval()
         eval_a, eval_b = model(ids()), model(ids())
     assert not torch.allclose(train_a, train_b) and torch.equal(eval_a, eval_b)
+
+
+def test_lora_on_gdn_projections_exports_to_peft(tmp_path):
+    """LoRA on the Gated DeltaNet projections of a hybrid model round-trips through PEFT."""
+    import peft
+
+    from runtime.config import LoraConfig
+    from runtime.lora import apply_lora, export_peft
+    from runtime.models import from_pretrained
+    from tests.conftest import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "base", "qwen3_5_moe")
+    ours = from_pretrained(tmp_path / "base", expert_backend="eager", norm_rope_impl="torch")
+    apply_lora(ours, LoraConfig(enabled=True, rank=4, alpha=8, target_modules=["in_proj_qkv", "out_proj", "q_proj"]))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    export_peft(ours, tmp_path / "adapter")
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 320, (1, 12))
+    with torch.no_grad():
+        assert (peft_model(input_ids=ids).logits - ours(ids)).abs().max() <= 1e-4
