@@ -101,32 +101,70 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float,
 
 # ----------------------------------------------------------------------------- triton kernels
 #
-# Rows are the flattened (b, s, h) triples of q (then of k); a program handles a tile of BLOCK_R rows.
+# Rows are the flattened (b, s, h) triples of q (then of k); a program handles tiles of BLOCK_R rows.
 # Each row is loaded as three pieces so rotate-half needs no gather: x1 = x[:R/2], x2 = x[R/2:R] and
 # the pass-through tail x[R:] (compiled out when R == D). q and k share one launch: programs below
 # the q count work on q, the rest on k. Outputs and input grads are written contiguous.
+#
+# Host path. The ops are `triton_op`s so that torch.compile / export / fake tensors see them as ops
+# (no graph break; Inductor inlines the kernels). In plain eager mode (no compile, no dispatch mode,
+# no functorch transform, plain CUDA tensors) the same launch code runs under a small
+# autograd.Function instead: the custom-op dispatch path (Python autograd kernel, redispatch,
+# aliasing checks) costs more host time than the kernels take at short lengths. Both paths launch the
+# same kernels with the same arguments; EAGER_AUTOGRAD_FUNCTION = False forces the op path.
+#
+# Per backward call: one main kernel (input grads + one fp32 dW partial row per program, no atomics)
+# and one tiny kernel that sums the partial rows in a fixed order and writes dW in the weight dtype.
+# Every accumulation is fp32 whatever dtype a scalar argument arrives in (Inductor passes Python
+# floats as fp64 to user kernels): eps is cast once at kernel entry and the accumulators' updates are
+# cast explicitly, so the loop-carried types never change.
+
+EAGER_AUTOGRAD_FUNCTION = True
+
+# (elements per tile, num_warps) per pass; see _launch_config. One fixed config, no autotune: the
+# interpreter cannot autotune, and the backward's partial-sum buffer depends on the grid.
+# benchmarks/bench_norm_rope.py --sweep replaces these (then calls _meta_cached.cache_clear()).
+# Measured on one H200 (bf16, Qwen3-14B heads, 4k and 16k tokens; bench_norm_rope.py --sweep): the forward
+# is within 3% across 1K..4K elements and 4..8 warps (1024/4 best); the backward is best at ~16 warps
+# per SM: 2048/4 with 4 programs per SM (one wave at 128 registers) ties 4096/8 with 2 per SM and
+# keeps fewer registers for head_dim 256.
+FWD_CONFIG = (1024, 4)
+BWD_CONFIG = (2048, 4)
+# Backward grid: about this many programs per SM, each looping over an equal share of the row tiles
+# (q and k programs alike, so none runs long). Fewer programs = fewer dW partial rows to sum.
+BWD_PROGRAMS_PER_SM = 4
+# dW partial-row reduction: rows x columns per load of the summing kernel.
+DW_SUM_BLOCK_P, DW_SUM_BLOCK_D = 256, 16
 
 
 def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset):
     if triton is None:
         raise RuntimeError("qk_norm_rope(impl='triton') needs the triton package")
-    return torch.ops.moert.qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, float(eps), bool(unit_offset))
+    eps, unit_offset = float(eps), bool(unit_offset)
+    if EAGER_AUTOGRAD_FUNCTION and _plain_eager(q, k, q_weight, k_weight, cos, sin):
+        return _QkNormRopeEager.apply(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
+    return torch.ops.moert.qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
+
+
+try:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode as _in_dispatch_mode
+except ImportError:  # older torch: be conservative, always take the op path
+    def _in_dispatch_mode(include_infra_modes: bool = True) -> bool:
+        return True
+
+
+def _plain_eager(*tensors: torch.Tensor) -> bool:
+    """True when nothing traces or transforms this call: plain (non-meta) tensors, eager autograd."""
+    if torch.compiler.is_compiling() or _in_dispatch_mode() or torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
 
 
 def _launch_config(padded_row: int, backward: bool) -> tuple[int, int]:
-    """(rows per tile, num_warps) for rows of `padded_row` elements as the kernel holds them.
-    ~2K elements per tile: enough bytes in flight per program while the backward's operands stay in
-    registers without spilling (checked with ptxas for sm_90). One fixed config, no autotune: the
-    interpreter cannot autotune, and the backward's partial-sum buffer depends on the tile.
-    benchmarks/bench_norm_rope.py --sweep replaces this function to compare configs."""
-    del backward  # same config for both passes until a GPU sweep says otherwise
-    rows = max(1, 2048 // padded_row)
-    return 1 << (rows.bit_length() - 1), 4
-
-
-# Backward grid: about this many programs per SM, each looping over an equal share of the row tiles.
-# Several waves keep the tail short; the dW partial rows they write cost ~0.5% of the traffic.
-BWD_PROGRAMS_PER_SM = 16
+    """(rows per tile, num_warps) for rows of `padded_row` elements as the kernel holds them."""
+    elements, num_warps = BWD_CONFIG if backward else FWD_CONFIG
+    rows = max(1, elements // padded_row)
+    return 1 << (rows.bit_length() - 1), num_warps
 
 
 @functools.lru_cache
@@ -136,19 +174,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _kernel(fn):
-    """wrap_triton on the GPU. Interpreted kernels (CPU tests) are launched directly: nothing traces
-    them there, and not every torch release's wrap_triton accepts them."""
-    return fn if type(fn).__name__ == "InterpretedFunction" else wrap_triton(fn)
+def _kernel(fn, wrap: bool):
+    """wrap_triton on the op path (what tracing needs). Interpreted kernels (CPU tests) are launched
+    directly: nothing traces them there, and not every torch release's wrap_triton accepts them."""
+    return wrap_triton(fn) if wrap and type(fn).__name__ != "InterpretedFunction" else fn
 
 
 def _rope_table(cos_BSR: torch.Tensor, sin_BSR: torch.Tensor, batch: int):
-    """cos/sin broadcast to [B, S, R] with a dense last dim and identical strides (one stride pair
-    in the kernel); a batch dim of 1 stays a stride-0 view, not a copy."""
-    cos_BSR, sin_BSR = cos_BSR.expand(batch, -1, -1), sin_BSR.expand(batch, -1, -1)
-    if cos_BSR.stride() != sin_BSR.stride() or cos_BSR.stride(-1) != 1:
+    """(cos, sin, batch stride, seq stride) with a dense last dim and one stride pair for both; a batch
+    dim of 1 gets batch stride 0 (no copy, no expand)."""
+    if cos_BSR.shape[0] != sin_BSR.shape[0]:
+        cos_BSR, sin_BSR = cos_BSR.expand(batch, -1, -1).contiguous(), sin_BSR.expand(batch, -1, -1).contiguous()
+    stride = cos_BSR.stride()
+    if stride != sin_BSR.stride() or stride[-1] != 1:
         cos_BSR, sin_BSR = cos_BSR.contiguous(), sin_BSR.contiguous()
-    return cos_BSR, sin_BSR
+        stride = cos_BSR.stride()
+    return cos_BSR, sin_BSR, (0 if cos_BSR.shape[0] == 1 else stride[0]), stride[1]
 
 
 def _dense_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -156,15 +197,83 @@ def _dense_last_dim(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _meta(head_dim: int, rotary_dim: int, unit_offset: bool, backward: bool) -> dict:
-    """Compile-time kernel arguments; int() pins symbolic sizes (tracing with dynamic shapes)."""
-    head_dim, rotary_dim = int(head_dim), int(rotary_dim)
+@functools.lru_cache
+def _meta_cached(head_dim: int, rotary_dim: int, unit_offset: bool, backward: bool) -> tuple[dict, int]:
     half, tail = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(half)
     block_tail = triton.next_power_of_2(max(tail, 1))
     block_r, num_warps = _launch_config(2 * block_half + (block_tail if tail else 0), backward)
-    return {"D": head_dim, "HALF": half, "TAIL": tail, "BLOCK_R": block_r, "BLOCK_HALF": block_half,
+    meta = {"D": head_dim, "HALF": half, "TAIL": tail, "BLOCK_R": block_r, "BLOCK_HALF": block_half,
             "BLOCK_TAIL": block_tail, "UNIT_OFFSET": unit_offset, "num_warps": num_warps}
+    return meta, block_r
+
+
+def _meta(head_dim, rotary_dim, unit_offset: bool, backward: bool) -> tuple[dict, int]:
+    """Compile-time kernel arguments and BLOCK_R; int() pins symbolic sizes (tracing with dynamic shapes).
+    Cached: call _meta_cached.cache_clear() after changing the configs above."""
+    return _meta_cached(int(head_dim), int(rotary_dim), bool(unit_offset), backward)
+
+
+def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, unit_offset: bool, wrap: bool):
+    """Allocates the outputs and launches the forward kernel; shared by the op and the eager path."""
+    q, k = _dense_last_dim(q), _dense_last_dim(k)
+    q_weight, k_weight = _dense_last_dim(q_weight), _dense_last_dim(k_weight)
+    batch, seq, heads_q, head_dim = q.shape
+    heads_k = k.shape[2]
+    cos, sin, stride_cb, stride_cs = _rope_table(cos, sin, batch)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    meta, block_r = _meta(head_dim, cos.shape[-1], unit_offset, backward=False)
+    n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
+    n_q_tiles = triton.cdiv(n_q_rows, block_r)
+    n_tiles = n_q_tiles + triton.cdiv(n_k_rows, block_r)
+    if n_tiles > 0:
+        _kernel(_qk_norm_rope_fwd_kernel, wrap)[(n_tiles,)](
+            q, k, q_out, k_out, q_weight, k_weight, cos, sin,
+            n_q_rows, n_k_rows, n_q_tiles, seq, heads_q, heads_k,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            stride_cb, stride_cs, eps, **meta)
+    return q_out, k_out
+
+
+def _bwd_grid(n_q_rows, n_k_rows, block_r: int, device: torch.device):
+    """(tiles per program, q programs, k programs): every program gets the same number of tiles."""
+    n_q_tiles, n_k_tiles = triton.cdiv(n_q_rows, block_r), triton.cdiv(n_k_rows, block_r)
+    tiles_per_prog = max(1, triton.cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(device)))
+    return tiles_per_prog, triton.cdiv(n_q_tiles, tiles_per_prog), triton.cdiv(n_k_tiles, tiles_per_prog)
+
+
+def _bwd_launch(q, k, q_weight, k_weight, cos, sin, grad_q_out, grad_k_out, eps: float, unit_offset: bool,
+                wrap: bool):
+    """Allocates the grads and launches the backward kernel and the dW sum; shared by both paths."""
+    q, k = _dense_last_dim(q), _dense_last_dim(k)
+    q_weight, k_weight = _dense_last_dim(q_weight), _dense_last_dim(k_weight)
+    grad_q_out, grad_k_out = _dense_last_dim(grad_q_out), _dense_last_dim(grad_k_out)
+    batch, seq, heads_q, head_dim = q.shape
+    heads_k = k.shape[2]
+    cos, sin, stride_cb, stride_cs = _rope_table(cos, sin, batch)
+    device = q.device
+    grad_q = torch.empty(q.shape, dtype=q.dtype, device=device)
+    grad_k = torch.empty(k.shape, dtype=k.dtype, device=device)
+    grad_q_weight = torch.empty(q_weight.shape, dtype=q_weight.dtype, device=device)
+    grad_k_weight = torch.empty(k_weight.shape, dtype=k_weight.dtype, device=device)
+    meta, block_r = _meta(head_dim, cos.shape[-1], unit_offset, backward=True)
+    n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
+    tiles_per_prog, n_q_progs, n_k_progs = _bwd_grid(n_q_rows, n_k_rows, block_r, device)
+    n_progs = n_q_progs + n_k_progs
+    dw_partial = torch.empty((n_progs, head_dim), dtype=torch.float32, device=device)
+    if n_progs > 0:
+        _kernel(_qk_norm_rope_bwd_kernel, wrap)[(n_progs,)](
+            q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial,
+            n_q_rows, n_k_rows, n_q_progs, tiles_per_prog, seq, heads_q, heads_k,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            grad_q_out.stride(0), grad_q_out.stride(1), grad_q_out.stride(2),
+            grad_k_out.stride(0), grad_k_out.stride(1), grad_k_out.stride(2),
+            stride_cb, stride_cs, eps, **meta)
+    _kernel(_dw_sum_kernel, wrap)[(2, triton.cdiv(int(head_dim), DW_SUM_BLOCK_D))](
+        dw_partial, grad_q_weight, grad_k_weight, n_q_progs, n_progs,
+        D=int(head_dim), BLOCK_P=DW_SUM_BLOCK_P, BLOCK_D=DW_SUM_BLOCK_D, num_warps=4)
+    return grad_q, grad_k, grad_q_weight, grad_k_weight
 
 
 if triton is not None:
@@ -205,7 +314,7 @@ if triton is not None:
             tmask = row_ok[:, None] & (tcols < D)[None, :]
             xt = tl.load(x_ptr + x_row + tcols, mask=tmask, other=0.0).to(tl.float32)
             sum_sq += tl.sum(xt * xt, axis=1)
-        rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+        rstd = tl.rsqrt(sum_sq / D + eps).to(tl.float32)[:, None]
 
         y1 = x1 * rstd * _load_weight(w_ptr, cols, col_ok, UNIT_OFFSET)[None, :]
         y2 = x2 * rstd * _load_weight(w_ptr + HALF, cols, col_ok, UNIT_OFFSET)[None, :]
@@ -227,6 +336,7 @@ if triton is not None:
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_cb, stride_cs, eps,
             D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        eps = tl.full([], eps, tl.float32)  # Inductor passes Python floats as fp64 scalars
         tile = tl.program_id(0)
         if tile < n_q_tiles:
             _fwd_tile(q_ptr, q_out_ptr, q_w_ptr, cos_ptr, sin_ptr, tile, n_q_rows, S, HQ,
@@ -254,8 +364,9 @@ if triton is not None:
         dw1 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
         dw2 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
         dwt = tl.zeros([BLOCK_R, BLOCK_TAIL], dtype=tl.float32)
+        first_row = prog * tiles_per_prog * BLOCK_R
         for i in range(tiles_per_prog):
-            rows = (prog * tiles_per_prog + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            rows = first_row + i * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < n_rows
             b, s, h = _row_coords(rows, S, H)
             x_row = (b * stride_b + s * stride_s + h * stride_h)[:, None]
@@ -278,25 +389,25 @@ if triton is not None:
                 xt = tl.load(x_ptr + x_row + tcols, mask=tmask, other=0.0).to(tl.float32)
                 gt = tl.load(g_ptr + g_row + tcols, mask=tmask, other=0.0).to(tl.float32)
                 sum_sq += tl.sum(xt * xt, axis=1)
-            rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+            rstd = tl.rsqrt(sum_sq / D + eps).to(tl.float32)[:, None]
             n1 = x1 * rstd
             n2 = x2 * rstd
 
             # RoPE is a rotation per frequency pair; its backward applies the transposed rotation.
             dy1 = g1 * cos1 + g2 * sin2
             dy2 = g2 * cos2 - g1 * sin1
-            dw1 += dy1 * n1
-            dw2 += dy2 * n2
+            dw1 += (dy1 * n1).to(tl.float32)
+            dw2 += (dy2 * n2).to(tl.float32)
             dn1 = dy1 * w1
             dn2 = dy2 * w2
             dot = tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)
             if TAIL > 0:
                 nt = xt * rstd
-                dwt += gt * nt
+                dwt += (gt * nt).to(tl.float32)
                 dnt = gt * wt
                 dot += tl.sum(dnt * nt, axis=1)
             # d/dx of x * rstd(x): rstd * (dn - n * mean(dn * n))
-            mean_dot = (dot / D)[:, None]
+            mean_dot = (dot / D).to(tl.float32)[:, None]
             dx_ty = dx_ptr.dtype.element_ty
             tl.store(dx_ptr + dx_row + cols, (rstd * (dn1 - n1 * mean_dot)).to(dx_ty), mask=mask)
             tl.store(dx_ptr + dx_row + HALF + cols, (rstd * (dn2 - n2 * mean_dot)).to(dx_ty), mask=mask)
@@ -316,7 +427,8 @@ if triton is not None:
             D: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
         """Programs below n_q_progs do q, the rest k; program p writes row p of the [programs, D] fp32
-        dW partial buffer (no atomics: the caller sums the q rows and the k rows)."""
+        dW partial buffer (no atomics: _dw_sum_kernel sums the q rows and the k rows)."""
+        eps = tl.full([], eps, tl.float32)  # Inductor passes Python floats as fp64 scalars
         pid = tl.program_id(0)
         dw_row_ptr = dw_ptr + pid.to(tl.int64) * D
         if pid < n_q_progs:
@@ -329,60 +441,41 @@ if triton is not None:
                       stride_gkb, stride_gks, stride_gkh, stride_cb, stride_cs, eps,
                       D, HALF, TAIL, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, UNIT_OFFSET)
 
+    @triton.jit
+    def _dw_sum_kernel(partial_ptr, dq_w_ptr, dk_w_ptr, n_q_progs, n_progs,
+                       D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """dW = sum of the fp32 partial rows in a fixed order (deterministic), stored in the weight dtype:
+        program (0, j) sums rows [0, n_q_progs) into dq_w, program (1, j) rows [n_q_progs, n_progs)."""
+        which = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        start = which * n_q_progs
+        stop = n_q_progs + which * (n_progs - n_q_progs)
+        acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+        for p0 in range(start, stop, BLOCK_P):
+            prows = p0 + tl.arange(0, BLOCK_P)
+            pmask = (prows < stop)[:, None] & col_ok[None, :]
+            acc += tl.load(partial_ptr + prows.to(tl.int64)[:, None] * D + cols[None, :],
+                           mask=pmask, other=0.0).to(tl.float32)
+        dw = tl.sum(acc, axis=0)
+        if which == 0:
+            tl.store(dq_w_ptr + cols, dw.to(dq_w_ptr.dtype.element_ty), mask=col_ok)
+        else:
+            tl.store(dk_w_ptr + cols, dw.to(dk_w_ptr.dtype.element_ty), mask=col_ok)
+
     @triton_op("moert::qk_norm_rope_fwd", mutates_args={})
     def _qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, eps: float,
                           unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k = _dense_last_dim(q), _dense_last_dim(k)
-        batch, seq, heads_q, head_dim = q.shape
-        heads_k = k.shape[2]
-        cos, sin = _rope_table(cos, sin, batch)
-        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-        meta = _meta(head_dim, cos.shape[-1], unit_offset, backward=False)
-        n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
-        n_q_tiles = triton.cdiv(n_q_rows, meta["BLOCK_R"])
-        n_tiles = n_q_tiles + triton.cdiv(n_k_rows, meta["BLOCK_R"])
-        if n_tiles > 0:
-            _kernel(_qk_norm_rope_fwd_kernel)[(n_tiles,)](
-                q, k, q_out, k_out, q_weight, k_weight, cos, sin,
-                n_q_rows, n_k_rows, n_q_tiles, seq, heads_q, heads_k,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                cos.stride(0), cos.stride(1), eps, **meta)
-        return q_out, k_out
+        return _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, wrap=True)
 
     @triton_op("moert::qk_norm_rope_bwd", mutates_args={})
     def _qk_norm_rope_bwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, grad_q_out: torch.Tensor,
                           grad_k_out: torch.Tensor, eps: float,
                           unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k = _dense_last_dim(q), _dense_last_dim(k)
-        grad_q_out, grad_k_out = _dense_last_dim(grad_q_out), _dense_last_dim(grad_k_out)
-        batch, seq, heads_q, head_dim = q.shape
-        heads_k = k.shape[2]
-        cos, sin = _rope_table(cos, sin, batch)
-        grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-        grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
-        meta = _meta(head_dim, cos.shape[-1], unit_offset, backward=True)
-        n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
-        n_q_tiles = triton.cdiv(n_q_rows, meta["BLOCK_R"])
-        n_k_tiles = triton.cdiv(n_k_rows, meta["BLOCK_R"])
-        # Every program gets the same number of tiles (q and k programs alike), so none runs long.
-        tiles_per_prog = max(1, triton.cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(q.device)))
-        n_q_progs, n_k_progs = triton.cdiv(n_q_tiles, tiles_per_prog), triton.cdiv(n_k_tiles, tiles_per_prog)
-        dw_partial = torch.empty((n_q_progs + n_k_progs, head_dim), dtype=torch.float32, device=q.device)
-        if n_q_progs + n_k_progs > 0:
-            _kernel(_qk_norm_rope_bwd_kernel)[(n_q_progs + n_k_progs,)](
-                q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial,
-                n_q_rows, n_k_rows, n_q_progs, tiles_per_prog, seq, heads_q, heads_k,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                grad_q_out.stride(0), grad_q_out.stride(1), grad_q_out.stride(2),
-                grad_k_out.stride(0), grad_k_out.stride(1), grad_k_out.stride(2),
-                cos.stride(0), cos.stride(1), eps, **meta)
-        # Two sums, not one over a [2, D] view: custom-op outputs may not alias each other.
-        grad_q_weight = dw_partial[:n_q_progs].sum(0).to(q_weight.dtype)
-        grad_k_weight = dw_partial[n_q_progs:].sum(0).to(k_weight.dtype)
-        return grad_q, grad_k, grad_q_weight, grad_k_weight
+        return _bwd_launch(q, k, q_weight, k_weight, cos, sin, grad_q_out, grad_k_out, eps, unit_offset,
+                           wrap=True)
 
     def _setup_context(ctx, inputs, output):
         q, k, q_weight, k_weight, cos, sin, eps, unit_offset = inputs
@@ -395,3 +488,21 @@ if triton is not None:
         return (*grads, None, None, None, None)
 
     _qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+    class _QkNormRopeEager(torch.autograd.Function):
+        """The eager fast path: the same launches as the ops, without the custom-op dispatch."""
+
+        @staticmethod
+        def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps, unit_offset):
+            ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+            ctx.eps, ctx.unit_offset = eps, unit_offset
+            return _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, wrap=False)
+
+        @staticmethod
+        def backward(ctx, grad_q_out, grad_k_out):
+            saved = ctx.saved_tensors
+            if _plain_eager(grad_q_out, grad_k_out):
+                grads = _bwd_launch(*saved, grad_q_out, grad_k_out, ctx.eps, ctx.unit_offset, wrap=False)
+            else:  # e.g. compiled autograd tracing this backward
+                grads = torch.ops.moert.qk_norm_rope_bwd(*saved, grad_q_out, grad_k_out, ctx.eps, ctx.unit_offset)
+            return (*grads, None, None, None, None)

@@ -1,28 +1,50 @@
 """Fused q/k RMSNorm + RoPE (attention/norm_rope.py) vs the alternatives, forward and forward+backward.
 
-    python benchmarks/bench_norm_rope.py [--out DIR] [--seqlens 1024,4096] [--sweep] [--dry]
+    python benchmarks/bench_norm_rope.py [--out DIR] [--seqlens 1024,4096] [--variants ...] [--sweep]
+                                         [--host-breakdown] [--dry]
 
 Shapes: Qwen3-14B attention (40 query heads, 8 kv heads, head_dim 128), batch 1, bf16, q/k as the
 separate q_proj/k_proj outputs viewed [B, S, heads, D], cos/sin [1, S, D] as transformers returns them.
 Variants: `eager` (our torch reference, = transformers' numerics), `compile` (torch.compile of that
 same code), `liger-norm` (Liger's RMSNorm kernel + eager RoPE), `liger-both` (Liger's RMSNorm + its
-RoPE kernel), `ours` (the Triton op). Per variant and length: median time over CUDA events (L2 flushed
-before each rep, warmup first; compilation happens in the warmup), and the peak memory of one fwd+bwd
-above the resident inputs. For `ours` also the bytes the kernels must move and the fraction of a device
-copy bandwidth measured in the same run. Then the issue's target: one H200, 16k fwd+bwd <= 0.45 ms and
-ours fastest at every length >= 2k. A variant that fails prints its error and the table goes on.
+RoPE kernel), `ours` (the Triton op).
 
---sweep  times `ours` under a few tile configs (replacing norm_rope._launch_config) at 4k and 16k.
---dry    runs the same code on the CPU at tiny lengths (wall-clock timer; `ours` needs TRITON_INTERPRET=1
-         there): a smoke test of the script, its numbers mean nothing.
---out DIR writes DIR/bench_norm_rope.json and DIR/bench_norm_rope.log.
+Methodology, the same for every variant (each step of a variant runs exactly the code a training step
+would: fn(*inputs) for fwd, torch.autograd.grad(fn(*inputs), ...) for f+b):
+- `fwd` / `f+b` (the headline numbers, used for the targets): GPU time. The call is captured once in a
+  CUDA graph (after warmup on a side stream; torch.compile compiles in that warmup) and each rep
+  replays it between two CUDA events, with a 256 MiB L2 flush before each rep. This removes the host
+  (Python / dispatch / launch) time of every variant alike; it is what the GPU spends when the host
+  keeps up, e.g. inside a model whose other layers keep the GPU busy.
+- `fwd str` / `f+b str`: the same call made directly (no graph) between CUDA events after the L2 flush,
+  i.e. stream time including any host overhead the GPU has to wait for (the methodology of the first
+  benchmark run, 2026-11-22). When this is far above the graph time the variant is host-bound.
+- `host f+b`: CPU time of one direct f+b call (perf_counter around the call, no sync inside; the
+  GPU is synchronized between reps), the host overhead each variant adds per layer.
+All are medians of --reps reps after --warmup warmup calls; plus the peak memory of one fwd+bwd above
+the resident inputs. For `ours` also the bytes the kernels must move and the fraction of a device copy
+bandwidth measured in the same run (graph-timed). Then the issue's target: one H200, 16k fwd+bwd
+<= 0.45 ms and ours fastest at every length >= 2k (GPU time; the stream-time verdict is printed too).
+A variant that fails prints its error and the table goes on.
+
+--sweep           times the raw launches of `ours` (graph-timed) under other tile configs and
+                  backward grid sizes at 4k and 16k (replacing norm_rope.FWD_CONFIG / BWD_CONFIG /
+                  BWD_PROGRAMS_PER_SM), then restores the defaults.
+--host-breakdown  host time per call of `ours`, split into the eager fast path, the triton_op path
+                  and the raw launches, plus a cProfile of the f+b call.
+--dry             runs the same code on the CPU at tiny lengths (wall-clock timer; `ours` needs
+                  TRITON_INTERPRET=1 there): a smoke test of the script, its numbers mean nothing.
+--out DIR         writes DIR/bench_norm_rope.json and DIR/bench_norm_rope.log.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -42,16 +64,22 @@ SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 DRY_SEQLENS = (16, 32)
 TARGET_SEQ, TARGET_FWD_BWD_MS, TARGET_MIN_SEQ = 16384, 0.45, 2048
 SWEEP_SEQLENS = (4096, 16384)
-SWEEP_CONFIGS = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))  # (elements per tile, num_warps)
-SWEEP_BWD_PROGRAMS_PER_SM = (4, 16, 64)
+# (elements per tile, num_warps)
+SWEEP_FWD_CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16))
+SWEEP_BWD_CONFIGS = ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
+SWEEP_BWD_PROGRAMS_PER_SM = (2, 4, 8, 16)
+HOST_BREAKDOWN_SEQ = 4096
 
 
 @dataclass
 class Result:
     seq: int
     variant: str
-    fwd_ms: float | None = None
+    fwd_ms: float | None = None          # GPU time (CUDA graph replay)
     fwd_bwd_ms: float | None = None
+    fwd_stream_ms: float | None = None   # direct call between events (includes exposed host time)
+    fwd_bwd_stream_ms: float | None = None
+    host_fwd_bwd_ms: float | None = None  # CPU time of one direct f+b call
     peak_mib: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -61,40 +89,88 @@ class Result:
 
 
 class Timer:
-    """Median milliseconds of fn(): CUDA events with an L2 flush before each rep on a GPU,
-    perf_counter on the CPU (--dry)."""
+    """Median milliseconds of fn() over `reps` after `warmup` calls. On a GPU: `gpu` = CUDA-graph
+    replay between events, `stream` = direct call between events (both after an L2 flush), `host` =
+    CPU time of a direct call. On the CPU (--dry) all three are perf_counter around a direct call."""
 
     def __init__(self, device: torch.device, reps: int, warmup: int):
         self.device, self.reps, self.warmup = device, reps, warmup
         # Larger than any L2 (H100 50 MB, H200 60 MB), so each rep reads its inputs from HBM, as in training.
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
-    def __call__(self, fn) -> float:
+    def _wall(self, fn) -> float:
         for _ in range(self.warmup):
             fn()
         times = []
         for _ in range(self.reps):
-            if self.flush is None:
-                start = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - start) * 1e3)
-                continue
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    def _events(self, launch) -> float:
+        times = []
+        for _ in range(self.reps):
             self.flush.zero_()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            launch()
             stop.record()
             stop.synchronize()
             times.append(start.elapsed_time(stop))
         return statistics.median(times)
 
+    def stream(self, fn) -> float:
+        if self.flush is None:
+            return self._wall(fn)
+        for _ in range(self.warmup):
+            fn()
+        return self._events(fn)
+
+    def gpu(self, fn) -> float:
+        if self.flush is None:
+            return self._wall(fn)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (and compile) off the default stream, as capture wants
+            for _ in range(max(2, self.warmup)):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()  # first replay uploads the graph
+        torch.cuda.synchronize()
+        try:
+            return self._events(graph.replay)
+        finally:
+            del graph
+            torch.cuda.synchronize()
+
+    def host(self, fn) -> float:
+        if self.flush is None:
+            return self._wall(fn)
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        return statistics.median(times)
+
 
 def copy_bandwidth_gbs(timer: Timer) -> float:
-    """Device copy bandwidth (bytes read + written per second): the roofline `ours` is held against."""
+    """Device copy bandwidth (bytes read + written per second): the roofline `ours` is held against. One
+    1 GiB copy_ timed by stream events (host overhead is negligible at that size; a copy captured in
+    a CUDA graph becomes a memcpy node that runs on the copy engines, ~35% slower on an H200)."""
     n_bytes = (1 << 30) if timer.device.type == "cuda" else (64 << 20)
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=timer.device)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
+    ms = timer.stream(lambda: dst.copy_(src))
     return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
@@ -186,23 +262,33 @@ def measure(fn, seq: int, timer: Timer, dtype: torch.dtype) -> Result:
     def forward_backward():
         return torch.autograd.grad(fn(*inputs), leaves, grads)
 
-    fwd_bwd_ms = timer(forward_backward)  # first: a compile variant compiles in this warmup
-    return Result(seq, "", fwd_ms=timer(forward), fwd_bwd_ms=fwd_bwd_ms,
-                  peak_mib=peak_extra_mib(forward_backward, timer.device))
+    r = Result(seq, "")
+    # Stream timings first: a compile variant compiles in this warmup, outside any graph capture.
+    r.fwd_bwd_stream_ms = timer.stream(forward_backward)
+    r.fwd_stream_ms = timer.stream(forward)
+    r.host_fwd_bwd_ms = timer.host(forward_backward)
+    r.peak_mib = peak_extra_mib(forward_backward, timer.device)
+    try:
+        r.fwd_bwd_ms = timer.gpu(forward_backward)
+        r.fwd_ms = timer.gpu(forward)
+    except Exception as exc:  # noqa: BLE001  (a variant that cannot be captured keeps its stream numbers)
+        r.note = f"graph capture failed: {exc!r}"[:160]
+    return r
 
 
 def ours_bytes(seq: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
     """HBM bytes the kernels must move: forward reads q, k, cos, sin, w and writes q, k; backward reads
-    q, k (the norm is recomputed), both upstream grads, cos, sin, w and writes dq, dk and the dW partials
-    (written once, read once by the sum)."""
+    q, k (the norm is recomputed), both upstream grads, cos, sin, w and writes dq, dk, dw and the dW
+    partial rows (written once, read once by the sum). (The first version counted q/k-sized traffic 4x
+    in the backward instead of 3x.)"""
     item = torch.empty((), dtype=dtype).element_size()
     qk = BATCH * seq * (HEADS_Q + HEADS_K) * HEAD_DIM * item
     table = 2 * seq * HEAD_DIM * item          # cos + sin, [1, S, D] each
     weights = 2 * HEAD_DIM * item
-    n_progs = norm_rope.BWD_PROGRAMS_PER_SM * norm_rope._num_sms(device)  # about; rounded by tiles
+    n_progs = norm_rope.BWD_PROGRAMS_PER_SM * norm_rope._num_sms(device)  # at most; rounded by tiles
     partials = 2 * n_progs * HEAD_DIM * 4
     fwd = 2 * qk + table + weights
-    bwd = 4 * qk + table + 2 * weights + partials  # q, k, grads in; dq, dk out; dW out
+    bwd = 3 * qk + table + 2 * weights + partials  # q, k, grads in; dq, dk out; dW out
     return fwd, fwd + bwd
 
 
@@ -222,14 +308,18 @@ def report(results: list[Result], copy_gbs: float, log) -> dict:
     by_seq: dict[int, dict[str, Result]] = {}
     for r in results:
         by_seq.setdefault(r.seq, {})[r.variant] = r
-    log(f"{'seq':>6} {'variant':<11} {'fwd ms':>8} {'f+b ms':>8} {'peak MiB':>9} {'fwd x':>6} {'f+b x':>6}  note")
+    log("GPU time = CUDA-graph replay (no host overhead, same for all variants); str = direct call between")
+    log("events (includes host overhead the GPU waits for); host = CPU ms of one direct f+b call; ms, medians.")
+    log(f"{'seq':>6} {'variant':<11} {'fwd':>7} {'f+b':>7} {'fwd x':>6} {'f+b x':>6} {'fwd str':>8} "
+        f"{'f+b str':>8} {'host f+b':>8} {'peak MiB':>9}  note")
     for seq, rows in by_seq.items():
         mine = rows.get("ours")
         for name, r in rows.items():
-            log(f"{seq:>6} {name:<11} {fmt(r.fwd_ms):>8} {fmt(r.fwd_bwd_ms):>8} {fmt(r.peak_mib, '.1f'):>9} "
-                f"{ratio(r, mine, 'fwd_ms'):>6} {ratio(r, mine, 'fwd_bwd_ms'):>6}  {r.note}")
-    log("(x = variant time / ours time: > 1 means ours is faster)")
-    log(f"\nours vs the device copy bandwidth {copy_gbs:.0f} GB/s (read + write):")
+            log(f"{seq:>6} {name:<11} {fmt(r.fwd_ms):>7} {fmt(r.fwd_bwd_ms):>7} {ratio(r, mine, 'fwd_ms'):>6} "
+                f"{ratio(r, mine, 'fwd_bwd_ms'):>6} {fmt(r.fwd_stream_ms):>8} {fmt(r.fwd_bwd_stream_ms):>8} "
+                f"{fmt(r.host_fwd_bwd_ms):>8} {fmt(r.peak_mib, '.1f'):>9}  {r.note}")
+    log("(x = variant GPU time / ours GPU time: > 1 means ours is faster)")
+    log(f"\nours vs the device copy bandwidth {copy_gbs:.0f} GB/s (read + write), GPU time:")
     log(f"{'seq':>6} {'fwd MB':>8} {'fwd GB/s':>9} {'fwd %':>6} {'f+b MB':>8} {'f+b GB/s':>9} {'f+b %':>6}")
     for seq, rows in by_seq.items():
         r = rows.get("ours")
@@ -239,17 +329,20 @@ def report(results: list[Result], copy_gbs: float, log) -> dict:
         log(f"{seq:>6} {e['fwd_bytes'] / 1e6:>8.1f} {fmt(e.get('fwd_gbs'), '.0f'):>9} "
             f"{fmt(e.get('fwd_roofline_pct'), '.0f'):>6} {e['fwd_bwd_bytes'] / 1e6:>8.1f} "
             f"{fmt(e.get('fwd_bwd_gbs'), '.0f'):>9} {fmt(e.get('fwd_bwd_roofline_pct'), '.0f'):>6}")
-    return check_targets(by_seq, log)
+    checks = check_targets(by_seq, log, ("fwd_ms", "fwd_bwd_ms"), "GPU time (CUDA graphs)")
+    stream = check_targets(by_seq, log, ("fwd_stream_ms", "fwd_bwd_stream_ms"), "stream time (direct calls)")
+    checks["stream"] = stream
+    return checks
 
 
-def check_targets(by_seq: dict[int, dict[str, Result]], log) -> dict:
-    at_target = getattr(by_seq.get(TARGET_SEQ, {}).get("ours"), "fwd_bwd_ms", None)
+def check_targets(by_seq: dict[int, dict[str, Result]], log, attrs: tuple[str, str], label: str) -> dict:
+    at_target = getattr(by_seq.get(TARGET_SEQ, {}).get("ours"), attrs[1], None)
     slower = []  # (seq, pass, variant) where some other variant beat ours, or ours has no number
     judged = [seq for seq in by_seq if seq >= TARGET_MIN_SEQ]
     for seq, rows in by_seq.items():
         mine = rows.get("ours")
         for name, r in rows.items():
-            for attr in ("fwd_ms", "fwd_bwd_ms"):
+            for attr in attrs:
                 theirs_ms, mine_ms = getattr(r, attr), getattr(mine, attr, None)
                 if seq >= TARGET_MIN_SEQ and name != "ours" and theirs_ms is not None and (
                         mine_ms is None or theirs_ms <= mine_ms):
@@ -260,7 +353,7 @@ def check_targets(by_seq: dict[int, dict[str, Result]], log) -> dict:
         "fastest_from_2k_ok": bool(judged) and not slower,
         "not_fastest": slower,
     }
-    log(f"\ntarget (one H200): ours 16k fwd+bwd {fmt(at_target)} ms <= {TARGET_FWD_BWD_MS}: "
+    log(f"\ntarget (one H200), {label}: ours 16k fwd+bwd {fmt(at_target)} ms <= {TARGET_FWD_BWD_MS}: "
         f"{'PASS' if checks['fwd_bwd_16k_ok'] else 'FAIL'}; fastest at every length >= {TARGET_MIN_SEQ}: "
         f"{'n/a' if not judged else 'PASS' if not slower else 'FAIL ' + ', '.join(slower)}")
     return checks
@@ -275,31 +368,99 @@ def add_roofline(r: Result, dtype: torch.dtype, device: torch.device, copy_gbs: 
             r.extra[f"{key}_gbs"], r.extra[f"{key}_roofline_pct"] = gbs, 100 * gbs / copy_gbs
 
 
+def _raw_launches(seq: int, device: torch.device, dtype: torch.dtype):
+    """The forward and backward launches of `ours` without any autograd/op layer around them."""
+    inputs, (grad_q, grad_k) = make_inputs(seq, device, dtype)
+    q, k, q_w, k_w, cos, sin = (t.detach() for t in inputs)
+
+    def fwd():
+        return norm_rope._fwd_launch(q, k, q_w, k_w, cos, sin, EPS, False, wrap=False)
+
+    def bwd():
+        return norm_rope._bwd_launch(q, k, q_w, k_w, cos, sin, grad_q, grad_k, EPS, False, wrap=False)
+    return fwd, bwd
+
+
 def sweep(seqlens, timer: Timer, dtype: torch.dtype, log) -> list[dict]:
-    """`ours` under other tile configs and backward grid sizes; restores the defaults afterwards."""
-    default_config, default_per_sm = norm_rope._launch_config, norm_rope.BWD_PROGRAMS_PER_SM
+    """GPU time of the raw launches under other tile configs and backward grid sizes; restores the defaults."""
+    defaults = norm_rope.FWD_CONFIG, norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM
     rows = []
-    log(f"\nsweep of ours ({'elements per tile, warps, bwd programs per SM'}): fwd ms, bwd ms (= f+b - fwd)")
+    log(f"\nsweep of ours, GPU time of the raw launches (ms); defaults fwd {defaults[0]}, bwd {defaults[1]}, "
+        f"{defaults[2]} bwd programs per SM")
     try:
         for seq in seqlens:
-            for (elements, warps) in SWEEP_CONFIGS:
-                for per_sm in SWEEP_BWD_PROGRAMS_PER_SM:
-                    norm_rope._launch_config = lambda padded_row, backward, e=elements, w=warps: (
-                        max(1, e // padded_row), w)
-                    norm_rope.BWD_PROGRAMS_PER_SM = per_sm
-                    try:
-                        r = measure(ours, seq, timer, dtype)
-                        row = {"seq": seq, "tile_elements": elements, "num_warps": warps,
-                               "bwd_programs_per_sm": per_sm, "fwd_ms": r.fwd_ms, "bwd_ms": r.fwd_bwd_ms - r.fwd_ms}
-                        log(f"{seq:>6} {elements:>5} {warps:>2} {per_sm:>2}: fwd {r.fwd_ms:.4f}  bwd {row['bwd_ms']:.4f}")
-                    except Exception as exc:  # noqa: BLE001  (one failing config must not end the sweep)
-                        row = {"seq": seq, "tile_elements": elements, "num_warps": warps,
-                               "bwd_programs_per_sm": per_sm, "error": repr(exc)}
-                        log(f"{seq:>6} {elements:>5} {warps:>2} {per_sm:>2}: error {exc!r}")
-                    rows.append(row)
+            fwd, bwd = _raw_launches(seq, timer.device, dtype)
+            for kind, configs, per_sms in (("fwd", SWEEP_FWD_CONFIGS, (None,)),
+                                           ("bwd", SWEEP_BWD_CONFIGS, SWEEP_BWD_PROGRAMS_PER_SM)):
+                for elements, warps in configs:
+                    for per_sm in per_sms:
+                        row = {"seq": seq, "pass": kind, "tile_elements": elements, "num_warps": warps,
+                               "bwd_programs_per_sm": per_sm}
+                        if kind == "fwd":
+                            norm_rope.FWD_CONFIG = (elements, warps)
+                        else:
+                            norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM = (elements, warps), per_sm
+                        norm_rope._meta_cached.cache_clear()
+                        try:
+                            row["ms"] = timer.gpu(fwd if kind == "fwd" else bwd)
+                            log(f"{seq:>6} {kind} {elements:>5} elements {warps:>2} warps "
+                                f"{'' if per_sm is None else f'{per_sm:>2} per SM'}: {row['ms']:.4f}")
+                        except Exception as exc:  # noqa: BLE001  (one failing config must not end the sweep)
+                            row["error"] = repr(exc)
+                            log(f"{seq:>6} {kind} {elements} {warps} {per_sm}: error {exc!r}")
+                        rows.append(row)
+                        norm_rope.FWD_CONFIG, norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM = defaults
+            for kind in ("fwd", "bwd"):
+                done = [r for r in rows if r["seq"] == seq and r["pass"] == kind and "ms" in r]
+                if done:
+                    best = min(done, key=lambda r: r["ms"])
+                    log(f"{seq:>6} best {kind}: {best}")
     finally:
-        norm_rope._launch_config, norm_rope.BWD_PROGRAMS_PER_SM = default_config, default_per_sm
+        norm_rope.FWD_CONFIG, norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM = defaults
+        norm_rope._meta_cached.cache_clear()
     return rows
+
+
+def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
+    """Where the host time of `ours` goes: eager fast path vs the triton_op path vs the raw launches."""
+    inputs, grads = make_inputs(seq, timer.device, dtype)
+    leaves = inputs[:4]
+    raw_fwd, raw_bwd = _raw_launches(seq, timer.device, dtype)
+    default = norm_rope.EAGER_AUTOGRAD_FUNCTION
+    out = {}
+    log(f"\nhost ms per call of ours at seq {seq} (CPU time, GPU synced between reps; median) / GPU ms:")
+    try:
+        for path in (True, False):
+            norm_rope.EAGER_AUTOGRAD_FUNCTION = path
+            name = "fast path" if path else "op path"
+            for what, fn in (("fwd", lambda: ours(*inputs)),
+                             ("f+b", lambda: torch.autograd.grad(ours(*inputs), leaves, grads))):
+                out[f"{name} {what}"] = timer.host(fn)
+                log(f"  {name:<10} {what}: host {out[f'{name} {what}']:.4f}")
+        q_leaf, grad_q = inputs[0], grads[0]
+        out["autograd floor"] = timer.host(lambda: torch.autograd.grad(q_leaf * 2.0, q_leaf, grad_q))
+        log(f"  autograd floor (autograd.grad of q * 2: one native fwd + bwd kernel): host {out['autograd floor']:.4f}")
+        for what, fn in (("raw fwd launch", raw_fwd), ("raw bwd launch", raw_bwd)):
+            out[what] = timer.host(fn)
+            out[what + " gpu"] = timer.gpu(fn)
+            log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
+        norm_rope.EAGER_AUTOGRAD_FUNCTION = default
+        profiler = cProfile.Profile()
+        n_calls = 200 if timer.device.type == "cuda" else 2
+        profiler.enable()
+        for _ in range(n_calls):
+            torch.autograd.grad(ours(*inputs), leaves, grads)
+        profiler.disable()
+        torch.cuda.synchronize() if timer.device.type == "cuda" else None
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(18)
+        log(f"cProfile of {n_calls} f+b calls (default path), by tottime:")
+        for line in stream.getvalue().splitlines()[4:]:
+            if line.strip():
+                log("  " + line[:150])
+    finally:
+        norm_rope.EAGER_AUTOGRAD_FUNCTION = default
+    return out
 
 
 def main() -> None:
@@ -310,6 +471,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="also time ours under other tile configs")
+    parser.add_argument("--host-breakdown", action="store_true", help="where the host time of ours goes")
     parser.add_argument("--dry", action="store_true", help="CPU smoke test at tiny lengths")
     args = parser.parse_args()
 
@@ -332,9 +494,11 @@ def main() -> None:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "n/a"
-    log(f"device {device_name}, torch {torch.__version__}, triton {triton_version}, {dtype}, "
-        f"Qwen3-14B attention: B={BATCH} Hq={HEADS_Q} Hkv={HEADS_K} D={HEAD_DIM}; "
-        f"median of {timer.reps} reps after {timer.warmup} warmup")
+    log(f"{time.strftime('%Y-%m-%d %H:%M')} device {device_name}, torch {torch.__version__}, triton {triton_version}, "
+        f"{dtype}, Qwen3-14B attention: B={BATCH} Hq={HEADS_Q} Hkv={HEADS_K} D={HEAD_DIM}; median of {timer.reps} "
+        f"reps after {timer.warmup} warmup; L2 flushed before each rep")
+    log(f"ours: fwd config {norm_rope.FWD_CONFIG}, bwd config {norm_rope.BWD_CONFIG} (elements per tile, warps), "
+        f"{norm_rope.BWD_PROGRAMS_PER_SM} bwd programs per SM, eager fast path {norm_rope.EAGER_AUTOGRAD_FUNCTION}")
     copy_gbs = copy_bandwidth_gbs(timer)
 
     results: list[Result] = []
@@ -359,6 +523,8 @@ def main() -> None:
     results.sort(key=lambda r: (r.seq, list(VARIANTS).index(r.variant)))
     log()
     checks = report(results, copy_gbs, log)
+    breakdown = host_breakdown(DRY_SEQLENS[0] if args.dry else HOST_BREAKDOWN_SEQ, timer, dtype, log) \
+        if args.host_breakdown else {}
     sweep_rows = sweep(DRY_SEQLENS[:1] if args.dry else SWEEP_SEQLENS, timer, dtype, log) if args.sweep else []
 
     if args.out:
@@ -366,8 +532,10 @@ def main() -> None:
         payload = {"device": device_name, "torch": torch.__version__, "triton": triton_version,
                    "dtype": str(dtype), "date": time.strftime("%Y-%m-%d"), "copy_gbs": copy_gbs,
                    "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_k": HEADS_K, "head_dim": HEAD_DIM},
+                   "config": {"fwd": norm_rope.FWD_CONFIG, "bwd": norm_rope.BWD_CONFIG,
+                              "bwd_programs_per_sm": norm_rope.BWD_PROGRAMS_PER_SM},
                    "results": [asdict(r) for r in results], "targets": checks, "sweep": sweep_rows,
-                   "command": " ".join(sys.argv)}
+                   "host_breakdown": breakdown, "command": " ".join(sys.argv)}
         with open(os.path.join(args.out, "bench_norm_rope.json"), "w") as f:
             json.dump(payload, f, indent=1)
         with open(os.path.join(args.out, "bench_norm_rope.log"), "w") as f:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention import norm_rope
 from attention.norm_rope import qk_norm_rope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -72,12 +73,51 @@ def test_bf16_kernel_matches_fp32_reference(head_dim, rotary_dim, unit_offset):
 
 
 def test_bf16_real_shape_loops_over_tiles_in_backward():
-    """Qwen3-14B heads at 8k tokens: ~12 row tiles per backward program, so the dW loop really runs."""
+    """Qwen3-14B heads at 8k tokens: dozens of row tiles per backward program, so the dW loop really runs."""
     inputs = make_inputs(1, 8192, 40, 8, 128, 128, torch.bfloat16)
     ours = forward_and_grads(inputs, "triton", False, None)
     ref = forward_and_grads(inputs, "torch", False, None, upcast=True)
     for name, a, b in zip(NAMES, ours, ref):
         assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
+
+
+def test_eager_fast_path_and_op_path_are_bitwise_equal(monkeypatch):
+    """Plain eager calls launch the kernels from an autograd.Function, traced calls go through the
+    triton_op; both must launch the same kernels with the same arguments."""
+    inputs = make_inputs(2, 300, 10, 2, 128, 64, torch.bfloat16)
+    fast = forward_and_grads(inputs, "triton", True, 64)
+    monkeypatch.setattr(norm_rope, "EAGER_AUTOGRAD_FUNCTION", False)
+    op = forward_and_grads(inputs, "triton", True, 64)
+    for name, a, b in zip(NAMES, fast, op):
+        assert torch.equal(a, b), name
+
+
+def test_cuda_graph_capture_of_forward_backward():
+    """The benchmark (and CUDA-graph training) captures fwd+bwd; replays must reproduce eager results."""
+    inputs = make_inputs(1, 512, 8, 2, 128, 128, torch.bfloat16)
+    leaves = [leaf(t) for t in inputs[:4]]
+    grads = [torch.randn(t.shape, device="cuda", dtype=t.dtype) for t in leaves[:2]]
+
+    def step():
+        outs = qk_norm_rope(*leaves, *inputs[4:], EPS, impl="triton")
+        grads_in = torch.autograd.grad(outs, leaves, grads)
+        # Detached: an autograd graph kept alive from the eager call would pin the leaves' AccumulateGrad
+        # nodes to the default stream, which capture forbids (a property of autograd, not of the op).
+        return (*(t.detach() for t in outs), *grads_in)
+
+    expected = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, static, expected):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (256, 64)])
