@@ -108,6 +108,8 @@ def gdr_bwd(do: Tensor, q_n: Tensor, q_rstd: Tensor, k_n: Tensor, k_rstd: Tensor
             beta: Tensor, A: Tensor, cu_seqlens: Tensor | None, scale: float
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta); dg in fp32."""
+    # v and beta are the caller's tensors (saved from gdr_fwd's inputs): possibly strided views.
+    v, beta = v.contiguous(), beta.contiguous()
     with torch.cuda.device(do.device):
         dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
             q=q_n, k=k_n, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=None,

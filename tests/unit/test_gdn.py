@@ -17,6 +17,7 @@ Tolerances (norm-relative): forward <= 1e-5, gradients <= 1e-4.
 from __future__ import annotations
 
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def per_document(fn, cu_seqlens, batch, seq):
     """fn applied to every document of the flattened rows separately, reassembled to [B, S, ...]."""
     def run(*tensors_BS):
         pieces = []
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        for start, end in pairwise(cu_seqlens):
             pieces.append(fn(*(t.flatten(0, 1)[start:end].unsqueeze(0) for t in tensors_BS))[0])
         out = torch.cat(pieces)
         return out.view(batch, seq, *out.shape[1:])
