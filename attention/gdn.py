@@ -66,6 +66,13 @@ def load_op_set(name: str):
     return importlib.import_module(f"attention.gdn_ops_{name}")
 
 
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """F.softplus (beta 1, threshold 20) from pointwise ops: under torch.compile, softplus_backward's
+    fake-tensor strides disagree with the real ones for strided gradients, and the linear backward
+    that views them then fails."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
 class GatedRMSNorm(nn.Module):
     """rmsnorm(o) * weight * silu(z) over the head dim, with the HF rounding: fp32 norm, weight applied
     in the input dtype, gate in fp32, result in the input dtype."""
@@ -126,8 +133,8 @@ class GatedDeltaNet(nn.Module):
         """(conv input qkv_BSD in [q | k | v] channel order, z_BSHV, b_BSH, a_BSH)."""
         B, S, _ = x_BSH.shape
         if self.layout == "qwen3_5":
-            return (self.in_proj_qkv(x_BSH), self.in_proj_z(x_BSH).view(B, S, self.num_v_heads, self.head_v_dim),
-                    self.in_proj_b(x_BSH), self.in_proj_a(x_BSH))
+            z_BSHV = self.in_proj_z(x_BSH).view(B, S, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x_BSH), z_BSHV, self.in_proj_b(x_BSH), self.in_proj_a(x_BSH)
         group = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x_BSH).view(B, S, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
@@ -145,8 +152,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv_BSD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta_BSH = b_BSH.sigmoid()
         # fp32 decay: exp(A_log) overflows fp16 and the decay's cumsum needs the precision
-        g_BSH = -self.A_log.float().exp() * F.softplus(a_BSH.float() + self.dt_bias)
-        o_BSHV = self.ops.chunk_gated_delta_rule(
-            q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
-            v.unflatten(-1, (self.num_v_heads, self.head_v_dim)), g_BSH, beta_BSH, docs)
+        g_BSH = -self.A_log.float().exp() * softplus(a_BSH.float() + self.dt_bias)
+        k_heads, v_heads = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
+        o_BSHV = self.ops.chunk_gated_delta_rule(q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
+                                                 v.unflatten(-1, v_heads), g_BSH, beta_BSH, docs)
         return self.out_proj(self.norm(o_BSHV, z_BSHV).flatten(2))

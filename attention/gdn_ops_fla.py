@@ -39,8 +39,8 @@ def chunk_indices(cu_seqlens: Tensor | None) -> Tensor | None:
 def conv_fwd(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     with torch.cuda.device(x.device):
         y, _ = causal_conv1d_fwd(x=x.contiguous(), weight=weight.contiguous(), bias=None, residual=None,
-                                 activation="silu", cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
-                                 chunk_size=CHUNK)
+                                 activation="silu", cu_seqlens=cu_seqlens,
+                                 chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK)
     return y
 
 
@@ -53,9 +53,9 @@ def _(x, weight, cu_seqlens):
 def conv_bwd(x: Tensor, weight: Tensor, dy: Tensor, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
     with torch.cuda.device(x.device):
         dx, dw, _, _, _ = causal_conv1d_bwd(x=x.contiguous(), dy=dy.contiguous(), dht=None,
-                                            weight=weight.contiguous(), bias=None, residual=None, activation="silu",
-                                            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
-                                            chunk_size=CHUNK)
+                                            weight=weight.contiguous(), bias=None, residual=None,
+                                            activation="silu", cu_seqlens=cu_seqlens,
+                                            chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK)
     return dx, dw
 
 

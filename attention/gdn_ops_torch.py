@@ -86,11 +86,13 @@ def chunk_masks(starts_BS: torch.Tensor, num_chunks: int):
 
 
 def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS) -> torch.Tensor:
-    """o_BSHV of the gated delta rule: S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T, o_t = S_t^T q_t.
+    """o_BSHV of the gated delta rule, state S [K, V] per value head:
+      S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
 
     a_t = exp(g_t), zero at document starts. Per chunk of C tokens (WY form, cumulative log decay c):
       u = T beta v,  w = T (beta k * exp(c) * carry),  T = (I + strict_lower(beta K K^T * P))^-1
-      v' = u - w S,  o = (q * exp(c) * carry) S + (Q K^T * P) v',  S <- S exp(c_C) carry_C + (K * exp(c_C - c) * to_end)^T v'
+      v' = u - w S,  o = (q * exp(c) * carry) S + (Q K^T * P) v',
+      S <- S exp(c_C) carry_C + (K * exp(c_C - c) * to_end)^T v'
     with P_ij = exp(c_i - c_j) where same_doc_ij, else 0.
     """
     B, S, HV, _ = v_BSHV.shape

@@ -22,10 +22,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
 python - <<'EOF' 2>&1 | tee "$OUT/gdn_env.log"
 import torch, triton, fla, tilelang
 from fla.utils.env import has_usable_nvcc
-print(f"torch {torch.__version__} triton {triton.__version__} fla {fla.__version__} tilelang {tilelang.__version__} "
-      f"nvcc for tilelang: {has_usable_nvcc()}")
+print(f"torch {torch.__version__} triton {triton.__version__} fla {fla.__version__} "
+      f"tilelang {tilelang.__version__} nvcc for tilelang: {has_usable_nvcc()}")
 EOF
-python -m pytest -m gpu tests/gpu/test_gdn_gpu.py -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gdn_tests.log" | tail -n 25
+python -m pytest -m gpu tests/gpu/test_gdn_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+  | tee "$OUT/gdn_tests.log" | tail -n 25
 
 # Timing: one GDN layer, 4 rows x 4096 tokens packed with documents of 1000 tokens, bf16, fwd+bwd.
 python - <<'EOF' 2>&1 | tee "$OUT/gdn_bench.log"

@@ -19,7 +19,8 @@ import inspect
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 if torch.cuda.is_available():
     pytest.importorskip("fla", reason="op set fla needs flash-linear-attention")
@@ -69,7 +70,8 @@ def leaves(tensors, upcast=False):
 
 def outputs_and_grads(fn, inputs, seed=1):
     out = fn(*inputs)
-    grad_out = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    grad_out = torch.randn(out.shape, device="cuda", generator=gen)
     return out, torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
 
 
@@ -87,8 +89,8 @@ def test_fla_internal_signatures():
         l2norm_fwd: ["x"],
         l2norm_bwd: ["y", "rstd", "dy"],
         prepare_chunk_indices: ["cu_seqlens", "chunk_size"],
-        chunk_gated_delta_rule_fwd: ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
-                                     "cu_seqlens", "chunk_indices", "chunk_size"],
+        chunk_gated_delta_rule_fwd: ["q", "k", "v", "g", "beta", "scale", "initial_state",
+                                     "output_final_state", "cu_seqlens", "chunk_indices", "chunk_size"],
         chunk_gated_delta_rule_bwd: ["q", "k", "v", "g", "beta", "A", "scale", "initial_state", "do", "dht",
                                      "cu_seqlens", "chunk_indices", "chunk_size"],
         causal_conv1d_fwd: ["x", "weight", "bias", "residual", "activation", "cu_seqlens", "chunk_indices",
@@ -113,7 +115,8 @@ def test_delta_rule_bf16_matches_torch(batch, seq, cu):
     cu_seqlens = cu_tensor(cu)
     fla_docs = gdn_ops_fla.prepare_docs(cu_seqlens, batch, seq, "cuda")
     torch_docs = gdn_ops_torch.prepare_docs(cu_seqlens, batch, seq, "cuda")
-    ours, ours_grads = outputs_and_grads(lambda *t: gdn_ops_fla.chunk_gated_delta_rule(*t, fla_docs), leaves(inputs))
+    ours, ours_grads = outputs_and_grads(lambda *t: gdn_ops_fla.chunk_gated_delta_rule(*t, fla_docs),
+                                         leaves(inputs))
     ref, ref_grads = outputs_and_grads(lambda *t: gdn_ops_torch.chunk_gated_delta_rule(*t, torch_docs),
                                        leaves(inputs, upcast=True))
     assert ours.dtype == torch.bfloat16
@@ -131,7 +134,8 @@ def test_conv_bf16_matches_torch(batch, seq, cu):
     cu_seqlens = cu_tensor(cu)
     fla_docs = gdn_ops_fla.prepare_docs(cu_seqlens, batch, seq, "cuda")
     torch_docs = gdn_ops_torch.prepare_docs(cu_seqlens, batch, seq, "cuda")
-    ours, ours_grads = outputs_and_grads(lambda x, w: gdn_ops_fla.causal_conv1d_silu(x, w, fla_docs), leaves([x, w]))
+    ours, ours_grads = outputs_and_grads(lambda x, w: gdn_ops_fla.causal_conv1d_silu(x, w, fla_docs),
+                                         leaves([x, w]))
     ref, ref_grads = outputs_and_grads(lambda x, w: gdn_ops_torch.causal_conv1d_silu(x, w, torch_docs),
                                        leaves([x, w], upcast=True))
     assert_close(ours, ref, TOL, "y")
@@ -149,8 +153,8 @@ def test_opcheck(cu):
     scale = 64 ** -0.5
     torch.library.opcheck(gdn_ops_fla.gdr_fwd, (*leaves([q, k, v, g, beta]), cu_seqlens, scale))
     _, q_n, q_rstd, k_n, k_rstd, g_cum, A = gdn_ops_fla.gdr_fwd(q, k, v, g, beta, cu_seqlens, scale)
-    torch.library.opcheck(gdn_ops_fla.gdr_bwd,
-                          (torch.randn_like(v), q_n, q_rstd, k_n, k_rstd, v, g_cum, beta, A, cu_seqlens, scale))
+    bwd_args = (torch.randn_like(v), q_n, q_rstd, k_n, k_rstd, v, g_cum, beta, A, cu_seqlens, scale)
+    torch.library.opcheck(gdn_ops_fla.gdr_bwd, bwd_args)
     x = torch.randn(batch, seq, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 4, device="cuda", dtype=torch.bfloat16)
     torch.library.opcheck(gdn_ops_fla.conv_fwd, (*leaves([x, w]), cu_seqlens))
@@ -159,7 +163,8 @@ def test_opcheck(cu):
 
 # ---- the layer --------------------------------------------------------------------------------------
 
-LAYER = dict(hidden=1024, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, conv_kernel=4, eps=1e-6)
+LAYER = dict(hidden=1024, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, conv_kernel=4,
+             eps=1e-6)
 
 
 def layer_pair(layout, seed=0):

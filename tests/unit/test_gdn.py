@@ -1,4 +1,4 @@
-"""CPU tests of the Gated DeltaNet layer (attention/gdn.py) and its `torch` op set (attention/gdn_ops_torch.py).
+"""CPU tests of the Gated DeltaNet layer (attention/gdn.py) and its `torch` op set (gdn_ops_torch.py).
 
 1. Ops vs transformers' reference functions (qwen3_next): the chunked gated delta rule against
    torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule, the conv against causal_conv1d_fn;
@@ -68,6 +68,10 @@ def hf_chunked(q, k, v, g, beta):
     return hf_next.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
 
 
+def hf_conv(x_BSD, w_DW):
+    return hf_next.causal_conv1d_fn(x_BSD.transpose(1, 2), w_DW, None, activation="silu").transpose(1, 2)
+
+
 def per_document(fn, cu_seqlens, batch, seq):
     """fn applied to every document of the flattened rows separately, reassembled to [B, S, ...]."""
     def run(*tensors_BS):
@@ -99,8 +103,7 @@ def test_conv_matches_transformers():
     w = torch.randn(24, 4, generator=gen).requires_grad_()
     starts = prepare_docs(None, 2, 70, "cpu")
     ours, ours_grads = outputs_and_grads(lambda x, w: causal_conv1d_silu(x, w, starts), [x, w])
-    ref, ref_grads = outputs_and_grads(
-        lambda x, w: hf_next.causal_conv1d_fn(x.transpose(1, 2), w, None, activation="silu").transpose(1, 2), [x, w])
+    ref, ref_grads = outputs_and_grads(hf_conv, [x, w])
     assert_close(ours, ref, FWD_TOL, "y")
     for name, a, b in zip(("dx", "dw"), ours_grads, ref_grads):
         assert_close(a, b, GRAD_TOL, name)
@@ -124,10 +127,8 @@ def test_packed_conv_equals_per_document():
     w = torch.randn(24, 4, generator=gen).requires_grad_()
     starts = prepare_docs(torch.tensor(CU_SEQLENS, dtype=torch.int32), 2, 150, "cpu")
     ours, ours_grads = outputs_and_grads(lambda x, w: causal_conv1d_silu(x, w, starts), [x, w])
-
-    def hf_conv(x_1TD):
-        return hf_next.causal_conv1d_fn(x_1TD.transpose(1, 2), w, None, activation="silu").transpose(1, 2)
-    ref, ref_grads = outputs_and_grads(lambda x, w: per_document(hf_conv, CU_SEQLENS, 2, 150)(x), [x, w])
+    ref, ref_grads = outputs_and_grads(
+        lambda x, w: per_document(lambda x_1TD: hf_conv(x_1TD, w), CU_SEQLENS, 2, 150)(x), [x, w])
     assert_close(ours, ref, FWD_TOL, "y")
     for name, a, b in zip(("dx", "dw"), ours_grads, ref_grads):
         assert_close(a, b, GRAD_TOL, name)
