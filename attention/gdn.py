@@ -69,8 +69,9 @@ def load_op_set(name: str):
 def softplus(x: torch.Tensor) -> torch.Tensor:
     """F.softplus (beta 1, threshold 20) from pointwise ops: under torch.compile, softplus_backward's
     fake-tensor strides disagree with the real ones for strided gradients, and the linear backward
-    that views them then fails."""
-    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    that views them then fails. The clamp keeps exp finite in the unselected branch (else NaN grads
+    for x > 88)."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
 class GatedRMSNorm(nn.Module):

@@ -213,7 +213,7 @@ def test_compile_fullgraph_packed():
     """Dynamo + AOT autograd trace the packed forward and backward with no graph break; same numbers.
 
     aot_eager_decomp_partition runs the graphs inductor would get (decomposed, partitioned) without
-    compiling C++ (~40 s on 2 cores); plain aot_eager trips over a CPU stride quirk of softplus_backward.
+    compiling C++ (~40 s on 2 cores).
     """
     torch.manual_seed(0)
     layer = GatedDeltaNet(**TINY, layout="qwen3_5")
