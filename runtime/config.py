@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,6 +105,9 @@ class CompileConfig(Section):
         if self.inductor_options and not self.enabled:
             raise ValueError("compile.inductor_options is set but compile.enabled is false; "
                              "set compile.enabled: true or drop the options")
+        if self.inductor_options.get("triton.cudagraphs"):
+            warnings.warn("compile.inductor_options triton.cudagraphs: packed batches change shape (documents "
+                          "per row vary), so CUDA graphs re-record often; expect little gain", stacklevel=2)
         return self
 
 

@@ -8,6 +8,7 @@ the same global batch, for dense, expert, router and LoRA parameters alike.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -80,9 +81,11 @@ def checkpoint_fn(mode: str):
     if mode == "full":
         return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
 
+    # a partial, not a lambda: torch.compile traces checkpoint only with a global or partial context_fn
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+
     def selective(fn, *args):
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy))
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
     return selective
 
 
@@ -113,14 +116,40 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
 
-def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes, cfg: Config) -> QwenForCausalLM:
-    for block in model.moe_blocks():
-        # Every rank's tokens (data and context shards alike) form the global batch.
-        block.gate.balance_group = dist.group.WORLD
-        if dims.ep > 1:
-            block.dispatcher = build_dispatcher(meshes.ep_group, model.config.num_experts)
+def apply_inductor_options(options: dict) -> None:
+    """Sets torch._inductor.config keys (dotted for nested ones, e.g. "triton.cudagraphs")."""
+    import torch._inductor.config as inductor_config
+
+    for key, value in options.items():
+        *parents, leaf = key.split(".")
+        target = inductor_config
+        for name in parents:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+
+
+def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inductor") -> None:
+    """Compiles every decoder block in place (FQNs unchanged) with fullgraph=True: a graph break is
+    an error, not a silent slowdown. Blocks of one kind share their compiled graph."""
+    apply_inductor_options(options)
+    for block in model.model.layers.values():
+        block.compile(backend=backend, fullgraph=True)
+
+
+def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> QwenForCausalLM:
+    """EP placement (with meshes), activation checkpointing, compile, FSDP2 (with meshes), in the
+    order they compose: compile wraps the checkpointed blocks, FSDP wraps the compiled ones."""
+    if meshes is not None:
+        for block in model.moe_blocks():
+            # Every rank's tokens (data and context shards alike) form the global batch.
+            block.gate.balance_group = dist.group.WORLD
+            if dims.ep > 1:
+                block.dispatcher = build_dispatcher(meshes.ep_group, model.config.num_experts)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
-    apply_fsdp(model, meshes, meshes.world.device_type)
+    if cfg.compile.enabled:
+        apply_compile(model, cfg.compile.inductor_options)
+    if meshes is not None:
+        apply_fsdp(model, meshes, meshes.world.device_type)
     return model
 
 

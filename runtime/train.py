@@ -23,6 +23,7 @@ from runtime.mesh import Meshes, ParallelDims
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.hf import config_from_hf, load_hf_weights, read_hf_config
 from runtime.models.qwen import QwenForCausalLM, init_weights, label_loss_sum
+from runtime.parallelize import localize_experts, parallelize, seed_lora_A, total_grad_norm
 
 log = logging.getLogger("runtime")
 
@@ -52,8 +53,6 @@ def model_config(cfg: Config):
 def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalLM:
     """The model with this rank's weights: checkpoint shards (only its experts under EP) or a seeded
     random init that is identical on every rank before experts are split."""
-    from runtime.parallelize import localize_experts
-
     qcfg = model_config(cfg)
     dims.check_experts(qcfg.num_experts)
     dtype = DTYPES[cfg.model.dtype]
@@ -105,8 +104,6 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> torch.Tensor:
     """Total gradient norm over all parameters (dense and expert meshes alike), clipped to max_norm."""
-    from runtime.parallelize import total_grad_norm
-
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = total_grad_norm(grads, world_size)
     if max_norm > 0:
@@ -156,10 +153,7 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it)."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
-    if meshes is not None:
-        from runtime.parallelize import parallelize
-
-        parallelize(model, dims, meshes, cfg)
+    parallelize(model, dims, meshes, cfg)
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,

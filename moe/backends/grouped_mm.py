@@ -1,7 +1,11 @@
 """`grouped_mm` expert backend: expert-sorted rows through torch._grouped_mm (one GEMM launch per
 projection for all experts), LoRA as two rank-sized grouped products.
 
-Sentinel-skip: only slots with id >= 0 are gathered; -1 slots never reach a GEMM. Where
+Sentinel-skip: slots are sorted by expert with -1 slots last; the grouped GEMMs end at the last
+valid slot, so no -1 row is ever computed. The buffers hold all M*k slots (their tail is never
+written), which keeps the backend free of host syncs and of data-dependent shapes, so torch.compile
+traces it whole; the input rows and every GEMM output have their tail set to 0 (torch.where), so
+nothing unwritten reaches a result or a gradient. Where
 torch._grouped_mm cannot run (CUDA below sm90, non-bf16 on CUDA, unaligned strides) the same sorted
 layout goes through a per-expert loop, logged once.
 """
@@ -19,12 +23,17 @@ log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
+@torch._dynamo.assume_constant_result
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _grouped_mm_supported(x: torch.Tensor, *dims: int) -> str | None:
     """None when torch._grouped_mm can run these operands, else the reason."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no torch._grouped_mm"
     if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
+        if _cuda_capability(x.device.index or 0) < (9, 0):
             return "torch._grouped_mm needs sm90+"
         if x.dtype != torch.bfloat16:
             return f"torch._grouped_mm on CUDA needs bfloat16, got {x.dtype}"
@@ -43,23 +52,29 @@ def _warn_once(reason: str) -> None:
 
 def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor,
                    fallback: bool) -> torch.Tensor:
-    """Rows x_NI sorted by expert (group e ends at offs_E[e]) times w_EOI[e]^T."""
+    """Rows x_NI sorted by expert (group e ends at offs_E[e]) times w_EOI[e]^T; rows past the last
+    group are left unwritten."""
     if not fallback:
         return torch._grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs_E)
     ends = offs_E.tolist()  # host sync: fallback path only
     starts = [0] + ends[:-1]
-    return torch.cat([x_NI[s:e] @ w_EOI[i].T for i, (s, e) in enumerate(zip(starts, ends))])
+    out = x_NI.new_zeros(x_NI.shape[0], w_EOI.shape[1])
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        out[s:e] = x_NI[s:e] @ w_EOI[i].T
+    return out
 
 
-def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, fallback):
+def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, valid_N1, fallback):
+    """Grouped x W^T (+ LoRA) with the unwritten -1 rows set to 0, so that no inf/NaN from them can
+    reach any product or gradient (the GEMMs' backward may mix all rows)."""
     # torch._grouped_mm has no autocast rule: operands take the activations' dtype explicitly.
     y_NO = grouped_linear(x_NI, w_EOI.to(x_NI.dtype), offs_E, fallback)
     if lora is not None:
         A_ErI, B_EOr = lora
         x_lora = F.dropout(x_NI, dropout, training) if dropout > 0 else x_NI
-        xa_Nr = grouped_linear(x_lora, A_ErI.to(x_NI.dtype), offs_E, fallback)
+        xa_Nr = torch.where(valid_N1, grouped_linear(x_lora, A_ErI.to(x_NI.dtype), offs_E, fallback), 0)
         y_NO = y_NO + scaling * grouped_linear(xa_Nr, B_EOr.to(x_NI.dtype), offs_E, fallback)
-    return y_NO
+    return torch.where(valid_N1, y_NO, 0)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -69,31 +84,35 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def sort_valid_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
-    """Flat slot order sorted by expert with -1 slots dropped, and the per-expert end offsets."""
+def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
+    """Flat slot order sorted by expert (-1 slots last), per-expert end offsets, and which sorted
+    slots are valid. No host sync."""
     ids_S = expert_ids_Mk.reshape(-1)
     # -1 sorts last as `num_experts`; stable so rows of one expert keep their token order.
     keys_S = torch.where(ids_S < 0, num_experts, ids_S)
     order_S = torch.sort(keys_S, stable=True).indices
-    counts = torch.bincount(keys_S, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_S.device)
+    counts.scatter_add_(0, keys_S, torch.ones_like(keys_S))
     offs_E = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
-    num_valid = int(offs_E[-1])  # host sync: the one per layer; sizes the gathered rows
-    return order_S[:num_valid], offs_E
+    return order_S, offs_E, keys_S[order_S] < num_experts
 
 
 @register_backend("grouped_mm")
 def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                        experts) -> torch.Tensor:
     M, k = expert_ids_Mk.shape
-    slots_N, offs_E = sort_valid_slots(expert_ids_Mk, experts.num_experts)
+    slots_N, offs_E, valid_N = sort_slots(expert_ids_Mk, experts.num_experts)
+    valid_N1 = valid_N.unsqueeze(-1)
     rows_N = slots_N // k
-    x_NH = x_MH.index_select(0, rows_N).to(compute_dtype(x_MH))
+    # where() on the input too: the GEMM backward leaves dx of the -1 rows unwritten, and this
+    # where's backward is what keeps those rows out of dx_MH.
+    x_NH = torch.where(valid_N1, x_MH.index_select(0, rows_N), 0).to(compute_dtype(x_MH))
     lora_dims = (experts.lora_rank,) if experts.has_lora else ()
     reason = _grouped_mm_supported(x_NH, experts.hidden, 2 * experts.intermediate, experts.intermediate,
                                    *lora_dims)
     if reason:
         _warn_once(reason)
-    lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, reason is not None)
+    lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, valid_N1, reason is not None)
     gate_up_N2I = _lora_grouped_linear(x_NH, experts.gate_up, experts.lora_params("gate_up"), *lora_args)
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
     out_NH = _lora_grouped_linear(F.silu(gate_NI) * up_NI, experts.down, experts.lora_params("down"),
