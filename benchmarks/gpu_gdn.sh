@@ -61,3 +61,7 @@ for op_set, compiled in [("fla", False), ("fla", True), ("torch", False)]:
     ms = time_ms(lambda: run(x, meta).sum().backward())
     print(f"| {op_set} | {'compile' if compiled else 'eager'} | {ms:.2f} |")
 EOF
+
+# Issue 6 compile: hybrid decoder compiled with inductor (zero graph breaks, with/without AC) + stack benchmark.
+python -m pytest -m gpu tests/gpu/test_compile_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/compile_tests.log" | tail -n 5
+python benchmarks/bench_hybrid_compile.py --out "$OUT" 2>&1 | tee "$OUT/bench_hybrid_compile.log" | tail -n 8
