@@ -7,8 +7,8 @@ median time over CUDA events after warmup (autotuning happens in the warmup), th
 the resident tensors, and achieved TFLOP/s (valid slots only) next to a bf16 matmul rate measured in
 the same run. Modes: `full` (base weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base),
 each with all slots valid (ep1) and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the
-first 1/ep of the experts, every other slot is -1); `scattermoe-split` forces scattermoe's split-LoRA
-path (chosen automatically only for few large experts) for comparison. Then it checks the targets
+first 1/ep of the experts, every other slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA
+path (chosen automatically only for small experts) for comparison. Then it checks the targets
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
 `--profile` prints the per-kernel CUDA times of one fwd+bwd instead (to see which kernel to work on).
@@ -106,21 +106,21 @@ def make_case(shape: str, T: int, mode: str, ep: int):
 
 
 @contextlib.contextmanager
-def forced_split_lora():
-    """scattermoe's split-LoRA path at any shape, to compare it with the fused path it picks there."""
+def forced_fused_lora():
+    """scattermoe's fused-LoRA path at any shape, to compare it with the split path it picks there."""
     import moe.backends.scattermoe as sm
-    saved = sm._SPLIT_MAX_EXPERTS, sm._SPLIT_MIN_WEIGHT_ELEMS
-    sm._SPLIT_MAX_EXPERTS, sm._SPLIT_MIN_WEIGHT_ELEMS = 1 << 30, 0
+    saved = sm._SPLIT_MIN_WEIGHT_ELEMS
+    sm._SPLIT_MIN_WEIGHT_ELEMS = 1 << 62
     try:
         yield
     finally:
-        sm._SPLIT_MAX_EXPERTS, sm._SPLIT_MIN_WEIGHT_ELEMS = saved
+        sm._SPLIT_MIN_WEIGHT_ELEMS = saved
 
 
 def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
-    split = row.backend == "scattermoe-split"
-    with forced_split_lora() if split else contextlib.nullcontext():
-        backend = expert_backend("scattermoe" if split else row.backend)
+    fused = row.backend == "scattermoe-fused"
+    with forced_fused_lora() if fused else contextlib.nullcontext():
+        backend = expert_backend("scattermoe" if fused else row.backend)
         return _bench_variant(row, backend, iters, warmup, matmul)
 
 
@@ -165,7 +165,7 @@ def run_all(shapes: list[str], T: int, backends: list[str], iters: int, warmup: 
     for shape in shapes:
         for mode, rank in MODES.items():
             for ep in (1, 2, 4):
-                extra = ["scattermoe-split"] if "scattermoe" in backends and rank and ep == 1 else []
+                extra = ["scattermoe-fused"] if "scattermoe" in backends and rank and ep == 1 else []
                 for name in backends + extra:
                     row = Row(shape, T, mode, ep, name)
                     try:
@@ -212,7 +212,7 @@ def targets(rows: list[Row]) -> list[dict]:
         ("LoRA r=16 frozen base fwd+bwd ms", get("lora16", 1, "fwd_bwd_ms"), 3.0),
         ("LoRA fwd overhead over base fwd",
          ratio(get("lora16", 1, "fwd_ms"), get("full", 1, "fwd_ms")), 1.15),
-        ("  same, split-LoRA path forced", ratio(get("lora16", 1, "fwd_ms", "scattermoe-split"),
+        ("  same, fused-LoRA path forced", ratio(get("lora16", 1, "fwd_ms", "scattermoe-fused"),
                                                  get("full", 1, "fwd_ms")), 1.15),
         ("full: 75% -1 slots / all valid",
          ratio(get("full", 4, "fwd_bwd_ms"), get("full", 1, "fwd_bwd_ms")), 0.35),

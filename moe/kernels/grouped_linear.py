@@ -16,7 +16,8 @@ K loop runs with the registers of the LoRA-free kernel). SwiGLU is fused into th
 and its gradient).
 
 Public launchers:
-    gate_up_swiglu(x_MH, slots, w_E2IH, lora)          -> gate_up_S2I, h_SI, xa_Sr  (SwiGLU fused)
+    gate_up_swiglu(x_MH, slots, w_E2IH, lora, weights_Mk)
+                                                       -> gate_up_S2I, hw_SI, xa_Sr (SwiGLU fused, hw = w * h)
     expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
     swiglu_backward(dy_MH, slots, w_EIH, lora, gate_up_S2I, weights_Mk)
                                                        -> d_gate_up_S2I, dyb_Sr, d_weights_Mk
@@ -131,8 +132,11 @@ def _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, gu_ptr, s_gu_m, h_ptr, s_h_m,
+def _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, gu_ptr, s_gu_m, h_ptr, s_h_m, rw_ptr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores gate_up and hw = w * silu(gate) * up: the routing weight w of each row is applied here, so
+    the down projection yields w * z, the combine is a plain sum and dW_down = dy^T hw needs no
+    weights (the routing-weight gradient <g, h> recomputes h from gate_up)."""
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     n_N = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     mask = mask_M[:, None] & (n_N < N)[None, :]
@@ -140,7 +144,7 @@ def _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, gu_ptr, s_gu_m, h_ptr, 
     dtype = gu_ptr.dtype.element_ty
     tl.store(gu_ptr + row_M * s_gu_m + n_N[None, :], gate.to(dtype), mask=mask)
     tl.store(gu_ptr + row_M * s_gu_m + N + n_N[None, :], up.to(dtype), mask=mask)
-    h = gate * tl.sigmoid(gate) * up
+    h = gate * tl.sigmoid(gate) * up * tl.load(rw_ptr + slot_M).to(tl.float32)[:, None]
     tl.store(h_ptr + row_M * s_h_m + n_N[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -189,7 +193,10 @@ def _swiglu_backward_epilogue(g_acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_d
              mask=mask_M[:, None] & (col_C < DW_COLS)[None, :])
 
 
-@triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R"],
+# The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
+# must not share a tuned config.
+@triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
+                                            "GLU_FWD", "GLU_BWD"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
@@ -202,7 +209,7 @@ def _grouped_linear_kernel(
         GLU_FWD: tl.constexpr, GLU_BWD: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, DW_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Epilogue: GLU_FWD (SwiGLU; aux = h output), GLU_BWD (SwiGLU backward; aux = gate_up input,
+    """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights), GLU_BWD (SwiGLU backward; aux = gate_up input,
     rw/dw the routing weights and their gradient partials) or neither (plain store). LoRA: none,
     in the K loop (LORA_IN_LOOP, ia written) or read from ia."""
     pid = tl.program_id(0)
@@ -254,8 +261,8 @@ def _grouped_linear_kernel(
             tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
         acc += _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
     if GLU_FWD:
-        _swiglu_forward_epilogue(acc, p_M, mask_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
-                                 BLOCK_M, BLOCK_N)
+        _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
+                                 rw_ptr, BLOCK_M, BLOCK_N)
     elif GLU_BWD:
         _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                   rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_M, BLOCK_N, DW_BLOCK)
@@ -314,14 +321,17 @@ def rank_product(in_: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor, gathe
     return ia_Sr
 
 
-def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, lora: LoraView | None):
-    """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and h[p] = silu(gate) * up, for valid positions p."""
+def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, lora: LoraView | None,
+                   weights_Mk: torch.Tensor):
+    """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and hw[p] = w[slot(p)] * silu(gate) * up, for valid
+    positions p (w the routing weight of the slot)."""
     I2 = w_E2IH.shape[1]
     S = slots.num_slots
     gu_S2I = x_MH.new_empty(S, I2)
     h_SI = x_MH.new_empty(S, I2 // 2)
     xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
-    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, epilogue="glu_fwd", aux=h_SI)
+    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, epilogue="glu_fwd", aux=h_SI,
+            rw_S=weights_Mk.reshape(-1))
     return gu_S2I, h_SI, xa_Sr
 
 

@@ -21,7 +21,7 @@ from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import XTY_CONFIGS, bench, m_bucket, prune_xty
 
 
-@triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q"],
+@triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L"],
                  prune_configs_by={"early_config_prune": prune_xty}, do_bench=bench)
 @triton.jit
 def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, offsets_ptr, rw_ptr, TOPK,

@@ -1,7 +1,8 @@
 """scattermoe in bf16 vs the eager backend in fp32 at real MoE shapes (norm-relative error <= 1e-2).
 
 Every case trains the base weights and a LoRA (B non-zero) at once, so one backward checks dx, the
-routing-weight gradient, dW, dA and dB. Mixtral takes the split-LoRA path, the others the fused one.
+routing-weight gradient, dW, dA and dB. Every shape takes the split-LoRA path; `fused` cases force the
+fused one, `empty` cases leave the last experts without rows (their gradients must be zeros).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ SHAPES = {  # E, H, I, k
     "olmoe": (64, 2048, 1024, 8),
     "mixtral-8x7b": (8, 4096, 14336, 2),
 }
-# (shape, tokens, rank, ep): ep > 1 keeps the experts of the first 1/ep and sets the other slots to -1.
+# (shape, tokens, rank, ep, variant): ep > 1 keeps the experts of the first 1/ep and sets the other
+# slots to -1; variant "fused" forces the fused-LoRA path, "empty" sends no token to the last 4 experts.
 CASES = [
-    ("qwen3-30b-a3b", 2048, 16, 1), ("qwen3-30b-a3b", 8192, 64, 1), ("qwen3-30b-a3b", 2048, 16, 4),
-    ("qwen3.5-35b-a3b", 2048, 64, 1), ("qwen3.5-35b-a3b", 8192, 16, 1),
-    ("olmoe", 2048, 16, 1), ("olmoe", 8192, 64, 2),
-    ("mixtral-8x7b", 2048, 16, 1), ("mixtral-8x7b", 2048, 64, 1), ("mixtral-8x7b", 8192, 16, 1),
+    ("qwen3-30b-a3b", 2048, 16, 1, ""), ("qwen3-30b-a3b", 8192, 64, 1, ""), ("qwen3-30b-a3b", 2048, 16, 4, ""),
+    ("qwen3-30b-a3b", 2048, 16, 1, "fused"), ("qwen3-30b-a3b", 2048, 16, 2, "empty"),
+    ("qwen3.5-35b-a3b", 2048, 64, 1, ""), ("qwen3.5-35b-a3b", 8192, 16, 1, ""),
+    ("qwen3.5-35b-a3b", 2048, 16, 1, "fused"),
+    ("olmoe", 2048, 16, 1, ""), ("olmoe", 8192, 64, 2, ""),
+    ("mixtral-8x7b", 2048, 16, 1, ""), ("mixtral-8x7b", 2048, 64, 1, ""), ("mixtral-8x7b", 8192, 16, 1, ""),
 ]
 TOL = 1e-2
 
@@ -58,11 +62,16 @@ def fwd_bwd(ex: GroupedExperts, backend: str, x, ids, w, dy) -> dict[str, torch.
     return out
 
 
-@pytest.mark.parametrize("shape,T,rank,ep", CASES, ids=[f"{s}-T{t}-r{r}-ep{e}" for s, t, r, e in CASES])
-def test_bf16_matches_fp32_eager(shape, T, rank, ep):
+@pytest.mark.parametrize("shape,T,rank,ep,variant", CASES,
+                         ids=[f"{s}-T{t}-r{r}-ep{e}" + (f"-{v}" if v else "") for s, t, r, e, v in CASES])
+def test_bf16_matches_fp32_eager(shape, T, rank, ep, variant, monkeypatch):
     torch.manual_seed(0)
     E, H, I, k = SHAPES[shape]
+    if variant == "fused":
+        monkeypatch.setattr("moe.backends.scattermoe._SPLIT_MIN_WEIGHT_ELEMS", 1 << 62)
     ids, w, E_local = make_routing(T, E, k, ep)
+    if variant == "empty":
+        ids = torch.where(ids >= E_local - 4, -1, ids)
     ex = make_experts(E_local, H, I, rank)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -72,3 +81,6 @@ def test_bf16_matches_fp32_eager(shape, T, rank, ep):
     errors = {n: ((got[n] - r).norm() / r.norm().clamp_min(1e-30)).item() for n, r in ref.items()}
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= TOL}
     assert not bad, f"norm-relative errors above {TOL}: {bad}"
+    if variant == "empty":
+        for n in ("gate_up", "down", "gate_up_lora_A", "down_lora_B"):
+            assert got[n][-4:].abs().max() == 0, n

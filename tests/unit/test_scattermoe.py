@@ -81,7 +81,7 @@ def assert_matches_eager(ex, x, ids, w):
                          [(4, 1, R, False), (8, 2, R, False), (8, 2, R, True), (4, 2, 0, False)],
                          ids=["E4-k1-lora", "E8-k2-lora", "E8-k2-lora-split", "E4-k2-full"])
 def test_matches_eager(E, k, rank, split, monkeypatch):
-    if split:  # force the few-large-experts path at tiny shapes
+    if split:  # force the large-experts (split-LoRA) path at tiny shapes
         monkeypatch.setattr("moe.backends.scattermoe._SPLIT_MIN_WEIGHT_ELEMS", 0)
     ex = make_experts(E, rank)
     M = 13
