@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 
@@ -34,6 +35,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.gate = router  # named as in HF checkpoints (mlp.gate.weight)
         self.experts = experts
+        expert_backend(backend)  # imports (and validates) the backend now, not inside a compiled forward
         self.backend = backend
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
