@@ -29,6 +29,21 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Returns x unchanged; in backward the balance loss `aux` receives gradient `scale`, as if
+    scale * aux had been added to the training loss. This keeps forward free of side effects (no
+    loss stored on the module), which torch.compile needs under activation checkpointing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        return grad_x, torch.full((), ctx.scale, device=grad_x.device, dtype=torch.float32), None
+
+
 class MoEBlock(nn.Module):
     def __init__(self, router: SoftmaxTopKRouter, experts: GroupedExperts, backend: str = "grouped_mm",
                  shared_expert: nn.Module | None = None, shared_expert_gate: nn.Linear | None = None):
@@ -40,13 +55,13 @@ class MoEBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
         self.dispatcher = None  # set by runtime.parallelize for EP; None means all experts are local
-        self.aux_loss: torch.Tensor | None = None  # last forward's router balance loss
+        # Weight of the balance loss's gradient per forward (the trainer sets 1 / micro-batches per step).
+        self.aux_grad_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_TH = x.reshape(-1, shape[-1])
         routing = self.gate(x_TH)
-        self.aux_loss = routing.aux_loss
         if self.dispatcher is None:
             out_TH = self.experts(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk, backend=self.backend)
         else:
@@ -58,4 +73,6 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
             out_TH = out_TH + shared_TH
+        if routing.aux_loss is not None:
+            out_TH = _AttachAuxLoss.apply(out_TH, routing.aux_loss, self.aux_grad_scale)
         return out_TH.reshape(shape)

@@ -132,11 +132,9 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
         with autocast:
             logits = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
                            max_seqlen=batch.max_seqlen)
+            # The router balance losses ride on the MoE outputs' backward (moe.layer._AttachAuxLoss).
             loss = label_loss_sum(logits, batch.labels) / global_labels
-            aux = model.aux_loss()
-            # Balance loss of the global micro-batch (the ranks' shares add up), mean over micro-batches.
-            objective = loss if aux is None else loss + aux / len(batches)
-        objective.backward()
+        loss.backward()
         loss_total += loss.detach()
     if on_grads is not None:
         on_grads(model)
@@ -154,6 +152,9 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg)
+    for block in model.moe_blocks():
+        # Balance loss of the global micro-batch (the ranks' shares add up), mean over micro-batches.
+        block.aux_grad_scale = 1.0 / cfg.train.grad_accum_steps
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,

@@ -182,10 +182,6 @@ class QwenForCausalLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
-    def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the router balance losses of the last forward (None when disabled)."""
-        losses = [b.aux_loss for b in self.moe_blocks() if b.aux_loss is not None]
-        return torch.stack(losses).sum() if losses else None
 
 
 def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:

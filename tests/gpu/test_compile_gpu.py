@@ -29,7 +29,7 @@ def test_inductor_compiled_hybrid_no_graph_breaks(tmp_path, ac):
     losses = []
     for compiled in (False, True):
         model = from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda", expert_backend="grouped_mm",
-                                gdn_op_set=op_set)
+                                gdn_op_set=op_set, router_aux_loss_coef=0.01)
         apply_activation_checkpointing(model, ac)
         if compiled:
             torch._dynamo.reset()

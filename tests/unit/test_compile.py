@@ -35,7 +35,8 @@ def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac):
     results = []
     for compiled in (False, True):
         # bf16: torch._grouped_mm's compile-time (fake) rule accepts only bf16, whatever the device
-        model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch")
+        model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
+                                router_aux_loss_coef=0.01)
         apply_activation_checkpointing(model, ac)
         if compiled:
             torch._dynamo.reset()

@@ -97,3 +97,29 @@ def test_grouped_mm_runs_without_fallback_at_aligned_dims(caplog):
     assert _grouped_mm_supported(x, 2048, 1536, 768) is None
     assert _grouped_mm_supported(x, 2048, 1536, 768, 16) is None
     assert "not 16-byte aligned" in _grouped_mm_supported(x, 2048, 1536, 768, 4)
+
+
+def test_balance_loss_gradient_equals_adding_it_to_the_loss(tiny_moe_ckpt):
+    """The balance loss reaches the router through the MoE output's backward exactly as if
+    coef * aux had been added to the loss (checked against an explicit Switch loss)."""
+    import torch.nn.functional as F
+
+    from moe.router import switch_aux_loss
+
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(5))
+    coef = 0.3
+    with_aux = from_pretrained(tiny_moe_ckpt, expert_backend="eager", router_aux_loss_coef=coef)
+    plain = from_pretrained(tiny_moe_ckpt, expert_backend="eager")
+    with_aux(ids).square().mean().backward()
+    inputs = {}
+    hooks = [b.gate.register_forward_hook(lambda m, args, out, i=i: inputs.__setitem__(i, args[0]))
+             for i, b in enumerate(plain.moe_blocks())]
+    loss = plain(ids).square().mean()
+    for i, block in enumerate(plain.moe_blocks()):
+        probs = torch.softmax(F.linear(inputs[i], block.gate.weight), -1, dtype=torch.float32)
+        loss = loss + coef * switch_aux_loss(probs, torch.topk(probs, block.gate.top_k, -1).indices)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    for (name, a), (_, b) in zip(with_aux.named_parameters(), plain.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
