@@ -2,10 +2,10 @@
 projection for all experts), LoRA as two rank-sized grouped products.
 
 Sentinel-skip: slots are sorted by expert with -1 slots last; the grouped GEMMs end at the last
-valid slot, so no -1 row is ever computed. The buffers hold all M*k slots (their tail is never
-written), which keeps the backend free of host syncs and of data-dependent shapes, so torch.compile
-traces it whole; the input rows and every GEMM output have their tail set to 0 (torch.where), so
-nothing unwritten reaches a result or a gradient. Where
+valid slot, so no -1 row is ever computed. Eager runs read the valid count (one host sync per layer)
+and gather only valid rows. Under torch.compile there is no sync and no data-dependent shape: the
+buffers hold all M*k slots, their tail is never written by a GEMM, and torch.where sets it to 0 on
+the input and on every GEMM output so that nothing unwritten reaches a result or a gradient. Where
 torch._grouped_mm cannot run (CUDA below sm90, non-bf16 on CUDA, unaligned strides) the same sorted
 layout goes through a per-expert loop, logged once.
 """
@@ -64,17 +64,22 @@ def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor
     return out
 
 
+def _keep_valid(t_NF: torch.Tensor, valid_N1: torch.Tensor | None) -> torch.Tensor:
+    """Sets the unwritten -1 rows to 0 (compiled layout); no-op when only valid rows were gathered."""
+    return t_NF if valid_N1 is None else torch.where(valid_N1, t_NF, 0)
+
+
 def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, valid_N1, fallback):
-    """Grouped x W^T (+ LoRA) with the unwritten -1 rows set to 0, so that no inf/NaN from them can
-    reach any product or gradient (the GEMMs' backward may mix all rows)."""
+    """Grouped x W^T (+ LoRA); in the compiled layout the unwritten -1 rows are zeroed so that no
+    inf/NaN from them can reach any product or gradient (the GEMMs' backward may mix all rows)."""
     # torch._grouped_mm has no autocast rule: operands take the activations' dtype explicitly.
     y_NO = grouped_linear(x_NI, w_EOI.to(x_NI.dtype), offs_E, fallback)
     if lora is not None:
         A_ErI, B_EOr = lora
         x_lora = F.dropout(x_NI, dropout, training) if dropout > 0 else x_NI
-        xa_Nr = torch.where(valid_N1, grouped_linear(x_lora, A_ErI.to(x_NI.dtype), offs_E, fallback), 0)
+        xa_Nr = _keep_valid(grouped_linear(x_lora, A_ErI.to(x_NI.dtype), offs_E, fallback), valid_N1)
         y_NO = y_NO + scaling * grouped_linear(xa_Nr, B_EOr.to(x_NI.dtype), offs_E, fallback)
-    return torch.where(valid_N1, y_NO, 0)
+    return _keep_valid(y_NO, valid_N1)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -102,11 +107,14 @@ def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
                        experts) -> torch.Tensor:
     M, k = expert_ids_Mk.shape
     slots_N, offs_E, valid_N = sort_slots(expert_ids_Mk, experts.num_experts)
-    valid_N1 = valid_N.unsqueeze(-1)
+    if torch.compiler.is_compiling():
+        valid_N1 = valid_N.unsqueeze(-1)
+    else:
+        slots_N, valid_N1 = slots_N[:int(offs_E[-1])], None  # host sync: the valid-slot count
     rows_N = slots_N // k
-    # where() on the input too: the GEMM backward leaves dx of the -1 rows unwritten, and this
-    # where's backward is what keeps those rows out of dx_MH.
-    x_NH = torch.where(valid_N1, x_MH.index_select(0, rows_N), 0).to(compute_dtype(x_MH))
+    # Also on the input: the GEMM backward leaves dx of the -1 rows unwritten, and this where's
+    # backward keeps those rows out of dx_MH.
+    x_NH = _keep_valid(x_MH.index_select(0, rows_N), valid_N1).to(compute_dtype(x_MH))
     lora_dims = (experts.lora_rank,) if experts.has_lora else ()
     reason = _grouped_mm_supported(x_NH, experts.hidden, 2 * experts.intermediate, experts.intermediate,
                                    *lora_dims)
