@@ -128,9 +128,19 @@ def apply_inductor_options(options: dict) -> None:
         setattr(target, leaf, value)
 
 
+def check_compilable(model: QwenForCausalLM) -> None:
+    """torch._grouped_mm traces only in bf16: fp32 experts on the CPU (no autocast) cannot compile."""
+    param = model.model.embed_tokens.weight
+    if (model.config.expert_backend == "grouped_mm" and model.moe_blocks() and param.device.type == "cpu"
+            and param.dtype != torch.bfloat16):
+        raise ValueError("compile.enabled with model.expert_backend: grouped_mm on the CPU needs model.dtype: "
+                         "bfloat16 (torch._grouped_mm compiles for bf16 only); or disable compile")
+
+
 def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inductor") -> None:
     """Compiles every decoder block in place (FQNs unchanged) with fullgraph=True: a graph break is
     an error, not a silent slowdown. Blocks of one kind share their compiled graph."""
+    check_compilable(model)
     apply_inductor_options(options)
     for block in model.model.layers.values():
         block.compile(backend=backend, fullgraph=True)
