@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,8 +71,6 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     if cfg.lora.enabled:
         from runtime.lora import apply_lora
 
-        from runtime.parallelize import seed_lora_A
-
         apply_lora(model, cfg.lora)
         seed_lora_A(model, cfg.train.seed)
     if env.device.type == "cuda":
@@ -118,7 +116,6 @@ class StepResult:
     loss: float
     grad_norm: float
     num_tokens: int
-    records: list = field(default_factory=list)
 
 
 def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None) -> StepResult:
