@@ -165,6 +165,10 @@ class Config(Section):
         if self.model.config is not None and self.data.tokenizer is None:
             raise ValueError("model.config (random init) has no tokenizer: set data.tokenizer")
         p = self.parallelism
+        if self.compile.enabled and p.ep > 1:
+            raise ValueError("compile.enabled with parallelism.ep > 1 is not supported yet: the all_to_all split "
+                             "sizes are data-dependent and break the fullgraph trace; set parallelism.ep: 1 "
+                             "(FSDP shards the experts) or compile.enabled: false")
         if p.dp_shard > 0:
             shard_cp = p.dp_shard * p.cp
             if shard_cp % p.ep:

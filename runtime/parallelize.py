@@ -105,9 +105,12 @@ def _mp_policy(device_type: str) -> MixedPrecisionPolicy:
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None:
     mp = _mp_policy(device_type)
     fsdp_modules = []
+    expert_parallel = meshes.experts["ep"].size() > 1
     for block in model.model.layers.values():
         experts = getattr(block.mlp, "experts", None)
-        if experts is not None:
+        # Under EP the experts shard over their own mesh; otherwise they join the block's unit (a
+        # nested unit's hooks would also land inside a compiled block forward).
+        if experts is not None and expert_parallel:
             fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=mp))
         fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp))
     fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
@@ -138,12 +141,13 @@ def check_compilable(model: QwenForCausalLM) -> None:
 
 
 def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inductor") -> None:
-    """Compiles every decoder block in place (FQNs unchanged) with fullgraph=True: a graph break is
-    an error, not a silent slowdown. Blocks of one kind share their compiled graph."""
+    """Compiles every decoder block's forward in place (FQNs unchanged) with fullgraph=True: a graph
+    break is an error, not a silent slowdown. Blocks of one kind share their compiled graph."""
     check_compilable(model)
     apply_inductor_options(options)
     for block in model.model.layers.values():
-        block.compile(backend=backend, fullgraph=True)
+        # Compile forward, not the module call: FSDP's hooks on the block must stay outside the graph.
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> QwenForCausalLM:
