@@ -1,5 +1,6 @@
 """Applies the parallelism of ParallelDims to a built model: EP placement, activation checkpointing,
-FSDP2 (dense mesh + separate expert mesh), and gradient-norm reduction across those meshes.
+torch.compile of the decoder blocks, FSDP2 (dense mesh + separate expert mesh under EP), gathering
+full tensors back from the shards, and gradient-norm reduction across those meshes.
 
 Gradient scaling: every FSDP reduction is a plain sum (divide factor 1) and the loss is divided by
 the global label-token count (runtime.train), so each gradient equals the single-process gradient of
