@@ -26,8 +26,11 @@ def hf_grad_of(hf_model, fqn: str) -> torch.Tensor:
     return dict(hf_model.named_parameters())[hf_name].grad
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("backend", ["eager", "grouped_mm"])
+BACKEND_CASES = [(case, backend) for case in sorted(CASES) for backend in ("eager", "grouped_mm")] + [
+    ("moe", "scattermoe")]  # Triton kernels, interpreted on the CPU
+
+
+@pytest.mark.parametrize("case,backend", BACKEND_CASES)
 def test_logits_and_grads_match_transformers(tmp_path, case, backend):
     kind, overrides = CASES[case]
     hf = write_hf_checkpoint(tmp_path, kind, **overrides)
