@@ -160,11 +160,18 @@ class Config(Section):
         if self.optim.warmup_steps >= self.train.max_steps and self.optim.warmup_steps > 0:
             raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than "
                              f"train.max_steps ({self.train.max_steps})")
-        if self.quant.base_weights != "none" and not self.lora.enabled:
-            raise ValueError("quant.base_weights packs a frozen base: it needs lora.enabled: true")
         if self.model.config is not None and self.data.tokenizer is None:
             raise ValueError("model.config (random init) has no tokenizer: set data.tokenizer")
         p = self.parallelism
+        # Accepted by the schema (the mesh already carries the axes) but not built yet: refuse rather
+        # than train wrongly (cp ranks would each see the whole sequence and double its gradients).
+        if p.cp > 1:
+            raise ValueError("parallelism.cp > 1: context parallelism is not implemented yet; use cp: 1")
+        if p.dispatcher == "deepep":
+            raise ValueError("parallelism.dispatcher: deepep is not implemented yet; use all_to_all")
+        if self.quant.base_weights != "none":
+            raise ValueError(f"quant.base_weights: {self.quant.base_weights} (packed FP4 base weights) is not "
+                             "implemented yet; use none")
         if self.compile.enabled and p.ep > 1:
             raise ValueError("compile.enabled with parallelism.ep > 1 is not supported yet: the all_to_all split "
                              "sizes are data-dependent and break the fullgraph trace; set parallelism.ep: 1 "
