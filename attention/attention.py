@@ -78,7 +78,7 @@ def check_attn_backend(name: str) -> None:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(ATTN_BACKENDS)}")
     if name == "flash":
         try:
-            import flash_attn  # noqa: F401
+            import flash_attn
         except ImportError:
             raise ValueError("attention backend 'flash' needs flash-attn installed; "
                              "set model.attn_backend: sdpa or pip install flash-attn") from None

@@ -271,7 +271,7 @@ def measure(fn, seq: int, timer: Timer, dtype: torch.dtype) -> Result:
     try:
         r.fwd_bwd_ms = timer.gpu(forward_backward)
         r.fwd_ms = timer.gpu(forward)
-    except Exception as exc:  # noqa: BLE001  (a variant that cannot be captured keeps its stream numbers)
+    except Exception as exc:
         r.note = f"graph capture failed: {exc!r}"[:160]
     return r
 
@@ -405,7 +405,7 @@ def sweep(seqlens, timer: Timer, dtype: torch.dtype, log) -> list[dict]:
                             row["ms"] = timer.gpu(fwd if kind == "fwd" else bwd)
                             log(f"{seq:>6} {kind} {elements:>5} elements {warps:>2} warps "
                                 f"{'' if per_sm is None else f'{per_sm:>2} per SM'}: {row['ms']:.4f}")
-                        except Exception as exc:  # noqa: BLE001  (one failing config must not end the sweep)
+                        except Exception as exc:
                             row["error"] = repr(exc)
                             log(f"{seq:>6} {kind} {elements} {warps} {per_sm}: error {exc!r}")
                         rows.append(row)
@@ -505,7 +505,7 @@ def main() -> None:
     for name in args.variants.split(","):
         try:
             fn = VARIANTS[name]()
-        except Exception as exc:  # noqa: BLE001  (e.g. liger not installed: the rows say n/a)
+        except Exception as exc:
             results += [Result(seq, name, note=f"n/a: {exc!r}"[:120]) for seq in seqlens]
             continue
         for seq in seqlens:
@@ -514,7 +514,7 @@ def main() -> None:
                 r.variant = name
                 if name == "ours":
                     add_roofline(r, dtype, device, copy_gbs)
-            except Exception as exc:  # noqa: BLE001  (one failing variant must not kill the table)
+            except Exception as exc:
                 traceback.print_exc()
                 r = Result(seq, name, note=f"error: {exc!r}"[:160])
             results.append(r)

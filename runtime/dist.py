@@ -47,7 +47,7 @@ def init_distributed(timeout_s: int = 600) -> DistEnv:
     return DistEnv(rank, world, local_rank, device)
 
 
-def all_reduce_sum(value: float | int, env: DistEnv) -> float:
+def all_reduce_sum(value: float, env: DistEnv) -> float:
     """Sum over the ranks of this run (a run of world size 1 never communicates, even when a process
     group exists, as in runtime.verify's single-process reference)."""
     if env.world_size == 1:

@@ -9,7 +9,8 @@ expert(x) = down(silu(gate(x)) * up(x)) (+ LoRA). Sentinel-skip: no row is compu
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 

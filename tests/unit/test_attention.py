@@ -14,13 +14,14 @@ from tests.conftest import perturb_
 def _hf_layer(kind: str):
     if kind == "qwen3":
         from transformers import Qwen3Config
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as HF, Qwen3RotaryEmbedding as Rot
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as HF
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rot
 
         cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     else:
         from transformers import Qwen3NextConfig
-        from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextAttention as HF,
-                                                                         Qwen3NextRotaryEmbedding as Rot)
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention as HF
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding as Rot
 
         cfg = Qwen3NextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               partial_rotary_factor=0.25)

@@ -53,6 +53,7 @@ def test_hybrid_packed_documents_equal_one_by_one(tmp_path):
 
 def test_hybrid_save_roundtrip_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
+
     from runtime.models import save_pretrained
 
     write_hf_checkpoint(tmp_path / "src", "qwen3_5_moe_vl")

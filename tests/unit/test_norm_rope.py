@@ -165,7 +165,7 @@ def test_bad_shapes_raise(bad):
 # ----------------------------------------------------------------------------- triton (interpreter)
 
 try:
-    import triton  # noqa: F401
+    import triton
     HAVE_TRITON = True
 except ImportError:
     HAVE_TRITON = False

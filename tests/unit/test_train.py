@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from runtime.config import OptimConfig
 from runtime.launch import run
 from runtime.train import TrainingDiverged, lr_factor
-from runtime.config import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
