@@ -28,8 +28,8 @@ class DistEnv:
 
 def env_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) for a plain process."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_distributed(timeout_s: int = 600) -> DistEnv:

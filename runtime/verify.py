@@ -12,6 +12,7 @@ FSDP casts parameters to bf16, the one-process reference autocasts fp32 paramete
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--steps", type=int, default=3)
     known, rest = extra.parse_known_args(argv)
-    args, cfg, dims = prepare(rest)
+    _, cfg, dims = prepare(rest)
     env = init_distributed()
     setup_logging(env.rank)
     try:
@@ -123,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     except Exception as err:
         report_failure(err, env.rank)
-        import os
-        os._exit(1)
+        os._exit(1)  # as runtime.launch: no teardown that a peer stuck in a collective could hang
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
 @register_backend("grouped_mm")
 def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                        experts) -> torch.Tensor:
-    M, k = expert_ids_Mk.shape
+    k = expert_ids_Mk.shape[1]
     slots_N, offs_E, valid_N = sort_slots(expert_ids_Mk, experts.num_experts)
     if torch.compiler.is_compiling():
         valid_N1 = valid_N.unsqueeze(-1)

@@ -12,7 +12,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.sbatch"
 def dry_run(*args: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "DRY_RUN": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "77", "HEAD_NODE": "node01",
                 "GPUS_PER_NODE": "4", **env}
-    return subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=30)
+    return subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=30,
+                          check=False)
 
 
 def test_prints_srun_torchrun_line_with_rendezvous_and_default_output_dir():
@@ -32,7 +33,8 @@ def test_user_output_dir_is_kept():
 
 def test_outside_slurm_fails_with_reason():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    proc = subprocess.run(["bash", str(SCRIPT), "cfg.yaml"], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(["bash", str(SCRIPT), "cfg.yaml"], env=env, capture_output=True, text=True, timeout=30,
+                          check=False)
     assert proc.returncode != 0 and "not inside a SLURM allocation" in proc.stderr
 
 

@@ -64,7 +64,7 @@ def test_cli_error_is_one_clean_message(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(EXAMPLE.read_text().replace("lr: 3.0e-3", "lr: -1"))
     proc = subprocess.run([sys.executable, "-m", "runtime.launch", str(bad)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert "optim.lr: Input should be greater than 0" in proc.stderr
     assert "Traceback" not in proc.stderr
