@@ -155,7 +155,7 @@ def export_final(model, cfg, rank: int, meshes=None) -> Path:
         export_peft(model, out, cfg.model.path, gather=partial(gather_full, meshes=meshes))
     else:
         out = out / "hf"
-        state = full_state_dict(model, meshes)
+        state = full_state_dict(model, meshes, keep=rank == 0)
         if rank == 0:
             save_pretrained(model, out, state=state)
     _barrier()

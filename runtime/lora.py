@@ -53,6 +53,7 @@ from torch import nn
 from moe.experts import GroupedExperts
 from runtime.config import LoraConfig
 from runtime.models.hf import atomic_dir
+from runtime.parallelize import gather_full
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",
                      # Gated DeltaNet projections (Qwen3.5 and Qwen3-Next layouts)
@@ -244,12 +245,7 @@ def _lora_hparams(model: nn.Module) -> dict:
 # ----------------------------------------------------------------------------- export
 
 
-def _full(t: torch.Tensor, expert: bool) -> torch.Tensor:
-    """Gathers a DTensor (FSDP shard) into the full tensor; plain tensors pass through."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def peft_state_dict(model: nn.Module, gather: Gather = _full) -> dict[str, torch.Tensor]:
+def peft_state_dict(model: nn.Module, gather: Gather = gather_full) -> dict[str, torch.Tensor]:
     """The model's LoRA factors under PEFT's keys and layout, full tensors on the CPU. `gather(t,
     expert)` assembles a sharded tensor (a collective with DTensors or EP: every rank calls it)."""
     out = {}
@@ -280,7 +276,7 @@ def peft_lora_config(model: nn.Module, base_model_name_or_path: str | None = Non
 
 
 def export_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None,
-                gather: Gather = _full) -> None:
+                gather: Gather = gather_full) -> None:
     """Writes the adapter to out_dir atomically (temp sibling folder, then rename); rank 0 writes."""
     tensors = peft_state_dict(model, gather)
     if dist.is_initialized() and dist.get_rank() != 0:

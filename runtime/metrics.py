@@ -29,17 +29,40 @@ def device_peak_flops(device: torch.device) -> float | None:
     return None
 
 
+def _mixer_params_and_flops(cfg, layer: int, seq_len: int) -> tuple[int, float]:
+    """(matmul parameters, extra training FLOPs per token) of one block's token mixer."""
+    H = cfg.hidden_size
+    if cfg.is_linear_attention(layer):
+        g = cfg.gdn
+        key, value = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
+        params = H * (2 * key + 2 * value + 2 * g.num_v_heads) + value * H  # in_proj_* and out_proj
+        # delta-rule state update and readout: ~2 [dk x dv] products per head and token, x3 fwd+bwd
+        return params, 3 * 2 * 2 * g.num_v_heads * g.head_k_dim * g.head_v_dim
+    D = cfg.head_dim
+    q_out = cfg.num_heads * D * (2 if cfg.gated_attention else 1)
+    params = H * (q_out + 2 * cfg.num_kv_heads * D) + cfg.num_heads * D * H
+    # QK^T and AV: 2 matmuls x 2 FLOPs x heads x D x (S/2 average causal context), x3 for fwd+bwd
+    return params, 3 * 2 * 2 * cfg.num_heads * D * seq_len / 2
+
+
+def _mlp_params(cfg, layer: int) -> int:
+    """Matmul parameters one token passes through in a block's MLP (routed experts: only its top-k)."""
+    H = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return 3 * H * cfg.intermediate_size
+    shared = 3 * H * cfg.shared_expert_intermediate_size + (H if cfg.shared_expert_intermediate_size else 0)
+    return 3 * H * cfg.moe_intermediate_size * cfg.num_experts_per_tok + H * cfg.num_experts + shared
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token of a QwenConfig: 6 x active matmul params + causal attention."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    attn_params = H * D * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    dense_mlp = 3 * H * cfg.intermediate_size
-    moe_mlp = 3 * H * cfg.moe_intermediate_size * cfg.num_experts_per_tok + H * cfg.num_experts
-    mlp = sum(moe_mlp if cfg.is_moe_layer(i) else dense_mlp for i in range(cfg.num_layers))
-    params = cfg.num_layers * attn_params + mlp + H * cfg.vocab_size
-    # QK^T and AV: 2 matmuls x 2 FLOPs x heads x D x (S/2 average causal context), x3 for fwd+bwd.
-    attention = cfg.num_layers * 3 * 2 * 2 * cfg.num_heads * D * seq_len / 2
-    return 6 * params + attention
+    """Training FLOPs per token of a QwenConfig: 6 x active matmul parameters, plus the attention
+    score/value products of full-attention blocks and the state updates of Gated DeltaNet blocks."""
+    params, extra = cfg.hidden_size * cfg.vocab_size, 0.0
+    for layer in range(cfg.num_layers):
+        mixer_params, mixer_flops = _mixer_params_and_flops(cfg, layer, seq_len)
+        params += mixer_params + _mlp_params(cfg, layer)
+        extra += mixer_flops
+    return 6 * params + extra
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

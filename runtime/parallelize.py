@@ -190,7 +190,7 @@ def total_grad_norm(grads: list[torch.Tensor], world_size: int) -> torch.Tensor:
     return sq.sqrt()
 
 
-def gather_full(t: torch.Tensor, expert: bool, meshes: Meshes | None) -> torch.Tensor:
+def gather_full(t: torch.Tensor, expert: bool = False, meshes: Meshes | None = None) -> torch.Tensor:
     """The full tensor behind a parameter (or gradient): FSDP shards gathered, and for experts the
     EP ranks' slices concatenated in expert order. A collective: every rank calls it, in one order."""
     full = t.full_tensor() if isinstance(t, DTensor) else t
@@ -201,7 +201,12 @@ def gather_full(t: torch.Tensor, expert: bool, meshes: Meshes | None) -> torch.T
     return full
 
 
-def full_state_dict(model: nn.Module, meshes: Meshes | None) -> dict[str, torch.Tensor]:
-    """Every entry of model.state_dict() as a full CPU tensor (collective; see gather_full)."""
-    return {fqn: gather_full(t, ".experts." in fqn, meshes).detach().cpu()
-            for fqn, t in model.state_dict().items()}
+def full_state_dict(model: nn.Module, meshes: Meshes | None, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Every entry of model.state_dict() as a full CPU tensor (collective: every rank calls it; see
+    gather_full). Ranks with keep=False drop each tensor once gathered, so only the writer holds the model."""
+    out = {}
+    for fqn, t in model.state_dict().items():
+        full = gather_full(t, ".experts." in fqn, meshes)
+        if keep:
+            out[fqn] = full.detach().cpu()
+    return out

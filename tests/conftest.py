@@ -43,6 +43,17 @@ def write_hf_checkpoint(path, kind: str = "moe", seed: int = 0, **overrides):
     return model.eval()
 
 
+@torch.no_grad()
+def packed_vs_alone(model, lengths: tuple[int, ...], seed: int = 3):
+    """Documents of `lengths` packed in one row (positions restarting per document) and run alone:
+    [(document tokens, its logits from the packed row, its logits alone)]."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 320, (n,), generator=g) for n in lengths]
+    packed = model(torch.cat(docs).unsqueeze(0), position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0))
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [(d, packed[:, s:s + len(d)], model(d.unsqueeze(0))) for d, s in zip(docs, starts)]
+
+
 def _build_hf_model(kind: str, overrides: dict):
     import transformers as tf
 

@@ -127,6 +127,13 @@ class SafetensorsCheckpoint:
                     stored.update({k: f for k in handle.keys()})
         # our name -> (file, name in the file)
         self.files = {_text_name(k): (f, k) for k, f in stored.items() if not _FOREIGN.match(k)}
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handles.clear()  # safe_open handles release their mmap when dropped
 
     def __contains__(self, key: str) -> bool:
         return key in self.files
@@ -135,14 +142,16 @@ class SafetensorsCheckpoint:
         return set(self.files)
 
     def _each_file(self, keys):
-        """(open handle, [(our key, stored key)]) per file holding some of `keys`, each opened once."""
+        """(handle, [(our key, stored key)]) per file holding some of `keys`; a file is opened once
+        for the checkpoint's lifetime, not once per read."""
         by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
         for key in keys:
             file, stored = self.files[key]
             by_file[file].append((key, stored))
         for file, names in by_file.items():
-            with safe_open(file, "pt") as handle:
-                yield handle, names
+            if file not in self._handles:
+                self._handles[file] = safe_open(file, "pt")
+            yield self._handles[file], names
 
     def shapes(self, keys) -> dict[str, tuple[int, ...]]:
         """Tensor shapes from the safetensors headers, without reading data."""
@@ -205,7 +214,12 @@ def _layer_index(key: str) -> int | None:
 def load_hf_weights(model: QwenForCausalLM, path: str | Path, dtype: torch.dtype, device) -> None:
     """Fills a (meta-initialized) model with the checkpoint's tensors; raises CheckpointError listing
     missing keys, unexpected keys and shape mismatches before touching the model."""
-    ckpt = SafetensorsCheckpoint(path)
+    with SafetensorsCheckpoint(path) as ckpt:
+        _load(model, ckpt, path, dtype, device)
+    _finish_meta_init(model, device)
+
+
+def _load(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint, path, dtype: torch.dtype, device) -> None:
     sources = _param_sources(model, ckpt)
     wanted = {k for reqs, _, _ in sources.values() for k in reqs}
     missing = sorted(wanted - ckpt.keys())
@@ -228,7 +242,6 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path, dtype: torch.dtype
     state = {fqn: assemble(ckpt.read(requests)).to(device=device, dtype=dtype)
              for fqn, (requests, _, assemble) in sources.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    _finish_meta_init(model, device, dtype)
 
 
 def _key_report(path, missing: list[str], unexpected: list[str], limit: int = 20) -> str:
@@ -239,7 +252,7 @@ def _key_report(path, missing: list[str], unexpected: list[str], limit: int = 20
     return "\n".join(lines)
 
 
-def _finish_meta_init(model: QwenForCausalLM, device, dtype) -> None:
+def _finish_meta_init(model: QwenForCausalLM, device) -> None:
     """Re-ties lm_head and recomputes the rope buffers (checkpoints hold neither). LoRA is applied
     after loading (runtime.lora.apply_lora), so every parameter must have come from the checkpoint."""
     if model.config.tie_word_embeddings:
@@ -270,19 +283,15 @@ def random_init(cfg: QwenConfig, dtype: torch.dtype = torch.float32, device="cpu
 # ----------------------------------------------------------------------------- saving
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """Gathers a DTensor (FSDP / EP shard) into the full tensor; plain tensors pass through."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Base weights in the per-expert HF layout (LoRA factors excluded: they export as PEFT)."""
+    """Base weights in the per-expert HF layout (LoRA factors excluded: they export as PEFT). A sharded
+    model passes its gathered `state` (runtime.parallelize.full_state_dict)."""
     state = state if state is not None else model.state_dict()
     out = {}
     for fqn, tensor in state.items():
         if "lora_" in fqn:
             continue
-        tensor = _full(tensor).detach().cpu().contiguous()
+        tensor = tensor.detach().cpu().contiguous()
         match = _EXPERT_PARAM.match(fqn)
         if not match:
             out[fqn] = tensor

@@ -183,7 +183,6 @@ class QwenForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
 
-
 def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Document boundaries over the flattened B*S tokens (a document starts where the position is 0
     and at every row start). Data-dependent: the collator computes these once per batch instead."""

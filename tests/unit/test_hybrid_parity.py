@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.models import from_pretrained
-from tests.conftest import write_hf_checkpoint
+from tests.conftest import packed_vs_alone, write_hf_checkpoint
 
 
 def _hf_param(hf, fqn: str):
@@ -37,18 +37,9 @@ def test_hybrid_logits_and_grads_match_transformers(tmp_path, kind):
 def test_hybrid_packed_documents_equal_one_by_one(tmp_path):
     write_hf_checkpoint(tmp_path, "qwen3_5_moe")
     model = from_pretrained(tmp_path, expert_backend="eager", norm_rope_impl="torch")
-    g = torch.Generator().manual_seed(3)
-    docs = [torch.randint(0, 320, (n,), generator=g) for n in (9, 13, 6)]
-    ids = torch.cat(docs).unsqueeze(0)
-    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
-    with torch.no_grad():
-        packed = model(ids, position_ids=pos)
-        start = 0
-        for d in docs:
-            alone = model(d.unsqueeze(0))
-            # the chunked delta rule sums in another order when a document starts mid-chunk
-            assert (alone[0] - packed[0, start:start + len(d)]).abs().max() <= 1e-4
-            start += len(d)
+    for _, packed, alone in packed_vs_alone(model, (9, 13, 6)):
+        # the chunked delta rule sums in another order when a document starts mid-chunk
+        assert (alone - packed).abs().max() <= 1e-4
 
 
 def test_hybrid_save_roundtrip_loads_in_transformers(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.models import from_pretrained
-from tests.conftest import write_hf_checkpoint
+from tests.conftest import packed_vs_alone, write_hf_checkpoint
 
 CASES = {
     "moe": ("moe", {}),
@@ -59,22 +59,11 @@ def test_packed_batch_equals_documents_one_by_one(tiny_moe_ckpt):
     from runtime.models.qwen import label_loss_sum
 
     model = from_pretrained(tiny_moe_ckpt, expert_backend="eager", norm_rope_impl="torch")
-    g = torch.Generator().manual_seed(3)
-    docs = [torch.randint(0, 320, (n,), generator=g) for n in (7, 12, 5)]
-    ids = torch.cat(docs).unsqueeze(0)
-    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
-    # Pre-shifted targets: each document predicts its own next tokens, never the next document's.
-    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs]).unsqueeze(0)
-    with torch.no_grad():
-        logits = model(ids, position_ids=pos)
-        start = 0
-        for d in docs:
-            alone = model(d.unsqueeze(0))
-            assert (alone[0] - logits[0, start:start + len(d)]).abs().max() <= 1e-5
-            packed_loss = label_loss_sum(logits[:, start:start + len(d)], labels[:, start:start + len(d)])
-            alone_loss = label_loss_sum(alone, labels[:, start:start + len(d)])
-            assert torch.allclose(packed_loss, alone_loss, rtol=1e-5)
-            start += len(d)
+    for doc, packed, alone in packed_vs_alone(model, (7, 12, 5)):
+        assert (alone - packed).abs().max() <= 1e-5
+        # Pre-shifted targets: each document predicts its own next tokens, never the next document's.
+        labels = torch.cat([doc[1:], torch.tensor([-100])]).unsqueeze(0)
+        assert torch.allclose(label_loss_sum(packed, labels), label_loss_sum(alone, labels), rtol=1e-5)
 
 
 def test_fused_expert_layout_loads_like_per_expert(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def test_lr_schedule_warmup_then_cosine():
     o = OptimConfig(warmup_steps=4, min_lr_ratio=0.1)
     factors = [lr_factor(s, o, 20) for s in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
     assert abs(lr_factor(20, o, 20) - 0.1) < 1e-9
 
 
