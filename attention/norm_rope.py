@@ -31,6 +31,10 @@ try:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
+    try:
+        from triton import knobs as _triton_knobs
+    except ImportError:  # a Triton without knobs: the eager path never bypasses the JIT
+        _triton_knobs = None
 except ImportError:  # the reference stays usable where triton is missing (e.g. macOS, CPU-only wheels)
     triton = None
 
@@ -43,7 +47,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """Normalize each q/k head over D and rotate its first `rotary_dim` dims; see the module docstring."""
     if impl not in IMPLS:
         raise ValueError(f"qk_norm_rope: impl must be one of {IMPLS}, got {impl!r}")
-    _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim)
+    if torch.compiler.is_compiling():  # shapes may be symbolic (unhashable): check them uncached
+        _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim)
+    else:
+        _check_inputs_cached(q.shape, k.shape, q_weight.shape, k_weight.shape, cos.shape, sin.shape,
+                             q.dtype, k.dtype, rotary_dim)
     if impl == "torch" or (impl == "auto" and not q.is_cuda):
         return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
     return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
@@ -51,21 +59,31 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 def _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim: int | None) -> None:
     """Validate shapes once, up front. After this, cos.shape[-1] is the rotary dim both impls use."""
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, S, heads, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
-    head_dim = q.shape[-1]
-    if q.shape[:2] != k.shape[:2] or k.shape[-1] != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, S or D")
-    if q.dtype != k.dtype:
-        raise ValueError(f"q and k dtypes differ: {q.dtype} vs {k.dtype}")
-    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
-        raise ValueError(f"weights must be [{head_dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    _check_shapes(q.shape, k.shape, q_weight.shape, k_weight.shape, cos.shape, sin.shape, q.dtype, k.dtype,
+                  rotary_dim)
+
+
+def _check_shapes(q_shape, k_shape, q_weight_shape, k_weight_shape, cos_shape, sin_shape, q_dtype, k_dtype,
+                  rotary_dim: int | None) -> None:
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        raise ValueError(f"q and k must be [B, S, heads, D]; got {tuple(q_shape)} and {tuple(k_shape)}")
+    head_dim = q_shape[-1]
+    if q_shape[:2] != k_shape[:2] or k_shape[-1] != head_dim:
+        raise ValueError(f"q {tuple(q_shape)} and k {tuple(k_shape)} disagree on B, S or D")
+    if q_dtype != k_dtype:
+        raise ValueError(f"q and k dtypes differ: {q_dtype} vs {k_dtype}")
+    if q_weight_shape != (head_dim,) or k_weight_shape != (head_dim,):
+        raise ValueError(f"weights must be [{head_dim}]; got {tuple(q_weight_shape)}, {tuple(k_weight_shape)}")
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim must be even and in (0, {head_dim}]; got {rotary_dim}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 3 or t.shape[-1] != rotary_dim or t.shape[1] != q.shape[1] or t.shape[0] not in (1, q.shape[0]):
-            raise ValueError(f"{name} must be [B or 1, S, rotary_dim={rotary_dim}]; got {tuple(t.shape)}")
+    for name, shape in (("cos", cos_shape), ("sin", sin_shape)):
+        if len(shape) != 3 or shape[-1] != rotary_dim or shape[1] != q_shape[1] or shape[0] not in (1, q_shape[0]):
+            raise ValueError(f"{name} must be [B or 1, S, rotary_dim={rotary_dim}]; got {tuple(shape)}")
+
+
+# Eager calls check each distinct set of shapes once (a success is cached; a failure raises every time).
+_check_inputs_cached = functools.lru_cache(maxsize=256)(_check_shapes)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -152,12 +170,21 @@ except ImportError:  # older torch: be conservative, always take the op path
     def _in_dispatch_mode(include_infra_modes: bool = True) -> bool:
         return True
 
+# nn.Parameter adds no __torch_function__ / __torch_dispatch__ behaviour: weights that are Parameters
+# (the usual case in a model) take the fast path too. Other subclasses (DTensor, ...) take the op path.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 
 def _plain_eager(*tensors: torch.Tensor) -> bool:
     """True when nothing traces or transforms this call: plain (non-meta) tensors, eager autograd."""
     if torch.compiler.is_compiling() or _in_dispatch_mode() or torch._C._are_functorch_transforms_active():
         return False
-    return all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
+    return all(type(t) in _PLAIN_TENSOR_TYPES and not t.is_meta for t in tensors)
+
+
+def _cdiv(a, b):
+    """Host-side ceil division (triton.cdiv is a constexpr_function, several us per host call)."""
+    return (a + b - 1) // b
 
 
 def _launch_config(padded_row: int, backward: bool) -> tuple[int, int]:
@@ -174,10 +201,89 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _kernel(fn, wrap: bool):
-    """wrap_triton on the op path (what tracing needs). Interpreted kernels (CPU tests) are launched
-    directly: nothing traces them there, and not every torch release's wrap_triton accepts them."""
-    return wrap_triton(fn) if wrap and type(fn).__name__ != "InterpretedFunction" else fn
+def _is_interpreted(fn) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+# ----------------------------------------------------------------------------- launching
+#
+# Three ways to launch a kernel, picked per call by `_launch`:
+# - the op path (wrap=True): wrap_triton(kernel)[grid](...), what tracing needs;
+# - interpreted kernels (CPU tests): kernel[grid](...), nothing traces them there, and not every torch
+#   release's wrap_triton accepts them;
+# - the eager fast path on a GPU: the first launch of each argument specialization goes through the
+#   JIT (kernel[grid](...), which compiles or finds the kernel and returns it); later launches call that
+#   compiled kernel's launcher directly. The JIT's per-call work (binding ~35 arguments, specializing
+#   each, building its cache key, launch-hook metadata) is several times the launcher's own cost.
+#   The direct call passes exactly what the JIT passes (grid, stream, function, packed metadata, every
+#   argument including constexprs); it falls back to the JIT whenever a launch hook is installed
+#   (profilers), and DIRECT_LAUNCH = False turns it off.
+
+DIRECT_LAUNCH = True
+
+# The one cache of the direct path: (kernel id, constexpr values, device, _specialization_key(args)) ->
+# (compiled kernel, constexpr values in kernel-parameter order). The kernels are module-level objects,
+# so their ids are stable. Grows by one entry per new specialization (alignment / divisibility class),
+# not per shape.
+_COMPILED_KERNELS: dict[tuple, tuple] = {}
+
+
+def _specialization_key(tensors: tuple, ints: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, or finer: each tensor's dtype and 16-byte alignment,
+    each int's == 1, divisibility by 16 and 32-bit range (floats are always fp32, nothing to key).
+    Two launches with equal keys can run the same compiled kernel."""
+    return (tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]),
+            tuple([(a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF) for a in ints]))
+
+
+def _hook_set(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_active() -> bool:
+    """A Triton launch hook is installed (Triton 3.6 keeps them in HookChains, older ones a callable)."""
+    if _triton_knobs is None:
+        return True  # unknown Triton layout: never bypass the JIT
+    runtime = _triton_knobs.runtime
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()  # Triton's JIT also launches on the current device
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's CUDA driver uses
+
+
+def _launch(kernel, grid: tuple[int, int, int], tensors: tuple, ints: tuple, floats: tuple, meta: dict,
+            wrap: bool) -> None:
+    """kernel[grid](*tensors, *ints, *floats, **meta) by the cheapest route allowed here (see above).
+    The kernels take their arguments in that order: pointers, then ints, then float scalars."""
+    args = (*tensors, *ints, *floats)
+    if _is_interpreted(kernel):
+        kernel[grid](*args, **meta)
+        return
+    if wrap:
+        wrap_triton(kernel)[grid](*args, **meta)
+        return
+    if not DIRECT_LAUNCH:
+        kernel[grid](*args, **meta)
+        return
+    device = _current_device()
+    key = (id(kernel), tuple(meta.values()), device, _specialization_key(tensors, ints))
+    entry = _COMPILED_KERNELS.get(key)
+    if entry is None or _launch_hooks_active():
+        compiled = kernel[grid](*args, **meta)
+        if entry is None and all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            _COMPILED_KERNELS[key] = (compiled, tuple(meta[name] for name in kernel.arg_names[len(args):]))
+        return
+    compiled, constexprs = entry
+    compiled.run(grid[0], grid[1], grid[2], _current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *constexprs)
+
+
+# ----------------------------------------------------------------------------- host side of the ops
 
 
 def _rope_table(cos_BSR: torch.Tensor, sin_BSR: torch.Tensor, batch: int):
@@ -214,65 +320,85 @@ def _meta(head_dim, rotary_dim, unit_offset: bool, backward: bool) -> tuple[dict
     return _meta_cached(int(head_dim), int(rotary_dim), bool(unit_offset), backward)
 
 
-def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, unit_offset: bool, wrap: bool):
-    """Allocates the outputs and launches the forward kernel; shared by the op and the eager path."""
+def _prepare(q, k, q_weight, k_weight, cos, sin):
+    """The tensors as the kernels take them (dense last dim, one rope stride pair) and the rope strides.
+    No copy unless an input needs one."""
     q, k = _dense_last_dim(q), _dense_last_dim(k)
     q_weight, k_weight = _dense_last_dim(q_weight), _dense_last_dim(k_weight)
+    cos, sin, stride_cb, stride_cs = _rope_table(cos, sin, q.shape[0])
+    return (q, k, q_weight, k_weight, cos, sin), (stride_cb, stride_cs)
+
+
+def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, unit_offset: bool, wrap: bool):
+    """Allocates the outputs and launches the forward kernel; shared by the op and the eager path."""
+    tensors, rope_strides = _prepare(q, k, q_weight, k_weight, cos, sin)
+    return _fwd_launch_prepared(*tensors, rope_strides, eps, unit_offset, wrap)
+
+
+def _fwd_launch_prepared(q, k, q_weight, k_weight, cos, sin, rope_strides, eps: float, unit_offset: bool,
+                         wrap: bool):
     batch, seq, heads_q, head_dim = q.shape
     heads_k = k.shape[2]
-    cos, sin, stride_cb, stride_cs = _rope_table(cos, sin, batch)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = q.new_empty(q.shape)
+    k_out = k.new_empty(k.shape)
     meta, block_r = _meta(head_dim, cos.shape[-1], unit_offset, backward=False)
     n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
-    n_q_tiles = triton.cdiv(n_q_rows, block_r)
-    n_tiles = n_q_tiles + triton.cdiv(n_k_rows, block_r)
+    n_q_tiles = _cdiv(n_q_rows, block_r)
+    n_tiles = n_q_tiles + _cdiv(n_k_rows, block_r)
     if n_tiles > 0:
-        _kernel(_qk_norm_rope_fwd_kernel, wrap)[(n_tiles,)](
-            q, k, q_out, k_out, q_weight, k_weight, cos, sin,
-            n_q_rows, n_k_rows, n_q_tiles, seq, heads_q, heads_k,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            stride_cb, stride_cs, eps, **meta)
+        q_strides, k_strides = q.stride(), k.stride()
+        _launch(_qk_norm_rope_fwd_kernel, (n_tiles, 1, 1),
+                (q, k, q_out, k_out, q_weight, k_weight, cos, sin),
+                (n_q_rows, n_k_rows, n_q_tiles, seq, heads_q, heads_k,
+                 q_strides[0], q_strides[1], q_strides[2], k_strides[0], k_strides[1], k_strides[2], *rope_strides),
+                (eps,), meta, wrap)
     return q_out, k_out
 
 
 def _bwd_grid(n_q_rows, n_k_rows, block_r: int, device: torch.device):
     """(tiles per program, q programs, k programs): every program gets the same number of tiles."""
-    n_q_tiles, n_k_tiles = triton.cdiv(n_q_rows, block_r), triton.cdiv(n_k_rows, block_r)
-    tiles_per_prog = max(1, triton.cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(device)))
-    return tiles_per_prog, triton.cdiv(n_q_tiles, tiles_per_prog), triton.cdiv(n_k_tiles, tiles_per_prog)
+    n_q_tiles, n_k_tiles = _cdiv(n_q_rows, block_r), _cdiv(n_k_rows, block_r)
+    tiles_per_prog = max(1, _cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(device)))
+    return tiles_per_prog, _cdiv(n_q_tiles, tiles_per_prog), _cdiv(n_k_tiles, tiles_per_prog)
 
 
 def _bwd_launch(q, k, q_weight, k_weight, cos, sin, grad_q_out, grad_k_out, eps: float, unit_offset: bool,
                 wrap: bool):
     """Allocates the grads and launches the backward kernel and the dW sum; shared by both paths."""
-    q, k = _dense_last_dim(q), _dense_last_dim(k)
-    q_weight, k_weight = _dense_last_dim(q_weight), _dense_last_dim(k_weight)
+    tensors, rope_strides = _prepare(q, k, q_weight, k_weight, cos, sin)
+    return _bwd_launch_prepared(*tensors, rope_strides, grad_q_out, grad_k_out, eps, unit_offset, wrap)
+
+
+def _bwd_launch_prepared(q, k, q_weight, k_weight, cos, sin, rope_strides, grad_q_out, grad_k_out, eps: float,
+                         unit_offset: bool, wrap: bool):
     grad_q_out, grad_k_out = _dense_last_dim(grad_q_out), _dense_last_dim(grad_k_out)
     batch, seq, heads_q, head_dim = q.shape
     heads_k = k.shape[2]
-    cos, sin, stride_cb, stride_cs = _rope_table(cos, sin, batch)
     device = q.device
-    grad_q = torch.empty(q.shape, dtype=q.dtype, device=device)
-    grad_k = torch.empty(k.shape, dtype=k.dtype, device=device)
-    grad_q_weight = torch.empty(q_weight.shape, dtype=q_weight.dtype, device=device)
-    grad_k_weight = torch.empty(k_weight.shape, dtype=k_weight.dtype, device=device)
     meta, block_r = _meta(head_dim, cos.shape[-1], unit_offset, backward=True)
     n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
     tiles_per_prog, n_q_progs, n_k_progs = _bwd_grid(n_q_rows, n_k_rows, block_r, device)
     n_progs = n_q_progs + n_k_progs
+    # The main kernel goes first; the dW outputs are allocated while it runs.
+    grad_q = q.new_empty(q.shape)
+    grad_k = k.new_empty(k.shape)
     dw_partial = torch.empty((n_progs, head_dim), dtype=torch.float32, device=device)
     if n_progs > 0:
-        _kernel(_qk_norm_rope_bwd_kernel, wrap)[(n_progs,)](
-            q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial,
-            n_q_rows, n_k_rows, n_q_progs, tiles_per_prog, seq, heads_q, heads_k,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            grad_q_out.stride(0), grad_q_out.stride(1), grad_q_out.stride(2),
-            grad_k_out.stride(0), grad_k_out.stride(1), grad_k_out.stride(2),
-            stride_cb, stride_cs, eps, **meta)
-    _kernel(_dw_sum_kernel, wrap)[(2, triton.cdiv(int(head_dim), DW_SUM_BLOCK_D))](
-        dw_partial, grad_q_weight, grad_k_weight, n_q_progs, n_progs,
-        D=int(head_dim), BLOCK_P=DW_SUM_BLOCK_P, BLOCK_D=DW_SUM_BLOCK_D, num_warps=4)
+        q_strides, k_strides = q.stride(), k.stride()
+        gq_strides, gk_strides = grad_q_out.stride(), grad_k_out.stride()
+        _launch(_qk_norm_rope_bwd_kernel, (n_progs, 1, 1),
+                (q, k, grad_q_out, grad_k_out, grad_q, grad_k, q_weight, k_weight, cos, sin, dw_partial),
+                (n_q_rows, n_k_rows, n_q_progs, tiles_per_prog, seq, heads_q, heads_k,
+                 q_strides[0], q_strides[1], q_strides[2], k_strides[0], k_strides[1], k_strides[2],
+                 gq_strides[0], gq_strides[1], gq_strides[2], gk_strides[0], gk_strides[1], gk_strides[2],
+                 *rope_strides),
+                (eps,), meta, wrap)
+    grad_q_weight = q_weight.new_empty(q_weight.shape)
+    grad_k_weight = k_weight.new_empty(k_weight.shape)
+    head_dim = int(head_dim)
+    _launch(_dw_sum_kernel, (2, _cdiv(head_dim, DW_SUM_BLOCK_D), 1),
+            (dw_partial, grad_q_weight, grad_k_weight), (n_q_progs, n_progs), (),
+            {"D": head_dim, "BLOCK_P": DW_SUM_BLOCK_P, "BLOCK_D": DW_SUM_BLOCK_D, "num_warps": 4}, wrap)
     return grad_q, grad_k, grad_q_weight, grad_k_weight
 
 
@@ -490,19 +616,24 @@ if triton is not None:
     _qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
 
     class _QkNormRopeEager(torch.autograd.Function):
-        """The eager fast path: the same launches as the ops, without the custom-op dispatch."""
+        """The eager fast path: the same kernels and arguments as the ops, without the custom-op dispatch.
+        The forward prepares the inputs once (dense last dim, rope strides) and saves the prepared
+        tensors, so the backward goes straight to its launches."""
 
         @staticmethod
         def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps, unit_offset):
-            ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-            ctx.eps, ctx.unit_offset = eps, unit_offset
-            return _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, wrap=False)
+            tensors, rope_strides = _prepare(q, k, q_weight, k_weight, cos, sin)
+            outputs = _fwd_launch_prepared(*tensors, rope_strides, eps, unit_offset, wrap=False)
+            ctx.save_for_backward(*tensors)
+            ctx.rope_strides, ctx.eps, ctx.unit_offset = rope_strides, eps, unit_offset
+            return outputs
 
         @staticmethod
         def backward(ctx, grad_q_out, grad_k_out):
             saved = ctx.saved_tensors
             if _plain_eager(grad_q_out, grad_k_out):
-                grads = _bwd_launch(*saved, grad_q_out, grad_k_out, ctx.eps, ctx.unit_offset, wrap=False)
+                grads = _bwd_launch_prepared(*saved, ctx.rope_strides, grad_q_out, grad_k_out, ctx.eps,
+                                             ctx.unit_offset, wrap=False)
             else:  # e.g. compiled autograd tracing this backward
                 grads = torch.ops.moert.qk_norm_rope_bwd(*saved, grad_q_out, grad_k_out, ctx.eps, ctx.unit_offset)
             return (*grads, None, None, None, None)

@@ -426,13 +426,13 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
     inputs, grads = make_inputs(seq, timer.device, dtype)
     leaves = inputs[:4]
     raw_fwd, raw_bwd = _raw_launches(seq, timer.device, dtype)
-    default = norm_rope.EAGER_AUTOGRAD_FUNCTION
+    default, default_direct = norm_rope.EAGER_AUTOGRAD_FUNCTION, norm_rope.DIRECT_LAUNCH
     out = {}
     log(f"\nhost ms per call of ours at seq {seq} (CPU time, GPU synced between reps; median) / GPU ms:")
     try:
-        for path in (True, False):
-            norm_rope.EAGER_AUTOGRAD_FUNCTION = path
-            name = "fast path" if path else "op path"
+        for path, direct in ((True, True), (True, False), (False, True)):
+            norm_rope.EAGER_AUTOGRAD_FUNCTION, norm_rope.DIRECT_LAUNCH = path, direct
+            name = ("fast path" if direct else "fast+JIT") if path else "op path"
             for what, fn in (("fwd", lambda: ours(*inputs)),
                              ("f+b", lambda: torch.autograd.grad(ours(*inputs), leaves, grads))):
                 out[f"{name} {what}"] = timer.host(fn)
@@ -440,11 +440,15 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
         q_leaf, grad_q = inputs[0], grads[0]
         out["autograd floor"] = timer.host(lambda: torch.autograd.grad(q_leaf * 2.0, q_leaf, grad_q))
         log(f"  autograd floor (autograd.grad of q * 2: one native fwd + bwd kernel): host {out['autograd floor']:.4f}")
-        for what, fn in (("raw fwd launch", raw_fwd), ("raw bwd launch", raw_bwd)):
-            out[what] = timer.host(fn)
-            out[what + " gpu"] = timer.gpu(fn)
-            log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
         norm_rope.EAGER_AUTOGRAD_FUNCTION = default
+        for direct in (True, False):
+            norm_rope.DIRECT_LAUNCH = direct
+            for what, fn in (("raw fwd launch", raw_fwd), ("raw bwd launch", raw_bwd)):
+                what += "" if direct else " (JIT)"
+                out[what] = timer.host(fn)
+                out[what + " gpu"] = timer.gpu(fn)
+                log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
+        norm_rope.DIRECT_LAUNCH = default_direct
         profiler = cProfile.Profile()
         n_calls = 200 if timer.device.type == "cuda" else 2
         profiler.enable()
@@ -459,7 +463,7 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
             if line.strip():
                 log("  " + line[:150])
     finally:
-        norm_rope.EAGER_AUTOGRAD_FUNCTION = default
+        norm_rope.EAGER_AUTOGRAD_FUNCTION, norm_rope.DIRECT_LAUNCH = default, default_direct
     return out
 
 
@@ -476,10 +480,19 @@ def main() -> None:
     args = parser.parse_args()
 
     lines: list[str] = []
+    # The log is written as it goes, so a run cut short by a time limit still leaves its numbers.
+    log_path = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        log_path = os.path.join(args.out, "bench_norm_rope.log")
+        open(log_path, "w").close()
 
     def log(line: str = "") -> None:
         print(line, flush=True)
         lines.append(line)
+        if log_path is not None:
+            with open(log_path, "a") as f:
+                f.write(line + "\n")
 
     if not args.dry and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --dry for a CPU smoke test")
@@ -502,7 +515,9 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs(timer)
 
     results: list[Result] = []
-    for name in args.variants.split(","):
+    names = args.variants.split(",")
+    # ours first: a run cut short by a time limit still has its numbers (the table order stays fixed).
+    for name in sorted(names, key=lambda n: n != "ours"):
         try:
             fn = VARIANTS[name]()
         except Exception as exc:
@@ -512,6 +527,8 @@ def main() -> None:
             try:
                 r = measure(fn, seq, timer, dtype)
                 r.variant = name
+                log(f"  measured {name} seq {seq}: GPU fwd {fmt(r.fwd_ms)} f+b {fmt(r.fwd_bwd_ms)}, direct fwd "
+                    f"{fmt(r.fwd_stream_ms)} f+b {fmt(r.fwd_bwd_stream_ms)}, host f+b {fmt(r.host_fwd_bwd_ms)}")
                 if name == "ours":
                     add_roofline(r, dtype, device, copy_gbs)
             except Exception as exc:
@@ -528,7 +545,6 @@ def main() -> None:
     sweep_rows = sweep(DRY_SEQLENS[:1] if args.dry else SWEEP_SEQLENS, timer, dtype, log) if args.sweep else []
 
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         payload = {"device": device_name, "torch": torch.__version__, "triton": triton_version,
                    "dtype": str(dtype), "date": time.strftime("%Y-%m-%d"), "copy_gbs": copy_gbs,
                    "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_k": HEADS_K, "head_dim": HEAD_DIM},
@@ -538,8 +554,6 @@ def main() -> None:
                    "host_breakdown": breakdown, "command": " ".join(sys.argv)}
         with open(os.path.join(args.out, "bench_norm_rope.json"), "w") as f:
             json.dump(payload, f, indent=1)
-        with open(os.path.join(args.out, "bench_norm_rope.log"), "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
