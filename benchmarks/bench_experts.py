@@ -11,7 +11,8 @@ first 1/ep of the experts, every other slot is -1); `scattermoe-fused` forces sc
 path (chosen automatically only for small experts) for comparison. Then it checks the targets
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
-`--profile` prints the per-kernel CUDA times of one fwd+bwd instead (to see which kernel to work on).
+`--profile` prints the per-kernel CUDA times of one fwd+bwd instead (to see which kernel to work on);
+`--host` the host (CPU) time of one fwd+bwd next to its GPU time, and a cProfile of where the host time goes.
 """
 
 from __future__ import annotations
@@ -254,6 +255,51 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str]) -> None:
                 torch.cuda.empty_cache()
 
 
+def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
+    """Host enqueue time of one fwd+bwd (GPU idle at the start) vs its GPU time, at ep1 and ep4, and the
+    functions that spend the host time (cProfile, by own time). Host time above the GPU time is exposed
+    whenever nothing else keeps the GPU busy."""
+    import cProfile
+    import io
+    import pstats
+
+    for shape in shapes:
+        for mode in MODES:
+            for name in backends:
+                for ep in (1, 4):
+                    ex, x, ids, w, _ = make_case(shape, T, mode, ep=ep)
+                    backend, dy = expert_backend(name), torch.randn_like(x)
+
+                    def fwd_bwd():
+                        backend(x, ids, w, ex).backward(dy)
+
+                    for _ in range(3):
+                        fwd_bwd()
+                    host = []
+                    for _ in range(20):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        fwd_bwd()
+                        host.append(1e3 * (time.perf_counter() - t0))
+                    gpu = statistics.median(cuda_time_ms(fwd_bwd, 10, 0))
+                    print(f"\n== host {shape} {mode} ep{ep} {name}: host {statistics.median(host):.3f} ms, "
+                          f"call-to-done {gpu:.3f} ms")
+                    if ep == 1 or mode == "lora16":
+                        prof = cProfile.Profile()
+                        prof.enable()
+                        for _ in range(20):
+                            fwd_bwd()
+                        prof.disable()
+                        torch.cuda.synchronize()
+                        out = io.StringIO()
+                        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(28)
+                        for line in out.getvalue().splitlines()[6:]:
+                            if line.strip():
+                                print("  " + line[:160])
+                    del ex, x, ids, w
+                    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
@@ -263,11 +309,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: per-kernel CUDA times of one fwd+bwd (torch.profiler)")
+    ap.add_argument("--host", action="store_true",
+                    help="instead of the table: host time of one fwd+bwd and a cProfile of it")
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = 2048 if args.quick else 8192
     if args.profile:
         profile_kernels(shapes, T, args.backends.split(","))
+        return
+    if args.host:
+        host_time(shapes, T, args.backends.split(","))
         return
     matmul = matmul_tflops()
 
