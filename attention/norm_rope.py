@@ -31,10 +31,8 @@ try:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-    try:
-        from triton import knobs as _triton_knobs
-    except ImportError:  # a Triton without knobs: the eager path never bypasses the JIT
-        _triton_knobs = None
+
+    from quant import triton_launch
 except ImportError:  # the reference stays usable where triton is missing (e.g. macOS, CPU-only wheels)
     triton = None
 
@@ -206,81 +204,18 @@ def _is_interpreted(fn) -> bool:
 
 
 # ----------------------------------------------------------------------------- launching
-#
-# Three ways to launch a kernel, picked per call by `_launch`:
-# - the op path (wrap=True): wrap_triton(kernel)[grid](...), what tracing needs;
-# - interpreted kernels (CPU tests): kernel[grid](...), nothing traces them there, and not every torch
-#   release's wrap_triton accepts them;
-# - the eager fast path on a GPU: the first launch of each argument specialization goes through the
-#   JIT (kernel[grid](...), which compiles or finds the kernel and returns it); later launches call that
-#   compiled kernel's launcher directly. The JIT's per-call work (binding ~35 arguments, specializing
-#   each, building its cache key, launch-hook metadata) is several times the launcher's own cost.
-#   The direct call passes exactly what the JIT passes (grid, stream, function, packed metadata, every
-#   argument including constexprs); it falls back to the JIT whenever a launch hook is installed
-#   (profilers), and DIRECT_LAUNCH = False turns it off.
-
-DIRECT_LAUNCH = True
-
-# The one cache of the direct path: (kernel id, constexpr values, device, _specialization_key(args)) ->
-# (compiled kernel, constexpr values in kernel-parameter order). The kernels are module-level objects,
-# so their ids are stable. Grows by one entry per new specialization (alignment / divisibility class),
-# not per shape.
-_COMPILED_KERNELS: dict[tuple, tuple] = {}
-
-
-def _specialization_key(tensors: tuple, ints: tuple) -> tuple:
-    """What Triton specializes a compiled kernel on, or finer: each tensor's dtype and 16-byte alignment,
-    each int's == 1, divisibility by 16 and 32-bit range (floats are always fp32, nothing to key).
-    Two launches with equal keys can run the same compiled kernel."""
-    return (tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]),
-            tuple([(a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF) for a in ints]))
-
-
-def _hook_set(hook) -> bool:
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _launch_hooks_active() -> bool:
-    """A Triton launch hook is installed (Triton 3.6 keeps them in HookChains, older ones a callable)."""
-    if _triton_knobs is None:
-        return True  # unknown Triton layout: never bypass the JIT
-    runtime = _triton_knobs.runtime
-    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
-
-
-def _current_device() -> int:
-    return torch.cuda.current_device()  # Triton's JIT also launches on the current device
-
-
-def _current_stream(device: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's CUDA driver uses
 
 
 def _launch(kernel, grid: tuple[int, int, int], tensors: tuple, ints: tuple, floats: tuple, meta: dict,
             wrap: bool) -> None:
-    """kernel[grid](*tensors, *ints, *floats, **meta) by the cheapest route allowed here (see above).
-    The kernels take their arguments in that order: pointers, then ints, then float scalars."""
+    """kernel[grid](*tensors, *ints, *floats, **meta): through wrap_triton on the op path (what tracing
+    needs), else by quant.triton_launch's cheap eager route. Interpreted kernels (CPU tests) are never
+    wrapped: nothing traces them there, and not every torch release's wrap_triton accepts them."""
     args = (*tensors, *ints, *floats)
-    if _is_interpreted(kernel):
-        kernel[grid](*args, **meta)
-        return
-    if wrap:
+    if wrap and not _is_interpreted(kernel):
         wrap_triton(kernel)[grid](*args, **meta)
-        return
-    if not DIRECT_LAUNCH:
-        kernel[grid](*args, **meta)
-        return
-    device = _current_device()
-    key = (id(kernel), tuple(meta.values()), device, _specialization_key(tensors, ints))
-    entry = _COMPILED_KERNELS.get(key)
-    if entry is None or _launch_hooks_active():
-        compiled = kernel[grid](*args, **meta)
-        if entry is None and all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
-            _COMPILED_KERNELS[key] = (compiled, tuple(meta[name] for name in kernel.arg_names[len(args):]))
-        return
-    compiled, constexprs = entry
-    compiled.run(grid[0], grid[1], grid[2], _current_stream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *constexprs)
+    else:
+        triton_launch.launch(kernel, grid, args, meta)
 
 
 # ----------------------------------------------------------------------------- host side of the ops

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import GEMM_CONFIGS, bench, m_bucket, prune_gemm
+from quant.triton_launch import cdiv, launch, next_power_of_2
 
 # Column width of one partial sum of the routing-weight gradient (the smallest BLOCK_N).
 _DW_BLOCK = 16
@@ -286,21 +287,21 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
     def grid(meta):
         cols_per_block = meta["BLOCK_N"] // 2 if glu_fwd else meta["BLOCK_N"]
         # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus programs exit.
-        return ((triton.cdiv(S, meta["BLOCK_M"]) + E) * triton.cdiv(N, cols_per_block),)
+        return ((cdiv(S, meta["BLOCK_M"]) + E) * cdiv(N, cols_per_block),)
 
     def strides(t, n):
         return t.stride() if t is not None else (0,) * n
 
-    _grouped_linear_kernel[grid](
+    launch(_grouped_linear_kernel, grid, (
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
         w_ENK, *w_ENK.stride(), A, *strides(A, 3), B, *strides(B, 3),
         ia_Sr, strides(ia_Sr, 2)[0], out, out.stride(0), aux, strides(aux, 2)[0],
         rw_S, dw_SC, strides(dw_SC, 2)[0], dw_SC.shape[1] if dw_SC is not None else 0,
-        lora.scaling if lora is not None else 0.0, E, N, K, R, m_bucket(S),
-        GATHER=gather, HAS_LORA=lora is not None, LORA_IN_LOOP=lora is not None and not lora.split,
-        GLU_FWD=glu_fwd, GLU_BWD=epilogue == "glu_bwd",
-        BLOCK_E=max(_MIN_BLOCK_E, triton.next_power_of_2(E)),
-        BLOCK_R=max(16, triton.next_power_of_2(R)), DW_BLOCK=_DW_BLOCK)
+        lora.scaling if lora is not None else 0.0, E, N, K, R, m_bucket(S)), {
+        "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora is not None and not lora.split,
+        "GLU_FWD": glu_fwd, "GLU_BWD": epilogue == "glu_bwd",
+        "BLOCK_E": max(_MIN_BLOCK_E, next_power_of_2(E)),
+        "BLOCK_R": max(16, next_power_of_2(R)), "DW_BLOCK": _DW_BLOCK})
 
 
 def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gather: bool):
@@ -355,7 +356,7 @@ def swiglu_backward(dy_MH: torch.Tensor, slots: SlotOrder, w_EIH: torch.Tensor, 
     S, I = slots.num_slots, w_EIH.shape[1]
     dgu_S2I = dy_MH.new_empty(S, 2 * I)
     dyb_Sr = _rank_buffer(dy_MH, slots, lora, gather=True)
-    dw_SC = torch.empty(S, triton.cdiv(I, _DW_BLOCK), device=dy_MH.device, dtype=torch.float32)
+    dw_SC = torch.empty(S, cdiv(I, _DW_BLOCK), device=dy_MH.device, dtype=torch.float32)
     rw_S = weights_Mk.reshape(-1)
     _launch(dy_MH, slots, w_EIH, I, lora, dyb_Sr, dgu_S2I, gather=True, epilogue="glu_bwd", aux=gu_S2I,
             rw_S=rw_S, dw_SC=dw_SC)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import XTY_CONFIGS, bench, m_bucket, prune_xty
+from quant.triton_launch import cdiv, launch
 
 
 @triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L"],
@@ -72,10 +73,10 @@ def grouped_xty(L: torch.Tensor, R: torch.Tensor, slots: SlotOrder, *, gather_l:
     rw_S = weights_Mk.reshape(-1) if weights_Mk is not None else None
 
     def grid(meta):
-        return (triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(Q, meta["BLOCK_Q"]), E)
+        return (cdiv(P, meta["BLOCK_P"]) * cdiv(Q, meta["BLOCK_Q"]), E)
 
-    _grouped_xty_kernel[grid](
+    launch(_grouped_xty_kernel, grid, (
         L, L.stride(0), L.stride(1), R, R.stride(0), R.stride(1), slots.order_S, slots.offsets_E1, rw_S,
-        slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.num_slots),
-        GATHER_L=gather_l, GATHER_R=gather_r, SCALE_L=rw_S is not None)
+        slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.num_slots)),
+        {"GATHER_L": gather_l, "GATHER_R": gather_r, "SCALE_L": rw_S is not None})
     return out_EPQ

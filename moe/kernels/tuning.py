@@ -19,6 +19,8 @@ import os
 import triton
 import triton.testing
 
+from quant.triton_launch import next_power_of_2
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Per-thread registers for the fp32 accumulators. Measured on sm_90 (ptxas): at 128 the base kernels
@@ -62,7 +64,7 @@ def _family(configs: list[triton.Config], names: tuple[str, ...], dims: tuple[in
 
 
 def m_bucket(rows: int) -> int:
-    return max(_MIN_DOT, triton.next_power_of_2(rows))
+    return max(_MIN_DOT, next_power_of_2(rows))
 
 
 def _clamp(block: int, extent: int) -> int:

@@ -333,75 +333,6 @@ def test_kernels_compile_with_fp64_eps_for_sm90():
 # ----------------------------------------------------------------------------- direct launches (eager fast path)
 
 
-class _FakeCompiled:
-    """Stands in for triton's CompiledKernel: records what its launcher is called with."""
-    function, packed_metadata = "function-handle", "packed-metadata"
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def run(self, *args):
-        self.calls.append(("direct", args))
-
-
-class _FakeJit:
-    """Stands in for a @triton.jit kernel with params (x_ptr, n, eps, BLOCK): kernel[grid](...) records
-    the call and returns a compiled kernel, as JITFunction.run does."""
-    arg_names = ("x_ptr", "n", "eps", "BLOCK")
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            self.calls.append(("jit", grid, args, meta))
-            return _FakeCompiled(self.calls)
-        return launch
-
-
-@pytest.fixture
-def fake_cuda_launch(monkeypatch):
-    monkeypatch.setattr(norm_rope, "_current_device", lambda: 0)
-    monkeypatch.setattr(norm_rope, "_current_stream", lambda device: 1234)
-    monkeypatch.setattr(norm_rope, "_launch_hooks_active", lambda: False)
-    monkeypatch.setattr(norm_rope, "_COMPILED_KERNELS", {})
-    monkeypatch.setattr(norm_rope, "DIRECT_LAUNCH", True)
-    return _FakeJit()
-
-
-def test_direct_launch_reuses_the_compiled_kernel_per_specialization(fake_cuda_launch, monkeypatch):
-    kernel = fake_cuda_launch
-    x = torch.zeros(64)
-    meta = {"BLOCK": 32, "num_warps": 4}
-
-    def launch(grid, tensor, n):
-        kernel.calls.clear()
-        norm_rope._launch(kernel, grid, (tensor,), (n,), (1e-6,), meta, wrap=False)
-        return kernel.calls
-
-    # First launch of a specialization: through the JIT, which hands back the compiled kernel.
-    assert launch((3, 1, 1), x, 64) == [("jit", (3, 1, 1), (x, 64, 1e-6), meta)]
-    # Same specialization (other values, other grid): the compiled kernel's launcher, with exactly the
-    # arguments JITFunction.run passes it (no launch hooks: metadata and hooks are None).
-    (kind, args), = launch((5, 2, 1), x, 128)
-    assert kind == "direct"
-    assert args[:9] == (5, 2, 1, 1234, "function-handle", "packed-metadata", None, None, None)
-    assert args[9] is x and args[10:] == (128, 1e-6, 32)
-    # What Triton specializes on differs: back to the JIT (once each).
-    for tensor, n in ((x[1:], 128), (x, 1), (x, 100), (x, 2**31), (x.double(), 128)):
-        assert launch((5, 1, 1), tensor, n)[0][0] == "jit", (tensor.dtype, tensor.storage_offset(), n)
-        assert launch((5, 1, 1), tensor, n)[0][0] == "direct", (tensor.dtype, tensor.storage_offset(), n)
-    # Other constexprs: a different kernel.
-    meta = {"BLOCK": 64, "num_warps": 4}
-    assert launch((5, 1, 1), x, 128)[0][0] == "jit"
-    # Launch hooks installed (a profiler) or DIRECT_LAUNCH off: always the JIT.
-    monkeypatch.setattr(norm_rope, "_launch_hooks_active", lambda: True)
-    assert launch((5, 1, 1), x, 128)[0][0] == "jit"
-    monkeypatch.setattr(norm_rope, "_launch_hooks_active", lambda: False)
-    monkeypatch.setattr(norm_rope, "DIRECT_LAUNCH", False)
-    assert launch((5, 1, 1), x, 128)[0][0] == "jit"
-
-
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_kernel_params_are_tensors_ints_floats_then_the_meta_constexprs():
     """_launch passes (*tensors, *ints, *floats) and then the constexprs in parameter order, taken from
@@ -416,24 +347,6 @@ def test_kernel_params_are_tensors_ints_floats_then_the_meta_constexprs():
         assert names[n_tensors + n_ints + 1:] == [key for key in meta if key != "num_warps"]
     assert norm_rope._dw_sum_kernel.arg_names == ["partial_ptr", "dq_w_ptr", "dk_w_ptr", "n_q_progs", "n_progs",
                                                   "D", "BLOCK_P", "BLOCK_D"]
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_launch_hooks_detected():
-    """No hooks by default (the direct path is used); an installed enter hook sends launches to the JIT."""
-    knobs = norm_rope._triton_knobs
-    if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
-        pytest.skip("this Triton keeps launch hooks differently")
-    assert not norm_rope._launch_hooks_active()
-    def hook(metadata):
-        return None
-
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        assert norm_rope._launch_hooks_active()
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
-    assert not norm_rope._launch_hooks_active()
 
 
 def test_weights_as_parameters_take_the_eager_fast_path():

@@ -1,0 +1,166 @@
+"""Cheap eager launches of Triton kernels, shared by the moe and attention kernels (quant is the bottom
+of the package graph, so both may import it).
+
+    launch(kernel, grid, args, constexprs)    # == kernel[grid](*args, **constexprs)
+
+`kernel` is a @triton.jit function, optionally behind @triton.heuristics and one @triton.autotune.
+The first launch of each specialization goes through Triton (compiling, autotuning, returning the
+compiled kernel); later launches call that compiled kernel's launcher directly. Triton's own per-call
+work (binding and specializing every argument, the autotuner's key, the heuristics, the cache key,
+launch-hook metadata) costs several times the launcher on the host, and an expert layer makes ~15
+launches per step per layer. The direct call passes exactly what JITFunction.run passes (Triton >= 3.3:
+grid, stream, function, packed metadata, no hooks, then every parameter including constexprs).
+
+Contract:
+- `args` are the leading kernel parameters, positionally; `constexprs` the rest by name (plus launch
+  options such as num_warps). A callable `grid` receives {**constexprs, autotuned config, heuristics}
+  only, not the runtime arguments.
+- The cache key holds everything a compiled kernel depends on, or finer: the kernel, the device, the
+  constexprs, the autotuner's key values and each argument's specialization (tensor dtype and 16-byte
+  alignment; int == 1, divisibility by 16 and 32-bit range; None). Heuristics are re-evaluated per call.
+- Launch hooks installed (profilers, proton), interpreted kernels (TRITON_INTERPRET=1) or
+  DIRECT_LAUNCH = False: always Triton's own path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+    try:
+        from triton import knobs as _triton_knobs
+    except ImportError:  # a Triton without knobs: never bypass its launch path
+        _triton_knobs = None
+except ImportError:  # no triton (CPU-only wheels): nothing here is called
+    triton = None
+
+DIRECT_LAUNCH = True
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """A decorated kernel taken apart: the autotuner (or None), heuristics outermost first, the JIT."""
+    kernel: object  # held so that its id (the cache key) is never reused
+    autotuner: object | None
+    heuristics: tuple
+    jit: object
+    interpreted: bool
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    kernel: object           # triton CompiledKernel
+    config_kwargs: dict      # the autotuned constexprs ({} without autotune)
+    tail_names: tuple        # kernel parameters after the positional args, in order
+
+
+_LAYERS: dict[int, _Layers] = {}
+# (kernel id, device, constexprs, autotune key, argument specializations) -> _Compiled. One entry per
+# specialization class and autotune key, not per shape.
+_COMPILED: dict[tuple, _Compiled] = {}
+
+
+def _layers(kernel) -> _Layers:
+    found = _LAYERS.get(id(kernel))
+    if found is None:
+        autotuner, heuristics, fn = None, [], kernel
+        while not isinstance(fn, JITFunction) and type(fn).__name__ != "InterpretedFunction":
+            if isinstance(fn, Autotuner):
+                autotuner = fn
+            elif isinstance(fn, Heuristics):
+                heuristics.append(fn)
+            fn = fn.fn
+        found = _Layers(kernel, autotuner, tuple(heuristics), fn, type(fn).__name__ == "InterpretedFunction")
+        _LAYERS[id(kernel)] = found
+    return found
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a constexpr_function: several us per host call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Host-side triton.next_power_of_2 (also a constexpr_function)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _spec(a) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if type(a) is int:
+        return a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF
+    if a is None or type(a) is bool:
+        return a
+    return type(a)
+
+
+def specialization_key(args: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, or finer (equal keys: the same compiled kernel)."""
+    return tuple([_spec(a) for a in args])
+
+
+def launch_hooks_active() -> bool:
+    """A Triton launch hook is installed (Triton >= 3.6 keeps them in HookChains, older ones a callable)."""
+    if _triton_knobs is None:
+        return True
+    runtime = _triton_knobs.runtime
+
+    def is_set(hook) -> bool:
+        return hook is not None and bool(getattr(hook, "calls", True))
+
+    return is_set(runtime.launch_enter_hook) or is_set(runtime.launch_exit_hook)
+
+
+def current_device() -> int:
+    return torch.cuda.current_device()  # Triton's JIT launches on the current device too
+
+
+def current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's CUDA driver uses
+
+
+def _autotune_key(layers: _Layers, args: tuple, constexprs: dict) -> tuple:
+    if layers.autotuner is None:
+        return ()
+    named = dict(zip(layers.jit.arg_names, args))
+    return tuple([named[k] if k in named else constexprs[k] for k in layers.autotuner.keys])
+
+
+def _meta(layers: _Layers, args: tuple, constexprs: dict, config_kwargs: dict) -> dict:
+    meta = {**constexprs, **config_kwargs}
+    if layers.heuristics:
+        named = {**dict(zip(layers.jit.arg_names, args)), **meta}
+        for heur in reversed(layers.heuristics):  # the innermost decorator runs last in Triton too
+            for name, fn in heur.values.items():
+                named[name] = meta[name] = fn(named)
+    return meta
+
+
+def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
+    """kernel[grid](*args, **constexprs) by the cheapest route allowed here (see the module docstring)."""
+    layers = _layers(kernel)
+    if layers.interpreted or not DIRECT_LAUNCH:
+        kernel[grid](*args, **constexprs)
+        return
+    device = current_device()
+    key = (id(kernel), device, tuple(constexprs.items()), _autotune_key(layers, args, constexprs),
+           specialization_key(args))
+    entry = _COMPILED.get(key)
+    if entry is None or launch_hooks_active():
+        compiled = kernel[grid](*args, **constexprs)
+        if entry is None and all(hasattr(compiled, n) for n in ("run", "function", "packed_metadata")):
+            config = layers.autotuner.best_config.kwargs if layers.autotuner is not None else {}
+            _COMPILED[key] = _Compiled(compiled, dict(config), tuple(layers.jit.arg_names[len(args):]))
+        return
+    meta = _meta(layers, args, constexprs, entry.config_kwargs)
+    g = grid(meta) if callable(grid) else grid
+    compiled = entry.kernel
+    compiled.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, current_stream(device),
+                 compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *[meta[name] for name in entry.tail_names])
