@@ -8,7 +8,11 @@ max_seqlen for the varlen flash backend.
 
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +44,28 @@ def packed_causal_mask(position_ids_BS: torch.Tensor) -> torch.Tensor:
     return (same_doc_BSS & causal_SS).unsqueeze(1)
 
 
+def cu_seqlens_from_positions(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Document boundaries (int32 [docs + 1]) over the flattened B*S tokens and the longest document.
+    A document starts where the position is 0 and at every row start. Data-dependent (a host sync):
+    the collator passes cu_seqlens instead; this serves direct calls with position_ids only."""
+    B, S = position_ids_BS.shape
+    starts_BS = position_ids_BS == 0
+    starts_BS[:, 0] = True
+    begin = torch.nonzero(starts_BS.flatten()).flatten()
+    cu = torch.cat([begin, begin.new_tensor([B * S])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
                     max_seqlen: int | None = None, backend: str = "sdpa") -> AttnMeta:
-    if position_ids_BS is None or backend == "flash":
+    """The metadata `backend` needs. position_ids None: one causal document per row. For "flash",
+    packed position_ids without cu_seqlens get their boundaries derived here, so that no caller can
+    silently attend across documents by forgetting cu_seqlens."""
+    if backend == "flash":
+        if position_ids_BS is not None and cu_seqlens is None:
+            cu_seqlens, max_seqlen = cu_seqlens_from_positions(position_ids_BS)
+        return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    if position_ids_BS is None:
         return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     # cu_seqlens ride along for the GDN layers of hybrid models
     return AttnMeta(sdpa_mask_B1SS=packed_causal_mask(position_ids_BS), cu_seqlens=cu_seqlens,
@@ -57,31 +80,156 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torc
     return out.transpose(1, 2)
 
 
-def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func  # optional dependency, checked at build time
+# --- varlen flash backend ---------------------------------------------------------------------------
+# Two implementations of the same contract, VarlenFn(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen,
+# scale) -> out_THD (causal within each document of cu_seqlens, GQA: q head h reads kv head
+# h // (Hq / Hkv)): flash-attn's flash_attn_varlen_func when installed, else torch's own
+# torch.nn.attention.varlen.varlen_attn (torch >= 2.10), whose keywords changed between releases.
 
+VarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+class VarlenImpl(NamedTuple):
+    name: str  # "flash_attn" | "torch"
+    fn: VarlenFn
+
+
+def _import_flash_attn_varlen() -> Callable | None:
+    """flash-attn's flash_attn_varlen_func, or None when the package is not installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _import_torch_varlen() -> Callable | None:
+    """torch.nn.attention.varlen.varlen_attn, or None on a torch without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def repeat_kv_heads(kv_TKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[T, Hkv, D] -> [T, Hkv * n_rep, D] with kv head j at heads j*n_rep .. j*n_rep + n_rep - 1, the
+    GQA grouping of SDPA's enable_gqa (q head h reads kv head h // n_rep). Autograd sums the grads of
+    the copies back into kv."""
+    return kv_TKD if n_rep == 1 else kv_TKD.repeat_interleave(n_rep, dim=1)
+
+
+def _flash_attn_caller(fn: Callable) -> VarlenFn:
+    """flash-attn takes GQA natively and causal as a flag."""
+    def call(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+        return fn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                  softmax_scale=scale, causal=True)
+    return call
+
+
+def _torch_varlen_caller(fn: Callable) -> VarlenFn | None:
+    """Adapts torch's varlen_attn to VarlenFn from its signature; None when it cannot do causal.
+
+    Known signatures: torch 2.10 `is_causal: bool`; later `window_size=(left, right)` with causal
+    = (-1, 0); newer ones add `enable_gqa` (older ones require Hq == Hkv, so the kv heads are
+    repeated here) and `scale` (without it the kernel uses 1/sqrt(D), so other scales are refused)."""
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        # a tuple, not a list: torch tests `window_size == (-1, 0)` to set is_causal
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    native_gqa, takes_scale = "enable_gqa" in params, "scale" in params
+
+    def call(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+        n_rep = q_THD.shape[1] // k_TKD.shape[1]
+        kwargs = dict(causal)
+        if native_gqa:
+            kwargs["enable_gqa"] = n_rep > 1
+        else:
+            k_TKD, v_TKD = repeat_kv_heads(k_TKD, n_rep), repeat_kv_heads(v_TKD, n_rep)
+        if takes_scale:
+            kwargs["scale"] = scale
+        elif not math.isclose(scale, q_THD.shape[-1] ** -0.5, rel_tol=1e-6):
+            raise ValueError(f"this torch's varlen_attn has no scale argument and uses 1/sqrt(head_dim); "
+                             f"got scale {scale}")
+        return fn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return call
+
+
+def choose_varlen_impl() -> VarlenImpl | None:
+    """flash-attn when installed, else torch's varlen_attn when it exists and can do causal, else None
+    (the flash backend is unavailable)."""
+    flash_attn_fn = _import_flash_attn_varlen()
+    if flash_attn_fn is not None:
+        return VarlenImpl("flash_attn", _flash_attn_caller(flash_attn_fn))
+    torch_fn = _import_torch_varlen()
+    caller = None if torch_fn is None else _torch_varlen_caller(torch_fn)
+    return None if caller is None else VarlenImpl("torch", caller)
+
+
+_UNCHOSEN = object()
+_varlen_choice = _UNCHOSEN  # a plain global, not functools.cache: dynamo reads it as a constant
+
+
+def varlen_impl() -> VarlenImpl | None:
+    """choose_varlen_impl() on the first call (layer construction), the same answer afterwards."""
+    global _varlen_choice
+    if _varlen_choice is _UNCHOSEN:
+        _varlen_choice = choose_varlen_impl()
+    return _varlen_choice
+
+
+def _varlen_compute_dtype(q_BSHD: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on (the varlen ops have no autocast rule), else q's."""
+    if torch.is_autocast_enabled(q_BSHD.device.type):
+        return torch.get_autocast_dtype(q_BSHD.device.type)
+    return q_BSHD.dtype
+
+
+def _check_varlen_inputs(q_BSHD: torch.Tensor, dtype: torch.dtype) -> None:
+    """Both varlen kernels are CUDA-only and half precision only; the device is first known here."""
+    if q_BSHD.device.type != "cuda":
+        raise ValueError(f"attention backend 'flash' runs on CUDA only (got tensors on {q_BSHD.device}); "
+                         "set model.attn_backend: sdpa")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"attention backend 'flash' needs bfloat16/float16 activations (got {dtype}); "
+                         "use model.dtype: bfloat16 or bf16 autocast, or set model.attn_backend: sdpa")
+
+
+def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
+    """Causal attention within the documents of meta.cu_seqlens (over the flattened B*S tokens; None:
+    every row is one document). Returns [B, S, Hq, D] in the compute dtype."""
     B, S = q_BSHD.shape[:2]
-    if meta.cu_seqlens is None:  # unpacked rows: every row is one document
-        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BSHD.device)
-        meta = AttnMeta(cu_seqlens=cu, max_seqlen=S)
-    out = flash_attn_varlen_func(q_BSHD.flatten(0, 1), k_BSKD.flatten(0, 1), v_BSKD.flatten(0, 1),
-                                 meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
-                                 softmax_scale=scale, causal=True)
-    return out.view(B, S, *out.shape[1:])
+    dtype = _varlen_compute_dtype(q_BSHD)
+    _check_varlen_inputs(q_BSHD, dtype)
+    impl = varlen_impl()
+    if impl is None:  # construction checked this; guards layers built before the packages changed
+        check_attn_backend("flash")
+    cu_seqlens, max_seqlen = meta.cu_seqlens, meta.max_seqlen
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BSHD.device)
+        max_seqlen = S
+    elif max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    q_THD, k_TKD, v_TKD = (t.flatten(0, 1).to(dtype) for t in (q_BSHD, k_BSKD, v_BSKD))
+    out_THD = impl.fn(q_THD, k_TKD, v_TKD, cu_seqlens.to(torch.int32), max_seqlen, scale)
+    return out_THD.unflatten(0, (B, S))
 
 
 ATTN_BACKENDS = {"sdpa": sdpa_attention, "flash": flash_varlen_attention}
 
 
 def check_attn_backend(name: str) -> None:
+    """Raises ValueError naming the fix when `name` is unknown or cannot run on this install."""
     if name not in ATTN_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(ATTN_BACKENDS)}")
-    if name == "flash":
-        try:
-            import flash_attn
-        except ImportError:
-            raise ValueError("attention backend 'flash' needs flash-attn installed; "
-                             "set model.attn_backend: sdpa or pip install flash-attn") from None
+    if name == "flash" and varlen_impl() is None:
+        raise ValueError("attention backend 'flash' needs flash-attn installed or a torch with "
+                         "torch.nn.attention.varlen.varlen_attn (>= 2.10); "
+                         "set model.attn_backend: sdpa or pip install flash-attn")
 
 
 class Qwen3Attention(nn.Module):
@@ -98,7 +246,7 @@ class Qwen3Attention(nn.Module):
         self.eps, self.backend, self.norm_rope_impl = eps, backend, norm_rope_impl
         self.gated, self.rotary_dim = gated, rotary_dim
         self.scale = head_dim ** -0.5
-        factory = dict(device=device, dtype=dtype)
+        factory = {"device": device, "dtype": dtype}
         q_out = num_heads * head_dim * (2 if gated else 1)
         self.q_proj = nn.Linear(hidden, q_out, bias=bias, **factory)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **factory)
