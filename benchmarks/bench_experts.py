@@ -300,43 +300,6 @@ def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
                     torch.cuda.empty_cache()
 
 
-def gemm_compare(T: int) -> None:
-    """Each expert GEMM of the layer alone (Qwen3-30B-A3B, all slots valid): scattermoe's Triton kernel
-    (gather and epilogues fused) next to torch._grouped_mm (CUTLASS) on the same expert-sorted operands
-    (token-layout operands gathered beforehand, gather not timed), to see where CUTLASS would pay."""
-    from moe.kernels.grouped_linear import expert_linear, gate_up_swiglu, swiglu_backward
-    from moe.kernels.routing import sort_slots
-
-    E, H, I, k = SHAPES["qwen3-30b-a3b"]
-    ex, x, ids, w, _ = make_case("qwen3-30b-a3b", T, "full", ep=1)
-    slots = sort_slots(ids, E)
-    rows = torch.div(slots.order_S, k, rounding_mode="floor")
-    offs = slots.offsets_E1[1:]
-    S = slots.num_slots
-    w_gu, w_down = ex.gate_up.detach(), ex.down.detach()
-    x, w, dy = x.detach(), w.detach(), torch.randn_like(x)
-    gu, hw, _ = gate_up_swiglu(x, slots, w_gu, None, w)
-    dgu, _, _ = swiglu_backward(dy, slots, w_down.transpose(1, 2), None, gu, w)
-    xg, dyg = x.index_select(0, rows), dy.index_select(0, rows)
-    cases = (
-        ("gate_up + SwiGLU", 2 * S * H * 2 * I, lambda: gate_up_swiglu(x, slots, w_gu, None, w),
-         lambda: torch._grouped_mm(xg, w_gu.transpose(1, 2), offs=offs)),
-        ("down", 2 * S * I * H, lambda: expert_linear(hw, slots, w_down, None, gather=False),
-         lambda: torch._grouped_mm(hw, w_down.transpose(1, 2), offs=offs)),
-        ("dy @ W_down + SwiGLU bwd", 2 * S * H * I,
-         lambda: swiglu_backward(dy, slots, w_down.transpose(1, 2), None, gu, w),
-         lambda: torch._grouped_mm(dyg, w_down, offs=offs)),
-        ("dx = dgu @ W_gu", 2 * S * 2 * I * H, lambda: expert_linear(dgu, slots, w_gu.transpose(1, 2), None,
-                                                                     gather=False),
-         lambda: torch._grouped_mm(dgu, w_gu, offs=offs)),
-    )
-    print(f"\n== GEMMs alone, qwen3-30b-a3b T={T} (ms, TFLOP/s): ours (fused) | torch._grouped_mm (bare)")
-    for name, flops, ours, cutlass in cases:
-        t_ours = statistics.median(cuda_time_ms(ours, 20, 5))
-        t_cut = statistics.median(cuda_time_ms(cutlass, 20, 5))
-        print(f"  {name:<26} {t_ours:7.3f} {flops / t_ours / 1e9:5.0f} | {t_cut:7.3f} {flops / t_cut / 1e9:5.0f}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
@@ -346,8 +309,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: per-kernel CUDA times of one fwd+bwd (torch.profiler)")
-    ap.add_argument("--gemms", action="store_true",
-                    help="instead of the table: each expert GEMM alone, ours vs torch._grouped_mm")
     ap.add_argument("--host", action="store_true",
                     help="instead of the table: host time of one fwd+bwd and a cProfile of it")
     args = ap.parse_args()
@@ -358,9 +319,6 @@ def main() -> None:
         return
     if args.host:
         host_time(shapes, T, args.backends.split(","))
-        return
-    if args.gemms:
-        gemm_compare(T)
         return
     matmul = matmul_tflops()
 

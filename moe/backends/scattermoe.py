@@ -11,13 +11,16 @@ Forward (valid slots only, expert-sorted; -1 slots are never sorted into a segme
                   (hw = w * h: the routing weight of the slot is applied in the SwiGLU epilogue)
     z' = hw @ W_down^T + s (hw A_down^T) B_down^T  (= w z)             [S, H]
     y[m] = sum_j z'[pos(m, j)]                                          combine, skipping -1 slots
-Backward:
-    g = dy[token] @ W_down + s (dy B_down) A_down; d gate_up = SwiGLU'(w g); dw = <g, h>   one kernel
-    dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                           kernel + combine
-    dW_gu = d gate_up^T x[token], dW_down = dy[token]^T hw: per-expert reductions over the rows, by
-    torch._grouped_mm (CUTLASS, K-grouped) on sm90+ bf16 over the gathered token rows, else grouped_xty;
+Backward (dyg = dy gathered into expert-sorted order, once):
+    g = dyg @ W_down (bare grouped GEMM); g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g),
+    dw = <g, h> in one pass                                              (swiglu_backward)
+    dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                     GEMM + combine
+    dW_gu = d gate_up^T x[token], dW_down = dyg^T hw: per-expert reductions over the rows, by
+    torch._grouped_mm (CUTLASS, K-grouped) on sm90+ bf16, else grouped_xty;
     dA, dB: grouped_xty over the [S, r] intermediates x A^T, hw A^T, dy B, d gate_up B (no routing
     weights anywhere: they are inside hw). dW is skipped for a frozen base weight.
+The bare GEMMs without LoRA or epilogue (down and dx of a full fine-tune, g) run on torch._grouped_mm
+(CUTLASS) where it applies, else on our grouped kernel (see grouped_linear.expert_gemm).
 LoRA through the rank is split (`_split_lora`): the rank-sized intermediate is computed by its own
 grouped product and seeds the base GEMM's accumulator, so the base K loop runs with its own registers
 (on one H200 at Qwen3-30B-A3B shapes the fused gate_up took 1.29 ms against 0.88 + 0.05 split). Only
@@ -32,7 +35,14 @@ import warnings
 import torch
 
 from moe.backends import register_backend
-from moe.kernels.grouped_linear import LoraView, expert_linear, gate_up_swiglu, rank_product, swiglu_backward
+from moe.kernels.grouped_linear import (
+    LoraView,
+    cutlass_ok,
+    expert_linear,
+    gate_up_swiglu,
+    rank_product,
+    swiglu_backward,
+)
 from moe.kernels.grouped_xty import grouped_xty
 from moe.kernels.routing import SlotOrder, combine, sort_slots
 
@@ -46,31 +56,15 @@ def _split_lora(num_experts: int, out_features: int, in_features: int) -> bool:
     return out_features * in_features >= _SPLIT_MIN_WEIGHT_ELEMS
 
 
-def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """torch._grouped_mm (sm90+, bf16, 16-byte aligned rows) can take these operands."""
-    t = tensors[0]
-    if not (hasattr(torch, "_grouped_mm") and t.is_cuda and t.numel() > 0):
-        return False
-    if torch.cuda.get_device_capability(t.device) < (9, 0):
-        return False
-    return all(u.dtype == torch.bfloat16 and u.shape[-1] % 8 == 0 for u in tensors)
-
-
-def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder, *, gather_l: bool,
-                 gather_r: bool) -> torch.Tensor:
-    """[E, P, Q]: out[e] = sum over expert e's rows of L[row]^T R[row] (token-layout operands gathered).
+def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
+    """[E, P, Q]: out[e] = sum over expert e's rows of L[p]^T R[p], both operands expert-sorted.
 
     On sm90+ bf16: torch._grouped_mm grouped along the rows (CUTLASS; ~570 TFLOP/s on H200 against
-    ~320 for grouped_xty at Qwen3-30B-A3B shapes) over the gathered operands; groups end at the last
-    valid row, so the never-written -1 rows are not read, and experts without rows get zeros.
+    ~320 for grouped_xty at Qwen3-30B-A3B shapes); groups end at the last valid row, so the -1 rows are
+    not read, and experts without rows get zeros.
     """
-    if not _grouped_mm_ok(L_SP, R_SQ):
-        return grouped_xty(L_SP, R_SQ, slots, gather_l=gather_l, gather_r=gather_r)
-    rows_S = None
-    if gather_l or gather_r:
-        rows_S = torch.div(slots.order_S, slots.topk, rounding_mode="floor")
-    L_SP = L_SP.index_select(0, rows_S) if gather_l else L_SP
-    R_SQ = R_SQ.index_select(0, rows_S) if gather_r else R_SQ
+    if not cutlass_ok(L_SP, R_SQ):
+        return grouped_xty(L_SP, R_SQ, slots, gather_l=False, gather_r=False)
     try:
         return torch._grouped_mm(L_SP.t(), R_SQ, offs=slots.offsets_E1[1:])
     except RuntimeError as exc:  # a torch build that rejects these operands: the Triton reduction
@@ -107,12 +101,12 @@ class _ScatterMoE(torch.autograd.Function):
          gu_S2I, hw_SI, xa_Sr, hwa_Sr) = ctx.saved_tensors
         slots, s = ctx.slots, ctx.scaling
         need = dict(zip(("x", "w", "gu", "down", "gu_A", "gu_B", "down_A", "down_B"), ctx.needs_input_grad))
-        dy_MH = dy_MH.contiguous()
         has_lora = gu_A is not None
-        # The down projection read backwards: W_down^T [E, I, H], A := B_down^T, B := A_down^T.
+        # dy in expert-sorted order, once: the SwiGLU backward's GEMM, dW_down and dB_down all read it.
+        dyg_SH = dy_MH.index_select(0, slots.rows_S)
+        # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
         down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
-        dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dy_MH, slots, w_down.transpose(1, 2), down_T, gu_S2I,
-                                                 weights_Mk)
+        dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk)
         grads = dict.fromkeys(need)
         grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
         dgub_Sr = None
@@ -124,9 +118,9 @@ class _ScatterMoE(torch.autograd.Function):
             dgub_Sr = rank_product(dgu_S2I, slots, gu_B.transpose(1, 2), gather=False)
         xty = {"slots": slots}
         if need["gu"]:
-            grads["gu"] = _weight_grad(dgu_S2I, x_MH, gather_l=False, gather_r=True, **xty)
+            grads["gu"] = _weight_grad(dgu_S2I, x_MH.index_select(0, slots.rows_S), slots)
         if need["down"]:
-            grads["down"] = _weight_grad(dy_MH, hw_SI, gather_l=True, gather_r=False, **xty)
+            grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
         if has_lora:
             if need["gu_A"]:
                 grads["gu_A"] = grouped_xty(dgub_Sr, x_MH, gather_l=False, gather_r=True, scaling=s, **xty)
@@ -135,7 +129,7 @@ class _ScatterMoE(torch.autograd.Function):
             if need["down_A"]:
                 grads["down_A"] = grouped_xty(dyb_Sr, hw_SI, gather_l=False, gather_r=False, scaling=s, **xty)
             if need["down_B"]:
-                grads["down_B"] = grouped_xty(dy_MH, hwa_Sr, gather_l=True, gather_r=False, scaling=s, **xty)
+                grads["down_B"] = grouped_xty(dyg_SH, hwa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
         return (*grads.values(), None, None)
 
 

@@ -11,15 +11,16 @@ so a transposed view (the backward's W^T, B^T, A^T) costs nothing. The LoRA prod
 (in @ A^T accumulated in the K loop next to the base product, @ B^T in the epilogue; the rank-sized
 intermediate is written once, by the first column block) or split (the intermediate is computed
 beforehand by a rank-sized grouped product; its product with B^T seeds the accumulator, so the base
-K loop runs with the registers of the LoRA-free kernel). SwiGLU is fused into the epilogues: forward
-(gate and up columns interleaved in one accumulator) and backward (together with the routing weight
-and its gradient).
+K loop runs with the registers of the LoRA-free kernel). The forward SwiGLU is fused into the epilogue
+(gate and up columns interleaved in one accumulator); the backward SwiGLU (with the routing weight and
+its gradient, and the down LoRA's rank product) is one pass after the bare GEMM.
 
 Public launchers:
     gate_up_swiglu(x_MH, slots, w_E2IH, lora, weights_Mk)
                                                        -> gate_up_S2I, hw_SI, xa_Sr (SwiGLU fused, hw = w * h)
     expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
-    swiglu_backward(dy_MH, slots, w_EIH, lora, gate_up_S2I, weights_Mk)
+    expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS where it applies)
+    swiglu_backward(dyg_SH, slots, w_EHI, lora, gate_up_S2I, weights_Mk)
                                                        -> d_gate_up_S2I, dyb_Sr, d_weights_Mk
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
@@ -27,20 +28,23 @@ the grid is sized from S and E, and each program finds its expert from the segme
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.routing import SlotOrder
-from moe.kernels.tuning import GEMM_CONFIGS, bench, m_bucket, prune_gemm
+from moe.kernels.routing import SlotOrder, slot_weight_grad
+from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, m_bucket, prune_gemm
 from quant.triton_launch import cdiv, launch, next_power_of_2
 
 # Column width of one partial sum of the routing-weight gradient (the smallest BLOCK_N).
 _DW_BLOCK = 16
 # Segment search vector width; a floor keeps one compiled variant for every E up to 256.
 _MIN_BLOCK_E = 256
+# (BLOCK_M, BLOCK_N, warps) of the memory-bound SwiGLU-backward pass; small under the interpreter.
+_SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (64, 128, 8)
 
 
 @dataclass(frozen=True)
@@ -197,21 +201,19 @@ def _swiglu_backward_epilogue(g_acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_d
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD", "GLU_BWD"],
+                                            "GLU_FWD"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _grouped_linear_kernel(
         in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
         w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
-        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr, dw_ptr, s_dw_m, DW_COLS,
+        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr,
         scaling, E, N, K, R, M_BUCKET,
-        GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr,
-        GLU_FWD: tl.constexpr, GLU_BWD: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, DW_BLOCK: tl.constexpr,
+        GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr, GLU_FWD: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights), GLU_BWD (SwiGLU backward; aux = gate_up input,
-    rw/dw the routing weights and their gradient partials) or neither (plain store). LoRA: none,
+    """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
     in the K loop (LORA_IN_LOOP, ia written) or read from ia."""
     pid = tl.program_id(0)
     if GLU_FWD:
@@ -264,9 +266,6 @@ def _grouped_linear_kernel(
     if GLU_FWD:
         _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                  rw_ptr, BLOCK_M, BLOCK_N)
-    elif GLU_BWD:
-        _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
-                                  rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_M, BLOCK_N, DW_BLOCK)
     else:
         n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + n_N[None, :]
@@ -274,12 +273,10 @@ def _grouped_linear_kernel(
 
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
-            ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, epilogue: str = "plain",
-            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None,
-            dw_SC: torch.Tensor | None = None) -> None:
-    """epilogue: "plain" | "glu_fwd" | "glu_bwd" (see the kernel)."""
+            ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, glu_fwd: bool = False,
+            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
+    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
-    glu_fwd = epilogue == "glu_fwd"
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
     S = slots.num_slots
@@ -289,19 +286,25 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
         # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus programs exit.
         return ((cdiv(S, meta["BLOCK_M"]) + E) * cdiv(N, cols_per_block),)
 
-    def strides(t, n):
-        return t.stride() if t is not None else (0,) * n
-
     launch(_grouped_linear_kernel, grid, (
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
-        w_ENK, *w_ENK.stride(), A, *strides(A, 3), B, *strides(B, 3),
-        ia_Sr, strides(ia_Sr, 2)[0], out, out.stride(0), aux, strides(aux, 2)[0],
-        rw_S, dw_SC, strides(dw_SC, 2)[0], dw_SC.shape[1] if dw_SC is not None else 0,
+        w_ENK, *w_ENK.stride(), A, *_strides(A, 3), B, *_strides(B, 3),
+        ia_Sr, _strides(ia_Sr, 2)[0], out, out.stride(0), aux, _strides(aux, 2)[0], rw_S,
         lora.scaling if lora is not None else 0.0, E, N, K, R, m_bucket(S)), {
         "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora is not None and not lora.split,
-        "GLU_FWD": glu_fwd, "GLU_BWD": epilogue == "glu_bwd",
-        "BLOCK_E": max(_MIN_BLOCK_E, next_power_of_2(E)),
-        "BLOCK_R": max(16, next_power_of_2(R)), "DW_BLOCK": _DW_BLOCK})
+        "GLU_FWD": glu_fwd, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
+
+
+def _strides(t: torch.Tensor | None, n: int) -> tuple:
+    return t.stride() if t is not None else (0,) * n
+
+
+def _block_e(E: int) -> int:
+    return max(_MIN_BLOCK_E, next_power_of_2(E))
+
+
+def _block_r(R: int) -> int:
+    return max(16, next_power_of_2(R))
 
 
 def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gather: bool):
@@ -331,7 +334,7 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, l
     gu_S2I = x_MH.new_empty(S, I2)
     h_SI = x_MH.new_empty(S, I2 // 2)
     xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
-    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, epilogue="glu_fwd", aux=h_SI,
+    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, glu_fwd=True, aux=h_SI,
             rw_S=weights_Mk.reshape(-1))
     return gu_S2I, h_SI, xa_Sr
 
@@ -339,27 +342,98 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, l
 def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, lora: LoraView | None,
                   gather: bool):
     """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None)."""
+    if lora is None and not gather:
+        return expert_gemm(in_, slots, w_ENK), None
     out_SN = in_.new_empty(slots.num_slots, w_ENK.shape[1])
     ia_Sr = _rank_buffer(in_, slots, lora, gather)
     _launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather)
     return out_SN, ia_Sr
 
 
-def swiglu_backward(dy_MH: torch.Tensor, slots: SlotOrder, w_EIH: torch.Tensor, lora: LoraView | None,
-                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor):
-    """Backward through the routing weight, the down projection and the SwiGLU in one kernel.
+def cutlass_ok(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm (CUTLASS, sm90+) can take these bf16 operands (16-byte aligned rows)."""
+    t = tensors[0]
+    if not (hasattr(torch, "_grouped_mm") and t.is_cuda and t.numel() > 0):
+        return False
+    if _capability(t.device.index) < (9, 0):
+        return False
+    return all(u.dtype == torch.bfloat16 and u.shape[-1] % 8 == 0 and u.shape[-2] % 8 == 0 for u in tensors)
 
-    w_EIH is the down weight viewed transposed ([E, I, H]); lora views the down LoRA the same way
-    (A = B_down^T [E, r, H], B = A_down^T [E, I, r]). Returns d gate_up [S, 2I], dy @ B_down [S, r]
-    (unweighted; None without LoRA) and d weights [M, k] (fp32, zero at -1 slots).
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
+    """out[p] = in[p] @ W_e^T over expert-sorted rows, no LoRA, no epilogue: [S, N].
+
+    The bare grouped GEMM: torch._grouped_mm (CUTLASS) where it applies (on one H200 at Qwen3-30B-A3B
+    shapes 454-546 TFLOP/s against 395-495 for our kernel), else our kernel. Rows at -1 positions
+    are left unspecified, as everywhere."""
+    if cutlass_ok(in_SK, w_ENK):
+        return torch._grouped_mm(in_SK, w_ENK.transpose(1, 2), offs=slots.offsets_E1[1:])
+    out_SN = in_SK.new_empty(slots.num_slots, w_ENK.shape[1])
+    _launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
+    return out_SN
+
+
+@triton.jit
+def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s_b_r, gu_ptr, s_gu_m,
+                            dgu_ptr, s_dgu_m, order_ptr, offsets_ptr, rw_ptr, dw_ptr, s_dw_m, DW_COLS,
+                            scaling, E, N, R, HAS_LORA: tl.constexpr, BLOCK_E: tl.constexpr,
+                            BLOCK_R: tl.constexpr, DW_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """g (+ scaling * ia @ B_e^T) -> the SwiGLU-backward epilogue, over expert-sorted row blocks."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e, row0, row_end = _expert_block(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    if e >= E:
+        return
+    p_M = row0 + tl.arange(0, BLOCK_M)
+    mask_M = p_M < row_end
+    p_M = tl.where(mask_M, p_M, row0)
+    slot_M = tl.load(order_ptr + p_M)
+    n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_N = n_N < N
+    acc = tl.load(g_ptr + p_M.to(tl.int64)[:, None] * s_g_m + n_N[None, :], mask=mask_N[None, :],
+                  other=0.0).to(tl.float32)
+    if HAS_LORA:
+        r_R = tl.arange(0, BLOCK_R)
+        ia = tl.load(ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :], mask=(r_R < R)[None, :],
+                     other=0.0)
+        b_ptrs = b_ptr + e.to(tl.int64) * s_b_e + n_N[None, :] * s_b_n
+        acc += _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
+    _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_dgu_m, gu_ptr, s_gu_m,
+                              rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_M, BLOCK_N, DW_BLOCK)
+
+
+def swiglu_backward(dyg_SH: torch.Tensor, slots: SlotOrder, w_EHI: torch.Tensor, lora: LoraView | None,
+                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor):
+    """Backward through the routing weight, the down projection and the SwiGLU.
+
+    dyg_SH is dy gathered into expert-sorted order (dy[row(p)]), w_EHI the down weight [E, H, I];
+    lora views the down LoRA read backwards (A = B_down^T [E, r, H], B = A_down^T [E, I, r]).
+    g = dyg @ W_down_e by the bare grouped GEMM (CUTLASS where it applies: the SwiGLU-backward
+    epilogue inside our GEMM ran at 271 TFLOP/s against 516 for CUTLASS + this pass), then one pass:
+    g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g), d w = <g, h>. Returns d gate_up [S, 2I],
+    dyg @ B_down^T [S, r] (unweighted; None without LoRA) and d weights [M, k] (fp32, zero at -1 slots).
     """
-    S, I = slots.num_slots, w_EIH.shape[1]
-    dgu_S2I = dy_MH.new_empty(S, 2 * I)
-    dyb_Sr = _rank_buffer(dy_MH, slots, lora, gather=True)
-    dw_SC = torch.empty(S, cdiv(I, _DW_BLOCK), device=dy_MH.device, dtype=torch.float32)
-    rw_S = weights_Mk.reshape(-1)
-    _launch(dy_MH, slots, w_EIH, I, lora, dyb_Sr, dgu_S2I, gather=True, epilogue="glu_bwd", aux=gu_S2I,
-            rw_S=rw_S, dw_SC=dw_SC)
-    dw_S = dw_SC.sum(1)[slots.inv_S.long()]
-    dw_S = torch.where(slots.ids_S >= 0, dw_S, 0.0)
-    return dgu_S2I, dyb_Sr, dw_S.view(weights_Mk.shape)
+    S, I = slots.num_slots, w_EHI.shape[2]
+    g_SI = expert_gemm(dyg_SH, slots, w_EHI.transpose(1, 2))
+    dyb_Sr = rank_product(dyg_SH, slots, lora.A_ErK, gather=False) if lora is not None else None
+    dgu_S2I = dyg_SH.new_empty(S, 2 * I)
+    dw_SC = torch.empty(S, cdiv(I, _DW_BLOCK), device=dyg_SH.device, dtype=torch.float32)
+    B = lora.B_ENr if lora is not None else None
+    R = lora.rank if lora is not None else 0
+    block_m, block_n, warps = _SWIGLU_BWD_TILE
+    E = w_EHI.shape[0]
+    launch(_swiglu_backward_kernel, ((cdiv(S, block_m) + E) * cdiv(I, block_n),), (
+        g_SI, g_SI.stride(0), dyb_Sr, _strides(dyb_Sr, 2)[0], B, *_strides(B, 3), gu_S2I, gu_S2I.stride(0),
+        dgu_S2I, dgu_S2I.stride(0), slots.order_S, slots.offsets_E1, weights_Mk.reshape(-1), dw_SC,
+        dw_SC.stride(0), dw_SC.shape[1], lora.scaling if lora is not None else 0.0, E, I, R), {
+        "HAS_LORA": lora is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DW_BLOCK": _DW_BLOCK,
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps})
+    return dgu_S2I, dyb_Sr, slot_weight_grad(dw_SC, slots).view(weights_Mk.shape)

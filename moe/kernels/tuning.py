@@ -24,10 +24,9 @@ from quant.triton_launch import next_power_of_2
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Per-thread registers for the fp32 accumulators. Measured on sm_90 (ptxas): at 128 the base kernels
-# just fit, while a LoRA accumulator or the SwiGLU-backward epilogue on top spills the accumulator
-# inside the K loop, so those get 96.
+# just fit, while a LoRA accumulator on top spills the accumulator inside the K loop, so it gets 96.
 _ACC_REGS = 128
-_ACC_REGS_LORA_OR_GLU_BWD = 96
+_ACC_REGS_LORA = 96
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
@@ -47,9 +46,10 @@ if INTERPRET:
 else:
     # Kept short on purpose: every config is compiled once per kernel variant on a cold cache. Chosen
     # from a sweep on one H200 at Qwen3-30B-A3B shapes (T=8192): 128x256x64 wins the forward and dx,
-    # 64x256 the SwiGLU backward, 64x128 (4 warps) the LoRA-in-loop variants, 64x16 the rank products.
-    GEMM_CONFIGS = [_config(*c) for c in ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 256, 64, 8, 3),
-                                          (64, 128, 64, 4, 4),
+    # 64x128 (4 warps) the LoRA-in-loop variants, 64x16 the rank products; 128x128 and 256x128 tiles are
+    # candidates for the split-LoRA GEMMs (the seeded accumulator costs registers).
+    GEMM_CONFIGS = [_config(*c) for c in ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4),
+                                          (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
                                           (64, 16, 64, 4, 4), (64, 16, 128, 4, 3), (128, 16, 64, 4, 4))]
     XTY_CONFIGS = [_config(*c, _XTY_NAMES) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                                                      (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
@@ -90,7 +90,7 @@ def _dedupe_or_smallest(kept: dict, configs: list[triton.Config]) -> list[triton
 
 def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     args = {**named_args, **kwargs}
-    glu_fwd, glu_bwd, block_r = args["GLU_FWD"], args["GLU_BWD"], args["BLOCK_R"]
+    glu_fwd, block_r = args["GLU_FWD"], args["BLOCK_R"]
     # GLU_FWD tiles interleave gate and up columns: BLOCK_N covers 2x the output columns.
     cols = 2 * args["N"] if glu_fwd else args["N"]
     min_n = 2 * _MIN_DOT if glu_fwd else _MIN_DOT
@@ -102,7 +102,7 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
         bk = _clamp(c.kwargs["BLOCK_K"], args["K"])
         stage = bm * bk + bn * bk + (block_r * bk if args["LORA_IN_LOOP"] else 0)
         acc = bm * bn + (bm * block_r if args["LORA_IN_LOOP"] else 0)
-        budget = _ACC_REGS_LORA_OR_GLU_BWD if args["LORA_IN_LOOP"] or glu_bwd else _ACC_REGS
+        budget = _ACC_REGS_LORA if args["LORA_IN_LOOP"] else _ACC_REGS
         if _fits(c, stage, args["in_ptr"].element_size(), acc, budget, device):
             kept[(bm, bn, bk, c.num_warps, c.num_stages)] = _config(bm, bn, bk, c.num_warps, c.num_stages)
     return _dedupe_or_smallest(kept, configs)
