@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quant.triton_launch import cdiv, launch, next_power_of_2
+
 
 @dataclass(frozen=True)
 class SlotOrder:
@@ -62,7 +64,7 @@ _DW_BLOCK_C = 32
 
 
 def _block_s(num_slots: int) -> int:
-    return min(_MAX_BLOCK_S, max(_MIN_BLOCK_S, triton.next_power_of_2(triton.cdiv(num_slots, _TARGET_BLOCKS))))
+    return min(_MAX_BLOCK_S, max(_MIN_BLOCK_S, next_power_of_2(cdiv(num_slots, _TARGET_BLOCKS))))
 
 
 def _histogram_warps(block_s: int, bins: int) -> int:
@@ -187,17 +189,17 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int) -> SlotOrder:
         return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
                          num_experts=E, rows_S=rows_S)
     block_s = _block_s(S)
-    num_blocks = triton.cdiv(S, block_s)
+    num_blocks = cdiv(S, block_s)
     assert (E + 2) * block_s < 2**31 and (num_blocks + 1) * (E + 1) < 2**31 and S < 2**31, "int32 indexing"
-    bins = max(32, triton.next_power_of_2(E + 2))  # keys 0..E+1; tl.histogram wants >= a warp of bins
+    bins = max(32, next_power_of_2(E + 2))  # keys 0..E+1; tl.histogram wants >= a warp of bins
     offsets_E1 = torch.empty(E + 1, device=dev, dtype=torch.int32)
     scratch = torch.empty((num_blocks + 1) * (E + 1) + 1, device=dev, dtype=torch.int32)  # see _ticket
-    _histogram_kernel[(num_blocks,)](ids_S, scratch, S, E, BLOCK_S=block_s, BINS=bins,
-                                     num_warps=_histogram_warps(block_s, bins))
-    _scan_kernel[(triton.cdiv(E + 1, _SCAN_KEYS),)](scratch, offsets_E1, num_blocks, E, KEYS=_SCAN_KEYS,
-                                                    CHUNK_B=_SCAN_BLOCKS, BINS=bins, num_warps=4)
-    _scatter_kernel[(num_blocks,)](ids_S, scratch, offsets_E1, order_S, rows_S, inv_S, S, E, topk,
-                                   BLOCK_S=block_s, num_warps=_scatter_warps(block_s))
+    launch(_histogram_kernel, (num_blocks,), (ids_S, scratch, S, E),
+           {"BLOCK_S": block_s, "BINS": bins, "num_warps": _histogram_warps(block_s, bins)})
+    launch(_scan_kernel, (cdiv(E + 1, _SCAN_KEYS),), (scratch, offsets_E1, num_blocks, E),
+           {"KEYS": _SCAN_KEYS, "CHUNK_B": _SCAN_BLOCKS, "BINS": bins, "num_warps": 4})
+    launch(_scatter_kernel, (num_blocks,), (ids_S, scratch, offsets_E1, order_S, rows_S, inv_S, S, E, topk),
+           {"BLOCK_S": block_s, "num_warps": _scatter_warps(block_s)})
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
                      num_experts=E, rows_S=rows_S)
 
@@ -232,9 +234,9 @@ def slot_weight_grad(dw_SC: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
     dw_S = torch.empty(S, device=dw_SC.device, dtype=torch.float32)
     if S == 0:
         return dw_S
-    _slot_weight_grad_kernel[(triton.cdiv(S, _DW_BLOCK_S),)](
+    launch(_slot_weight_grad_kernel, (cdiv(S, _DW_BLOCK_S),), (
         dw_SC, dw_SC.stride(0), dw_SC.stride(1), slots.order_S, slots.offsets_E1, dw_S, S, C,
-        slots.num_experts, BLOCK_S=_DW_BLOCK_S, BLOCK_C=_DW_BLOCK_C, num_warps=4)
+        slots.num_experts), {"BLOCK_S": _DW_BLOCK_S, "BLOCK_C": _DW_BLOCK_C, "num_warps": 4})
     return dw_S
 
 
@@ -264,8 +266,8 @@ def combine(z_SH: torch.Tensor, slots: SlotOrder, weights_Mk: torch.Tensor | Non
     if M == 0:
         return y_MH
     w_S = weights_Mk.reshape(-1) if weights_Mk is not None else None
-    block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(M, triton.cdiv(H, block_h))](
-        z_SH, z_SH.stride(0), slots.inv_S, slots.ids_S, w_S, y_MH, y_MH.stride(0), H,
-        TOPK=slots.topk, HAS_W=w_S is not None, BLOCK_H=block_h, num_warps=4)
+    block_h = min(1024, next_power_of_2(H))
+    launch(_combine_kernel, (M, cdiv(H, block_h)), (
+        z_SH, z_SH.stride(0), slots.inv_S, slots.ids_S, w_S, y_MH, y_MH.stride(0), H),
+        {"TOPK": slots.topk, "HAS_W": w_S is not None, "BLOCK_H": block_h, "num_warps": 4})
     return y_MH
