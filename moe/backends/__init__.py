@@ -37,6 +37,14 @@ def available_backends() -> list[str]:
     return sorted(_MODULES)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: the autocast dtype when autocast is on (the fp32 residual
+    stream enters the experts, and the Triton / grouped GEMMs have no autocast rule), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def expert_backend(name: str) -> ExpertBackend:
     if name not in _BACKENDS:
         if name not in _MODULES:

@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from moe.backends import register_backend
+from moe.backends import compute_dtype, register_backend
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -80,13 +80,6 @@ def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, 
         xa_Nr = _keep_valid(grouped_linear(x_lora, A_ErI.to(x_NI.dtype), offs_E, fallback), valid_N1)
         y_NO = y_NO + scaling * grouped_linear(xa_Nr, B_EOr.to(x_NI.dtype), offs_E, fallback)
     return _keep_valid(y_NO, valid_N1)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on (the fp32 residual stream enters the experts), else x's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int):

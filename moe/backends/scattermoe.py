@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from moe.backends import register_backend
+from moe.backends import compute_dtype, register_backend
 from moe.kernels.grouped_linear import (
     LoraView,
     cutlass_ok,
@@ -133,23 +133,29 @@ class _ScatterMoE(torch.autograd.Function):
         return (*grads.values(), None, None)
 
 
-def _check(x_MH: torch.Tensor, experts) -> None:
+def _check(experts) -> None:
     if experts.has_lora and experts.lora_dropout > 0 and experts.training:
         raise NotImplementedError(
             f"scattermoe: lora_dropout={experts.lora_dropout} in training mode is not implemented (the fused "
             "kernels read x once for the base and the LoRA path); set lora_dropout=0 or use the eager "
             "backend")
-    if not isinstance(experts.gate_up, torch.Tensor) or experts.gate_up.dtype != x_MH.dtype:
-        raise TypeError(f"scattermoe needs plain expert weights of the activation dtype {x_MH.dtype}, "
-                        f"got {type(experts.gate_up).__name__} {getattr(experts.gate_up, 'dtype', None)}")
+    if not isinstance(experts.gate_up, torch.Tensor):
+        raise TypeError(f"scattermoe needs plain expert weight tensors, got {type(experts.gate_up).__name__}")
 
 
 @register_backend("scattermoe")
 def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                        experts) -> torch.Tensor:
-    _check(x_MH, experts)
+    _check(experts)
+    # Under autocast the fp32 residual stream and fp32 master weights enter here; the kernels have no
+    # autocast rule, so every operand takes the compute dtype (no copy when it already has it).
+    dtype = compute_dtype(x_MH)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype)
+
     slots = sort_slots(expert_ids_Mk, experts.num_experts)
     gu = experts.lora_params("gate_up") or (None, None)
     down = experts.lora_params("down") or (None, None)
-    return _ScatterMoE.apply(x_MH, weights_Mk, experts.gate_up, experts.down, *gu, *down, slots,
-                             experts.lora_scaling)
+    return _ScatterMoE.apply(cast(x_MH), weights_Mk, cast(experts.gate_up), cast(experts.down), *map(cast, gu),
+                             *map(cast, down), slots, experts.lora_scaling)

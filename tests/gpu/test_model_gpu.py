@@ -1,4 +1,5 @@
-"""GPU: our model vs transformers in bf16, and real Qwen3-30B-A3B dimensions training with grouped_mm.
+"""GPU: our model vs transformers in bf16, and real Qwen3-30B-A3B dimensions training (fp32 masters,
+bf16 autocast, one GPU) with the grouped_mm and scattermoe expert backends, full and LoRA.
 
 bf16 tolerance: our bf16 error against the fp32 transformers model may be at most twice transformers'
 own bf16 error against it (plus 1e-3): the same rounding budget, whatever order the ops run in.
@@ -31,7 +32,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
-@pytest.mark.parametrize("backend", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["eager", "grouped_mm", "scattermoe"])
 def test_bf16_parity_with_transformers(tmp_path, kind, backend):
     hf32 = write_hf_checkpoint(tmp_path, kind).cuda()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
@@ -51,14 +52,17 @@ def test_bf16_parity_with_transformers(tmp_path, kind, backend):
         assert _rel(p.grad, g32) <= 2 * _rel(g16, g32) + 1e-3, fqn
 
 
-def test_real_dims_training_step_grouped_mm(tmp_path, capsys):
+@pytest.mark.parametrize("backend,lora", [("grouped_mm", False), ("scattermoe", False), ("scattermoe", True)])
+def test_real_dims_training_step(tmp_path, capsys, backend, lora):
     from runtime.config import config_from_dict
     from runtime.dist import DistEnv
     from runtime.mesh import ParallelDims
     from runtime.train import train
 
     raw = yaml.safe_load((ROOT / "examples" / "tiny-qwen3-moe.yaml").read_text())
-    raw["model"] = {"config": QWEN3_30B_A3B_2L, "dtype": "float32", "expert_backend": "grouped_mm"}
+    raw["model"] = {"config": QWEN3_30B_A3B_2L, "dtype": "float32", "expert_backend": backend}
+    if lora:
+        raw["lora"] = {"enabled": True, "rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj", "experts"]}
     raw["data"].update(path=str(ROOT / "examples/tiny/data/train.jsonl"), tokenizer=str(ROOT / "examples/tiny/tokenizer"),
                        seq_len=4096)
     raw["train"].update(max_steps=3, micro_batch_size=1, output_dir=str(tmp_path))
@@ -70,5 +74,5 @@ def test_real_dims_training_step_grouped_mm(tmp_path, capsys):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
     with capsys.disabled():
         for r in records:
-            print(f"\nreal-dims 2-layer step {r['step']}: loss {r['loss']:.4f} tok/s {r['tok_s']:.0f} "
+            print(f"\nreal-dims 2-layer {backend} lora={lora} step {r['step']}: loss {r['loss']:.4f} tok/s {r['tok_s']:.0f} "
                   f"mfu {r.get('mfu', 0):.3f} peak {r.get('peak_mem_gib', 0):.1f} GiB")

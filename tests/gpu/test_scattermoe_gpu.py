@@ -1,8 +1,11 @@
 """scattermoe in bf16 vs the eager backend in fp32 at real MoE shapes (norm-relative error <= 1e-2).
 
-Every case trains the base weights and a LoRA (B non-zero) at once, so one backward checks dx, the
-routing-weight gradient, dW, dA and dB. Every shape takes the split-LoRA path; `fused` cases force the
+Every case with a rank trains the base weights and a LoRA (B non-zero) at once, so one backward checks
+dx, the routing-weight gradient, dW, dA and dB; rank-0 cases are a full fine-tune without LoRA (the
+bare GEMMs run on torch._grouped_mm). Every shape takes the split-LoRA path; `fused` cases force the
 fused one, `empty` cases leave the last experts without rows (their gradients must be zeros).
+The autocast case runs the experts as training does on one GPU: fp32 master weights for what trains,
+a frozen bf16 base, the fp32 residual stream entering under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ CASES = [
     ("qwen3.5-35b-a3b", 2048, 16, 1, "fused"),
     ("olmoe", 2048, 16, 1, ""), ("olmoe", 8192, 64, 2, ""),
     ("mixtral-8x7b", 2048, 16, 1, ""), ("mixtral-8x7b", 2048, 64, 1, ""), ("mixtral-8x7b", 8192, 16, 1, ""),
+    ("qwen3-30b-a3b", 8192, 0, 1, ""), ("qwen3-30b-a3b", 2048, 0, 4, ""), ("qwen3.5-35b-a3b", 2048, 0, 2, "empty"),
+    ("mixtral-8x7b", 2048, 0, 1, ""),
 ]
 TOL = 1e-2
 
 
 def make_experts(E: int, H: int, I: int, rank: int) -> GroupedExperts:
-    ex = GroupedExperts(E, H, I, lora_rank=rank, lora_alpha=2 * rank, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():  # B starts at zero: give the LoRA path (and dA) a real contribution
-        ex.gate_up_lora_B.normal_(0, 0.02)
-        ex.down_lora_B.normal_(0, 0.02)
+    ex = GroupedExperts(E, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None, device="cuda",
+                        dtype=torch.bfloat16)
+    if rank:
+        with torch.no_grad():  # B starts at zero: give the LoRA path (and dA) a real contribution
+            ex.gate_up_lora_B.normal_(0, 0.02)
+            ex.down_lora_B.normal_(0, 0.02)
     return ex
 
 
@@ -82,5 +89,30 @@ def test_bf16_matches_fp32_eager(shape, T, rank, ep, variant, monkeypatch):
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= TOL}
     assert not bad, f"norm-relative errors above {TOL}: {bad}"
     if variant == "empty":
-        for n in ("gate_up", "down", "gate_up_lora_A", "down_lora_B"):
+        for n in ("gate_up", "down", "gate_up_lora_A", "down_lora_B")[: 4 if rank else 2]:
             assert got[n][-4:].abs().max() == 0, n
+
+
+def test_autocast_fp32_master_lora_on_frozen_bf16_base():
+    """As one-GPU training runs it: fp32 LoRA masters, frozen bf16 base, fp32 x, bf16 autocast. The
+    eager backend under the same autocast is the reference; grads reach the fp32 leaves in fp32."""
+    torch.manual_seed(0)
+    E, H, I, k = SHAPES["qwen3-30b-a3b"]
+    ids, w, _ = make_routing(2048, E, k, 1)
+    ex = make_experts(E, H, I, 16)
+    ex.gate_up.requires_grad_(False)
+    ex.down.requires_grad_(False)
+    for name in ("gate_up_lora_A", "gate_up_lora_B", "down_lora_A", "down_lora_B"):
+        getattr(ex, name).data = getattr(ex, name).data.float()
+    x = torch.randn(2048, H, device="cuda")
+    dy = torch.randn(2048, H, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = fwd_bwd(ex, "scattermoe", x, ids, w, dy)
+        ref = fwd_bwd(ex, "eager", x, ids, w, dy)
+    assert got["y"].dtype == torch.bfloat16
+    for n, r in ref.items():
+        if r is None:
+            assert got[n] is None, n
+            continue
+        err = ((got[n].float() - r.float()).norm() / r.float().norm()).item()
+        assert err <= 2e-2, (n, err)
