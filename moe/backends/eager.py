@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe.backends import register_backend
+from moe.backends import compute_dtype, register_backend
 
 
 def lora_linear(x: torch.Tensor, w_OI: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
@@ -36,7 +36,8 @@ def expert_forward(experts, e: int, x_NH: torch.Tensor) -> torch.Tensor:
 @register_backend("eager")
 def eager_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                   experts) -> torch.Tensor:
-    y_MH = torch.zeros_like(x_MH)
+    # Under autocast the expert outputs come out in the compute dtype, not the fp32 stream's.
+    y_MH = torch.zeros_like(x_MH, dtype=compute_dtype(x_MH))
     for e in range(experts.num_experts):
         rows_N, slots_N = torch.nonzero(expert_ids_Mk == e, as_tuple=True)  # host sync: reference only
         if rows_N.numel() == 0:
