@@ -18,10 +18,10 @@ EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 STEPS = 3
 
 
-def tiny_config(lora: bool, tmp: str, **parallelism):
+def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", **parallelism):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
                  "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
-                 "train.max_steps": STEPS, "parallelism.dp_shard": -1}
+                 "train.max_steps": STEPS, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend}
     overrides.update({f"parallelism.{k}": v for k, v in parallelism.items()})
     cfg = load_config(EXAMPLE, overrides)
     return _verification_config(cfg, STEPS, tmp)
@@ -44,6 +44,8 @@ MESHES = {
     "hsdp2x2_ep2": (4, dict(dp_replicate=2, ep=2)),
     "fsdp4_ep2_selective_ac": (4, dict(ep=2, activation_checkpoint="selective")),
     "ep2_full_ac": (2, dict(ep=2, activation_checkpoint="full")),
+    # the Triton kernels (interpreted on the CPU) behind the EP dispatcher's sentinel layout
+    "fsdp4_ep2_scattermoe": (4, dict(ep=2, expert_backend="scattermoe")),
 }
 
 
