@@ -44,7 +44,7 @@ def packed_causal_mask(position_ids_BS: torch.Tensor) -> torch.Tensor:
     return (same_doc_BSS & causal_SS).unsqueeze(1)
 
 
-def cu_seqlens_from_positions(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
+def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Document boundaries (int32 [docs + 1]) over the flattened B*S tokens and the longest document.
     A document starts where the position is 0 and at every row start. Data-dependent (a host sync):
     the collator passes cu_seqlens instead; this serves direct calls with position_ids only."""
@@ -63,7 +63,7 @@ def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tens
     silently attend across documents by forgetting cu_seqlens."""
     if backend == "flash":
         if position_ids_BS is not None and cu_seqlens is None:
-            cu_seqlens, max_seqlen = cu_seqlens_from_positions(position_ids_BS)
+            cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
         return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if position_ids_BS is None:
         return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

@@ -84,6 +84,17 @@ def _expert_block(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.cons
 
 
 @triton.jit
+def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, positions p_M, row mask) of row block pid_m (expert >= E: a surplus program, which exits).
+    Surplus rows of an expert's last block re-read its first row: loads need no row mask, stores drop
+    them."""
+    e, row0, row_end = _expert_block(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    p_M = row0 + tl.arange(0, BLOCK_M)
+    mask_M = p_M < row_end
+    return e, tl.where(mask_M, p_M, row0), mask_M
+
+
+@triton.jit
 def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r,
             LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K. Rows are pre-clamped; weight columns
@@ -222,14 +233,10 @@ def _grouped_linear_kernel(
         num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, row0, row_end = _expert_block(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
     e64 = e.to(tl.int64)
-    p_M = row0 + tl.arange(0, BLOCK_M)
-    mask_M = p_M < row_end
-    # Surplus rows of the last block re-read row0: loads need no row mask, stores drop them.
-    p_M = tl.where(mask_M, p_M, row0)
     slot_M = tl.load(order_ptr + p_M)
     if GATHER:
         rows_M = (slot_M // TOPK).to(tl.int64)
@@ -389,12 +396,9 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, row0, row_end = _expert_block(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
-    p_M = row0 + tl.arange(0, BLOCK_M)
-    mask_M = p_M < row_end
-    p_M = tl.where(mask_M, p_M, row0)
     slot_M = tl.load(order_ptr + p_M)
     n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_N = n_N < N

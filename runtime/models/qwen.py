@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta
+from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta, cu_seqlens_from_position_ids
 from attention.gdn import GatedDeltaNet
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
@@ -181,17 +181,6 @@ class QwenForCausalLM(nn.Module):
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
-
-
-def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Document boundaries over the flattened B*S tokens (a document starts where the position is 0
-    and at every row start). Data-dependent: the collator computes these once per batch instead."""
-    B, S = position_ids_BS.shape
-    starts = position_ids_BS == 0
-    starts[:, 0] = True
-    begin = torch.nonzero(starts.flatten()).flatten()
-    cu = torch.cat([begin, begin.new_tensor([B * S])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
