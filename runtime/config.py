@@ -176,10 +176,6 @@ class Config(Section):
             raise ValueError("compile.enabled with parallelism.ep > 1 is not supported yet: the all_to_all split "
                              "sizes are data-dependent and break the fullgraph trace; set parallelism.ep: 1 "
                              "(FSDP shards the experts) or compile.enabled: false")
-        if self.compile.enabled and self.model.expert_backend == "scattermoe":
-            raise ValueError("compile.enabled with model.expert_backend: scattermoe is not supported yet: its "
-                             "Triton launches are not an opaque op the fullgraph trace can keep; set "
-                             "model.expert_backend: grouped_mm or compile.enabled: false")
         if p.dp_shard > 0:
             shard_cp = p.dp_shard * p.cp
             if shard_cp % p.ep:

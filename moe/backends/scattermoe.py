@@ -21,6 +21,9 @@ Backward (dyg = dy gathered into expert-sorted order, once):
     weights anywhere: they are inside hw). dW is skipped for a frozen base weight.
 The bare GEMMs without LoRA or epilogue (down and dx of a full fine-tune, g) run on torch._grouped_mm
 (CUTLASS) where it applies, else on our grouped kernel (see grouped_linear.expert_gemm).
+Eager calls go through an autograd.Function (least host time); under torch.compile the sort, the
+forward and the backward are the custom ops moert::scattermoe_{sort,fwd,bwd}, which the fullgraph
+trace keeps whole.
 LoRA through the rank is split (`_split_lora`): the rank-sized intermediate is computed by its own
 grouped product and seeds the base GEMM's accumulator, so the base K loop runs with its own registers
 (on one H200 at Qwen3-30B-A3B shapes the fused gate_up took 1.29 ms against 0.88 + 0.05 split). Only
@@ -82,55 +85,158 @@ def _lora(A_ErK, B_ENr, scaling: float) -> LoraView | None:
     return LoraView(A_ErK, B_ENr, scaling, _split_lora(E, N, K))
 
 
+_GRAD_NAMES = ("x", "w", "gu", "down", "gu_A", "gu_B", "down_A", "down_B")
+
+
+def _forward(x_MH, weights_Mk, w_gu_E2IH, w_down_EHI, gu_A_ErH, gu_B_E2Ir, down_A_ErI, down_B_EHr,
+             slots: SlotOrder, scaling: float):
+    """y [M, H] and what the backward needs: gate_up [S, 2I], hw [S, I], x A_gu^T and hw A_down^T [S, r]."""
+    gu_S2I, hw_SI, xa_Sr = gate_up_swiglu(x_MH, slots, w_gu_E2IH, _lora(gu_A_ErH, gu_B_E2Ir, scaling), weights_Mk)
+    z_SH, hwa_Sr = expert_linear(hw_SI, slots, w_down_EHI, _lora(down_A_ErI, down_B_EHr, scaling), gather=False)
+    return combine(z_SH, slots, None), gu_S2I, hw_SI, xa_Sr, hwa_Sr
+
+
+def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool, ...]) -> tuple:
+    """The gradients of (x, weights, gate_up, down, gate_up A/B, down A/B); None where not needed."""
+    x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr = saved
+    need = dict(zip(_GRAD_NAMES, needs))
+    has_lora = gu_A is not None
+    # dy in expert-sorted order, once: the SwiGLU backward's GEMM, dW_down and dB_down all read it.
+    dyg_SH = dy_MH.contiguous().index_select(0, slots.rows_S)
+    # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
+    down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
+    dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk)
+    grads = dict.fromkeys(need)
+    grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
+    dgub_Sr = None
+    if need["x"]:
+        gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
+        dxs_SH, dgub_Sr = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False)
+        grads["x"] = combine(dxs_SH, slots, None)
+    elif has_lora and need["gu_A"]:
+        dgub_Sr = rank_product(dgu_S2I, slots, gu_B.transpose(1, 2), gather=False)
+    xty = {"slots": slots}
+    if need["gu"]:
+        grads["gu"] = _weight_grad(dgu_S2I, x_MH.index_select(0, slots.rows_S), slots)
+    if need["down"]:
+        grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
+    if has_lora:
+        if need["gu_A"]:
+            grads["gu_A"] = grouped_xty(dgub_Sr, x_MH, gather_l=False, gather_r=True, scaling=s, **xty)
+        if need["gu_B"]:
+            grads["gu_B"] = grouped_xty(dgu_S2I, xa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
+        if need["down_A"]:
+            grads["down_A"] = grouped_xty(dyb_Sr, hw_SI, gather_l=False, gather_r=False, scaling=s, **xty)
+        if need["down_B"]:
+            grads["down_B"] = grouped_xty(dyg_SH, hwa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
+    return tuple(grads.values())
+
+
 class _ScatterMoE(torch.autograd.Function):
+    """The eager path: the least host time per call (no custom-op dispatch)."""
+
     @staticmethod
-    def forward(ctx, x_MH, weights_Mk, w_gu_E2IH, w_down_EHI, gu_A_ErH, gu_B_E2Ir, down_A_ErI, down_B_EHr,
-                slots: SlotOrder, scaling: float):
-        gu_S2I, hw_SI, xa_Sr = gate_up_swiglu(x_MH, slots, w_gu_E2IH, _lora(gu_A_ErH, gu_B_E2Ir, scaling),
-                                              weights_Mk)
-        z_SH, hwa_Sr = expert_linear(hw_SI, slots, w_down_EHI, _lora(down_A_ErI, down_B_EHr, scaling),
-                                     gather=False)
-        ctx.save_for_backward(x_MH, weights_Mk, w_gu_E2IH, w_down_EHI, gu_A_ErH, gu_B_E2Ir, down_A_ErI,
-                              down_B_EHr, gu_S2I, hw_SI, xa_Sr, hwa_Sr)
+    def forward(ctx, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots: SlotOrder,
+                scaling: float):
+        y_MH, *activations = _forward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots, scaling)
+        ctx.save_for_backward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, *activations)
         ctx.slots, ctx.scaling = slots, scaling
-        return combine(z_SH, slots, None)
+        return y_MH
 
     @staticmethod
     def backward(ctx, dy_MH):
-        (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B,
-         gu_S2I, hw_SI, xa_Sr, hwa_Sr) = ctx.saved_tensors
-        slots, s = ctx.slots, ctx.scaling
-        need = dict(zip(("x", "w", "gu", "down", "gu_A", "gu_B", "down_A", "down_B"), ctx.needs_input_grad))
-        has_lora = gu_A is not None
-        # dy in expert-sorted order, once: the SwiGLU backward's GEMM, dW_down and dB_down all read it.
-        dyg_SH = dy_MH.index_select(0, slots.rows_S)
-        # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
-        down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
-        dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk)
-        grads = dict.fromkeys(need)
-        grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
-        dgub_Sr = None
-        if need["x"]:
-            gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
-            dxs_SH, dgub_Sr = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False)
-            grads["x"] = combine(dxs_SH, slots, None)
-        elif has_lora and need["gu_A"]:
-            dgub_Sr = rank_product(dgu_S2I, slots, gu_B.transpose(1, 2), gather=False)
-        xty = {"slots": slots}
-        if need["gu"]:
-            grads["gu"] = _weight_grad(dgu_S2I, x_MH.index_select(0, slots.rows_S), slots)
-        if need["down"]:
-            grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
-        if has_lora:
-            if need["gu_A"]:
-                grads["gu_A"] = grouped_xty(dgub_Sr, x_MH, gather_l=False, gather_r=True, scaling=s, **xty)
-            if need["gu_B"]:
-                grads["gu_B"] = grouped_xty(dgu_S2I, xa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
-            if need["down_A"]:
-                grads["down_A"] = grouped_xty(dyb_Sr, hw_SI, gather_l=False, gather_r=False, scaling=s, **xty)
-            if need["down_B"]:
-                grads["down_B"] = grouped_xty(dyg_SH, hwa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
-        return (*grads.values(), None, None)
+        grads = _backward(dy_MH, ctx.saved_tensors, ctx.slots, ctx.scaling, ctx.needs_input_grad[:8])
+        return (*grads, None, None)
+
+
+# ----------------------------------------------------------------------------- opaque ops (torch.compile)
+# Under torch.compile the same computation runs as three custom ops the trace keeps whole (the Triton
+# launches inside are invisible to it): the sort, the forward (y plus the saved activations as outputs)
+# and the backward (a gradient, or an empty tensor where none is needed).
+
+
+def _slots_of(ids_Mk: torch.Tensor, num_experts: int, order_S, inv_S, offsets_E1, rows_S) -> SlotOrder:
+    return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_Mk.contiguous().view(-1),
+                     topk=ids_Mk.shape[1], num_experts=num_experts, rows_S=rows_S)
+
+
+@torch.library.custom_op("moert::scattermoe_sort", mutates_args=())
+def _sort_op(ids_Mk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+    slots = sort_slots(ids_Mk, num_experts)
+    return slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S
+
+
+@_sort_op.register_fake
+def _(ids_Mk, num_experts):
+    S = ids_Mk.numel()
+    def new(n):
+        return ids_Mk.new_empty(n, dtype=torch.int32)
+    return new(S), new(S), new(num_experts + 1), new(S)
+
+
+def _rank_sized(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("moert::scattermoe_fwd", mutates_args=())
+def _fwd_op(x_MH: torch.Tensor, weights_Mk: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor,
+            gu_A: torch.Tensor | None, gu_B: torch.Tensor | None, down_A: torch.Tensor | None,
+            down_B: torch.Tensor | None, ids_Mk: torch.Tensor, order_S: torch.Tensor, inv_S: torch.Tensor,
+            offsets_E1: torch.Tensor, rows_S: torch.Tensor, scaling: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S)
+    y_MH, gu_S2I, hw_SI, xa_Sr, hwa_Sr = _forward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B,
+                                                  slots, scaling)
+    return y_MH, gu_S2I, hw_SI, _rank_sized(xa_Sr, x_MH), _rank_sized(hwa_Sr, x_MH)
+
+
+@_fwd_op.register_fake
+def _(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, ids_Mk, order_S, inv_S, offsets_E1, rows_S,
+      scaling):
+    S, I2 = order_S.shape[0], w_gu.shape[1]
+    r_shape = (S, gu_A.shape[1]) if gu_A is not None else (0,)
+    return (x_MH.new_empty(x_MH.shape), x_MH.new_empty(S, I2), x_MH.new_empty(S, I2 // 2),
+            x_MH.new_empty(r_shape), x_MH.new_empty(r_shape))
+
+
+@torch.library.custom_op("moert::scattermoe_bwd", mutates_args=())
+def _bwd_op(dy_MH: torch.Tensor, x_MH: torch.Tensor, weights_Mk: torch.Tensor, w_gu: torch.Tensor,
+            w_down: torch.Tensor, gu_A: torch.Tensor | None, gu_B: torch.Tensor | None,
+            down_A: torch.Tensor | None, down_B: torch.Tensor | None, gu_S2I: torch.Tensor, hw_SI: torch.Tensor,
+            xa_Sr: torch.Tensor, hwa_Sr: torch.Tensor, ids_Mk: torch.Tensor, order_S: torch.Tensor,
+            inv_S: torch.Tensor, offsets_E1: torch.Tensor, rows_S: torch.Tensor, scaling: float,
+            needs: list[bool]) -> list[torch.Tensor]:
+    slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S)
+    saved = (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr)
+    grads = _backward(dy_MH, saved, slots, scaling, tuple(needs))
+    return [g if g is not None else x_MH.new_empty(0) for g in grads]
+
+
+@_bwd_op.register_fake
+def _(dy_MH, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk,
+      order_S, inv_S, offsets_E1, rows_S, scaling, needs):
+    inputs = (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B)
+    return [t.new_empty(t.shape) if need and t is not None else x_MH.new_empty(0)
+            for t, need in zip(inputs, needs)]
+
+
+def _setup_context(ctx, inputs, output):
+    x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, ids_Mk, order_S, inv_S, offsets_E1, rows_S, \
+        scaling = inputs
+    _, gu_S2I, hw_SI, xa_Sr, hwa_Sr = output
+    ctx.save_for_backward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr,
+                          hwa_Sr, ids_Mk, order_S, inv_S, offsets_E1, rows_S)
+    ctx.scaling = scaling
+
+
+def _op_backward(ctx, dy_MH, *_unused_activation_grads):
+    needs = [bool(n) for n in ctx.needs_input_grad[:8]]
+    grads = torch.ops.moert.scattermoe_bwd(dy_MH, *ctx.saved_tensors, ctx.scaling, needs)
+    return (*[g if n else None for g, n in zip(grads, needs)], *[None] * 6)
+
+
+_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _check(experts) -> None:
@@ -154,8 +260,12 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(dtype)
 
-    slots = sort_slots(expert_ids_Mk, experts.num_experts)
     gu = experts.lora_params("gate_up") or (None, None)
     down = experts.lora_params("down") or (None, None)
-    return _ScatterMoE.apply(cast(x_MH), weights_Mk, cast(experts.gate_up), cast(experts.down), *map(cast, gu),
-                             *map(cast, down), slots, experts.lora_scaling)
+    operands = (cast(x_MH), weights_Mk, cast(experts.gate_up), cast(experts.down), *map(cast, gu), *map(cast, down))
+    if torch.compiler.is_compiling():
+        order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts)
+        return torch.ops.moert.scattermoe_fwd(*operands, expert_ids_Mk, order_S, inv_S, offsets_E1, rows_S,
+                                              experts.lora_scaling)[0]
+    slots = sort_slots(expert_ids_Mk, experts.num_experts)
+    return _ScatterMoE.apply(*operands, slots, experts.lora_scaling)

@@ -48,9 +48,6 @@ BAD = {
     "zero dp_shard": (lambda r: r.update(parallelism={"dp_shard": 0}), "parallelism.dp_shard must be >= 1"),
     "compile with ep": (lambda r: r.update(parallelism={"ep": 2}, compile={"enabled": True}),
                         "compile.enabled with parallelism.ep > 1 is not supported yet"),
-    "compile with scattermoe": (lambda r: r.update(model={**r.get("model", {}), "expert_backend": "scattermoe"},
-                                                   compile={"enabled": True}),
-                                "compile.enabled with model.expert_backend: scattermoe"),
 }
 
 
