@@ -12,7 +12,8 @@ path (chosen automatically only for small experts) for comparison. Then it check
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
 `--profile` prints the per-kernel CUDA times of one fwd+bwd instead (to see which kernel to work on);
-`--host` the host (CPU) time of one fwd+bwd next to its GPU time, and a cProfile of where the host time goes.
+`--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times, and a
+cProfile of where the host time goes.
 """
 
 from __future__ import annotations
@@ -255,6 +256,27 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str]) -> None:
                 torch.cuda.empty_cache()
 
 
+def graph_ms(fn) -> str:
+    """Median ms of `fn` captured once in a CUDA graph and replayed: the GPU time alone, no host gaps
+    (the layer must be free of host syncs, which scattermoe and grouped_mm are)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:  # a host sync inside: no graph, say why
+        return f"n/a ({str(exc)[:60]})"
+    ms = statistics.median(cuda_time_ms(graph.replay, 20, 2))
+    del graph
+    return f"{ms:.3f} ms"
+
+
 def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
     """Host enqueue time of one fwd+bwd (GPU idle at the start) vs its GPU time, at ep1 and ep4, and the
     functions that spend the host time (cProfile, by own time). Host time above the GPU time is exposed
@@ -270,7 +292,11 @@ def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
                     ex, x, ids, w, _ = make_case(shape, T, mode, ep=ep)
                     backend, dy = expert_backend(name), torch.randn_like(x)
 
-                    def fwd_bwd(backend=backend, x=x, ids=ids, w=w, ex=ex, dy=dy):
+                    params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+
+                    def fwd_bwd(backend=backend, x=x, ids=ids, w=w, ex=ex, dy=dy, params=params):
+                        for p in params:
+                            p.grad = None
                         backend(x, ids, w, ex).backward(dy)
 
                     for _ in range(3):
@@ -283,7 +309,7 @@ def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
                         host.append(1e3 * (time.perf_counter() - t0))
                     gpu = statistics.median(cuda_time_ms(fwd_bwd, 10, 0))
                     print(f"\n== host {shape} {mode} ep{ep} {name}: host {statistics.median(host):.3f} ms, "
-                          f"call-to-done {gpu:.3f} ms")
+                          f"call-to-done {gpu:.3f} ms, GPU only (CUDA graph) {graph_ms(fwd_bwd)}")
                     if ep == 1 or mode == "lora16":
                         prof = cProfile.Profile()
                         prof.enable()
