@@ -50,6 +50,7 @@ class _Layers:
     heuristics: tuple
     jit: object
     interpreted: bool
+    autotune_key: tuple  # (parameter index, name) of each autotune key; () without autotune
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,12 @@ def _layers(kernel) -> _Layers:
             elif isinstance(fn, Heuristics):
                 heuristics.append(fn)
             fn = fn.fn
-        found = _Layers(kernel, autotuner, tuple(heuristics), fn, type(fn).__name__ == "InterpretedFunction")
+        interpreted = type(fn).__name__ == "InterpretedFunction"
+        key = ()
+        if autotuner is not None and not interpreted:
+            names = list(fn.arg_names)
+            key = tuple((names.index(k), k) for k in autotuner.keys)
+        found = _Layers(kernel, autotuner, tuple(heuristics), fn, interpreted, key)
         _LAYERS[id(kernel)] = found
     return found
 
@@ -90,19 +96,17 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def _spec(a) -> object:
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if type(a) is int:
-        return a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF
-    if a is None or type(a) is bool:
-        return a
-    return type(a)
+_Tensor = torch.Tensor
 
 
 def specialization_key(args: tuple) -> tuple:
-    """What Triton specializes a compiled kernel on, or finer (equal keys: the same compiled kernel)."""
-    return tuple([_spec(a) for a in args])
+    """What Triton specializes a compiled kernel on, or finer (equal keys: the same compiled kernel):
+    tensor dtype and 16-byte alignment; int == 1, divisibility by 16 and 32-bit range; None and bools
+    by value; other scalars by type. One comprehension, no call per argument: this runs per launch."""
+    return tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor)
+                  else (a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF) if type(a) is int
+                  else a if a is None or type(a) is bool
+                  else type(a) for a in args])
 
 
 def launch_hooks_active() -> bool:
@@ -110,11 +114,9 @@ def launch_hooks_active() -> bool:
     if _triton_knobs is None:
         return True
     runtime = _triton_knobs.runtime
-
-    def is_set(hook) -> bool:
-        return hook is not None and bool(getattr(hook, "calls", True))
-
-    return is_set(runtime.launch_enter_hook) or is_set(runtime.launch_exit_hook)
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or \
+        (leave is not None and bool(getattr(leave, "calls", True)))
 
 
 def current_device() -> int:
@@ -126,10 +128,8 @@ def current_stream(device: int) -> int:
 
 
 def _autotune_key(layers: _Layers, args: tuple, constexprs: dict) -> tuple:
-    if layers.autotuner is None:
-        return ()
-    named = dict(zip(layers.jit.arg_names, args))
-    return tuple([named[k] if k in named else constexprs[k] for k in layers.autotuner.keys])
+    n = len(args)
+    return tuple([args[i] if i < n else constexprs[name] for i, name in layers.autotune_key])
 
 
 def _meta(layers: _Layers, args: tuple, constexprs: dict, config_kwargs: dict) -> dict:
