@@ -14,6 +14,7 @@ Shapes: q [B, S, H, D], k [B, S, K, D], cos/sin [B, S, R].
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -164,11 +165,7 @@ def test_bad_shapes_raise(bad):
 
 # ----------------------------------------------------------------------------- triton (interpreter)
 
-try:
-    import triton
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 INTERPRETED_HERE = HAVE_TRITON and type(norm_rope._qk_norm_rope_fwd_kernel).__name__ == "InterpretedFunction"
 interp = pytest.mark.skipif(not INTERPRETED_HERE, reason="kernels are not interpreted in this process "
