@@ -17,7 +17,9 @@ Contract:
   only, not the runtime arguments.
 - The cache key holds everything a compiled kernel depends on, or finer: the kernel, the device, the
   constexprs, the autotuner's key values and each argument's specialization (tensor dtype and 16-byte
-  alignment; int == 1, divisibility by 16 and 32-bit range; None). Heuristics are re-evaluated per call.
+  alignment; int == 1, divisibility by 16 and 32-bit range; None). Heuristics are re-evaluated per call;
+  when one yields another value than the cached kernel was compiled with (it read an argument outside
+  the key), that call takes Triton's path.
 - Launch hooks installed (profilers, proton), interpreted kernels (TRITON_INTERPRET=1) or
   DIRECT_LAUNCH = False: always Triton's own path.
 """
@@ -58,6 +60,7 @@ class _Compiled:
     kernel: object           # triton CompiledKernel
     config_kwargs: dict      # the autotuned constexprs ({} without autotune)
     tail_names: tuple        # kernel parameters after the positional args, in order
+    heuristic_values: tuple  # what the heuristics gave when this kernel was compiled
 
 
 _LAYERS: dict[int, _Layers] = {}
@@ -132,14 +135,17 @@ def _autotune_key(layers: _Layers, args: tuple, constexprs: dict) -> tuple:
     return tuple([args[i] if i < n else constexprs[name] for i, name in layers.autotune_key])
 
 
-def _meta(layers: _Layers, args: tuple, constexprs: dict, config_kwargs: dict) -> dict:
+def _meta(layers: _Layers, args: tuple, constexprs: dict, config_kwargs: dict) -> tuple[dict, tuple]:
+    """The constexprs of this launch (given, autotuned, heuristic) and the heuristic values alone."""
     meta = {**constexprs, **config_kwargs}
+    values = []
     if layers.heuristics:
         named = {**dict(zip(layers.jit.arg_names, args)), **meta}
         for heur in reversed(layers.heuristics):  # the innermost decorator runs last in Triton too
             for name, fn in heur.values.items():
                 named[name] = meta[name] = fn(named)
-    return meta
+                values.append(meta[name])
+    return meta, tuple(values)
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
@@ -152,13 +158,19 @@ def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
     key = (id(kernel), device, tuple(constexprs.items()), _autotune_key(layers, args, constexprs),
            specialization_key(args))
     entry = _COMPILED.get(key)
-    if entry is None or launch_hooks_active():
-        compiled = kernel[grid](*args, **constexprs)
-        if entry is None and all(hasattr(compiled, n) for n in ("run", "function", "packed_metadata")):
-            config = layers.autotuner.best_config.kwargs if layers.autotuner is not None else {}
-            _COMPILED[key] = _Compiled(compiled, dict(config), tuple(layers.jit.arg_names[len(args):]))
-        return
-    meta = _meta(layers, args, constexprs, entry.config_kwargs)
+    if entry is not None and not launch_hooks_active():
+        meta, heuristic_values = _meta(layers, args, constexprs, entry.config_kwargs)
+        if heuristic_values == entry.heuristic_values:
+            _launch_compiled(entry, grid, meta, args, device)
+            return
+    compiled = kernel[grid](*args, **constexprs)
+    if entry is None and all(hasattr(compiled, n) for n in ("run", "function", "packed_metadata")):
+        config = dict(layers.autotuner.best_config.kwargs) if layers.autotuner is not None else {}
+        _, heuristic_values = _meta(layers, args, constexprs, config)
+        _COMPILED[key] = _Compiled(compiled, config, tuple(layers.jit.arg_names[len(args):]), heuristic_values)
+
+
+def _launch_compiled(entry: _Compiled, grid, meta: dict, args: tuple, device: int) -> None:
     g = grid(meta) if callable(grid) else grid
     compiled = entry.kernel
     compiled.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, current_stream(device),

@@ -110,6 +110,25 @@ def test_autotuned_kernel_gets_its_config_heuristics_and_grid(fake_gpu):
     assert args[10:] == (40, 0.5, 16, False)  # the heuristic, evaluated per call
 
 
+def test_heuristic_reading_an_argument_outside_the_key_falls_back_to_triton(fake_gpu):
+    """EVEN here reads eps, which no key holds: a launch whose heuristic value differs from the cached
+    kernel's must not run that kernel (it was compiled for the other constexpr value)."""
+    calls = []
+    kernel = triton.heuristics({"EVEN": lambda a: a["eps"] > 0})(_jit(calls))
+    x = torch.zeros(64)
+
+    def launch(eps):
+        calls.clear()
+        triton_launch.launch(kernel, (1,), (x, 64, eps), {"BLOCK": 16})
+        return calls
+
+    assert launch(0.5)[0][0] == "jit"
+    assert launch(0.25)[0][0] == "direct"  # same heuristic value: the cached kernel
+    (kind, _, _, kwargs), = launch(-0.5)
+    assert kind == "jit" and kwargs["EVEN"] is False
+    assert launch(0.5)[0][0] == "direct"
+
+
 def test_interpreted_kernels_take_tritons_path(monkeypatch):
     calls = []
 
