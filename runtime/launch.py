@@ -1,7 +1,8 @@
 """CLI entry: `python -m runtime.launch [--ep N] [--cp N] [--dp-shard N] [--dp-replicate N]
-[--max-steps N] [--output-dir D] [--resume] cfg.yaml`, under torchrun or as a plain process.
+[--max-steps N] [--output-dir D] [--resume] [--set KEY=VALUE ...] cfg.yaml`, under torchrun or as a
+plain process.
 
-Flags override the YAML. Config and mesh errors are raised before any process group exists; any
+Flags override the YAML; `--set` overrides any key. Config and mesh errors are raised before any process group exists; any
 error ends every rank with one message from rank 0 and a non-zero exit (torchrun then stops the
 rest), never a hang or a stack of identical tracebacks.
 """
@@ -13,6 +14,8 @@ import logging
 import os
 import sys
 import traceback
+
+import yaml
 
 from runtime.config import ConfigError, load_config
 from runtime.dist import env_world
@@ -34,13 +37,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, help="optimizer steps (train.max_steps)")
     p.add_argument("--output-dir", help="run folder for logs and checkpoints (train.output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="override any config key, e.g. --set model.expert_backend=scattermoe --set lora.rank=32 "
+                        "(VALUE is read as YAML; repeatable; applied after the flags above)")
     return p.parse_args(argv)
 
 
+def parse_sets(sets: list[str]) -> dict:
+    """["a.b=1", ...] -> {"a.b": 1, ...}, each value read as YAML (numbers, bools, lists, strings)."""
+    out = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted config key, e.g. "
+                              "--set model.expert_backend=scattermoe")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML") from None
+    return out
+
+
 def config_overrides(args: argparse.Namespace) -> dict:
-    return {"parallelism.ep": args.ep, "parallelism.cp": args.cp, "parallelism.dp_shard": args.dp_shard,
-            "parallelism.dp_replicate": args.dp_replicate, "train.max_steps": args.max_steps,
-            "train.output_dir": args.output_dir}
+    flags = {"parallelism.ep": args.ep, "parallelism.cp": args.cp, "parallelism.dp_shard": args.dp_shard,
+             "parallelism.dp_replicate": args.dp_replicate, "train.max_steps": args.max_steps,
+             "train.output_dir": args.output_dir}
+    return {**flags, **parse_sets(args.sets)}
 
 
 def setup_logging(rank: int) -> None:

@@ -87,6 +87,19 @@ def test_ep_must_divide_experts():
         ParallelDims(1, 4, 1, 4, 4).check_experts(6)
 
 
+def test_set_overrides_any_key_with_yaml_typed_values():
+    _, cfg, _ = prepare([str(EXAMPLE), "--set", "model.expert_backend=eager", "--set", "lora.enabled=true",
+                         "--set", "lora.target_modules=[q_proj, experts]", "--set", "optim.lr=1e-4",
+                         "--max-steps", "10", "--set", "train.max_steps=12"])
+    assert cfg.model.expert_backend == "eager" and cfg.lora.enabled is True
+    assert cfg.lora.target_modules == ["q_proj", "experts"] and cfg.optim.lr == 1e-4
+    assert cfg.train.max_steps == 12  # --set comes after the named flags
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        prepare([str(EXAMPLE), "--set", "model.expert_backend"])
+    with pytest.raises(ConfigError, match="model.expert_backend"):
+        prepare([str(EXAMPLE), "--set", "model.expert_backend=scatter"])
+
+
 def test_launch_checks_mesh_against_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(MeshError, match="world size is 4"):
