@@ -33,6 +33,7 @@ try:
     from torch.library import triton_op, wrap_triton
 
     from quant import triton_launch
+    from quant.triton_launch import cdiv
 except ImportError:  # the reference stays usable where triton is missing (e.g. macOS, CPU-only wheels)
     triton = None
 
@@ -180,11 +181,6 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
     return all(type(t) in _PLAIN_TENSOR_TYPES and not t.is_meta for t in tensors)
 
 
-def _cdiv(a, b):
-    """Host-side ceil division (triton.cdiv is a constexpr_function, several us per host call)."""
-    return (a + b - 1) // b
-
-
 def _launch_config(padded_row: int, backward: bool) -> tuple[int, int]:
     """(rows per tile, num_warps) for rows of `padded_row` elements as the kernel holds them."""
     elements, num_warps = BWD_CONFIG if backward else FWD_CONFIG
@@ -278,8 +274,8 @@ def _fwd_launch_prepared(q, k, q_weight, k_weight, cos, sin, rope_strides, eps: 
     k_out = k.new_empty(k.shape)
     meta, block_r = _meta(head_dim, cos.shape[-1], unit_offset, backward=False)
     n_q_rows, n_k_rows = batch * seq * heads_q, batch * seq * heads_k
-    n_q_tiles = _cdiv(n_q_rows, block_r)
-    n_tiles = n_q_tiles + _cdiv(n_k_rows, block_r)
+    n_q_tiles = cdiv(n_q_rows, block_r)
+    n_tiles = n_q_tiles + cdiv(n_k_rows, block_r)
     if n_tiles > 0:
         q_strides, k_strides = q.stride(), k.stride()
         _launch(_qk_norm_rope_fwd_kernel, (n_tiles, 1, 1),
@@ -292,9 +288,9 @@ def _fwd_launch_prepared(q, k, q_weight, k_weight, cos, sin, rope_strides, eps: 
 
 def _bwd_grid(n_q_rows, n_k_rows, block_r: int, device: torch.device):
     """(tiles per program, q programs, k programs): every program gets the same number of tiles."""
-    n_q_tiles, n_k_tiles = _cdiv(n_q_rows, block_r), _cdiv(n_k_rows, block_r)
-    tiles_per_prog = max(1, _cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(device)))
-    return tiles_per_prog, _cdiv(n_q_tiles, tiles_per_prog), _cdiv(n_k_tiles, tiles_per_prog)
+    n_q_tiles, n_k_tiles = cdiv(n_q_rows, block_r), cdiv(n_k_rows, block_r)
+    tiles_per_prog = max(1, cdiv(n_q_tiles + n_k_tiles, BWD_PROGRAMS_PER_SM * _num_sms(device)))
+    return tiles_per_prog, cdiv(n_q_tiles, tiles_per_prog), cdiv(n_k_tiles, tiles_per_prog)
 
 
 def _bwd_launch(q, k, q_weight, k_weight, cos, sin, grad_q_out, grad_k_out, eps: float, unit_offset: bool,
@@ -331,7 +327,7 @@ def _bwd_launch_prepared(q, k, q_weight, k_weight, cos, sin, rope_strides, grad_
     grad_q_weight = q_weight.new_empty(q_weight.shape)
     grad_k_weight = k_weight.new_empty(k_weight.shape)
     head_dim = int(head_dim)
-    _launch(_dw_sum_kernel, (2, _cdiv(head_dim, DW_SUM_BLOCK_D), 1),
+    _launch(_dw_sum_kernel, (2, cdiv(head_dim, DW_SUM_BLOCK_D), 1),
             (dw_partial, grad_q_weight, grad_k_weight), (n_q_progs, n_progs), (),
             {"D": head_dim, "BLOCK_P": DW_SUM_BLOCK_P, "BLOCK_D": DW_SUM_BLOCK_D, "num_warps": 4}, wrap)
     return grad_q, grad_k, grad_q_weight, grad_k_weight

@@ -33,8 +33,6 @@ training raises NotImplementedError (use the eager backend for it).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from moe.backends import compute_dtype, register_backend
@@ -50,7 +48,6 @@ from moe.kernels.grouped_xty import grouped_xty
 from moe.kernels.routing import SlotOrder, combine, sort_slots
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
-_warned: list[Exception] = []
 
 
 def _split_lora(num_experts: int, out_features: int, in_features: int) -> bool:
@@ -66,16 +63,9 @@ def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder) -> to
     ~320 for grouped_xty at Qwen3-30B-A3B shapes); groups end at the last valid row, so the -1 rows are
     not read, and experts without rows get zeros.
     """
-    if not cutlass_ok(L_SP, R_SQ):
-        return grouped_xty(L_SP, R_SQ, slots, gather_l=False, gather_r=False)
-    try:
+    if cutlass_ok(L_SP, R_SQ):
         return torch._grouped_mm(L_SP.t(), R_SQ, offs=slots.offsets_E1[1:])
-    except RuntimeError as exc:  # a torch build that rejects these operands: the Triton reduction
-        if not _warned:
-            _warned.append(exc)
-            warnings.warn(f"scattermoe: torch._grouped_mm failed ({exc}); weight gradients use grouped_xty",
-                          stacklevel=2)
-        return grouped_xty(L_SP, R_SQ, slots, gather_l=False, gather_r=False)
+    return grouped_xty(L_SP, R_SQ, slots, gather_l=False, gather_r=False)
 
 
 def _lora(A_ErK, B_ENr, scaling: float) -> LoraView | None:
@@ -102,7 +92,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     need = dict(zip(_GRAD_NAMES, needs))
     has_lora = gu_A is not None
     # dy in expert-sorted order, once: the SwiGLU backward's GEMM, dW_down and dB_down all read it.
-    dyg_SH = dy_MH.contiguous().index_select(0, slots.rows_S)
+    dyg_SH = dy_MH.index_select(0, slots.rows_S)
     # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
     down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
     dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk)
