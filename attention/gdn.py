@@ -104,7 +104,7 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         conv_dim = 2 * self.key_dim + self.value_dim
-        factory = dict(device=device, dtype=dtype)
+        factory = {"device": device, "dtype": dtype}
         if layout == "qwen3_5":
             self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False, **factory)
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False, **factory)

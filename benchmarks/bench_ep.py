@@ -100,7 +100,7 @@ def bench(ep: int, tokens: int) -> dict:
     row = {"ep": ep, "tokens_per_rank": tokens}
     for name, mask in (("skip", False), ("mask", True)):
         torch.cuda.reset_peak_memory_stats()
-        row[f"{name}_ms"] = timed(lambda: layer_step(dispatcher, experts, x, ids, w, mask))
+        row[f"{name}_ms"] = timed(lambda mask=mask: layer_step(dispatcher, experts, x, ids, w, mask))
         row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     row["dispatch_combine_ms"] = timed(lambda: dispatch_combine_step(dispatcher, x, ids, w))
     routed = dispatcher.dispatch(x.detach(), ids, w.detach())

@@ -27,13 +27,13 @@ from runtime.models.hf import config_from_hf
 from runtime.models.qwen import QwenForCausalLM, cu_seqlens_from_position_ids, init_weights
 from runtime.parallelize import apply_compile
 
-QWEN3_5_35B_A3B_4L = dict(
-    model_type="qwen3_5_moe_text", vocab_size=4096, hidden_size=2048, num_hidden_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=16, num_key_value_heads=2,
-    head_dim=256, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
-    num_experts_per_tok=8, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+QWEN3_5_35B_A3B_4L = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 4096, "hidden_size": 2048, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
 
 
 def packed_positions(tokens: int, seed: int = 0) -> torch.Tensor:

@@ -38,7 +38,7 @@ class GroupedExperts(nn.Module):
         self.intermediate = intermediate
         # Global id of local expert 0: EP ranks own a contiguous slice of the experts.
         self.expert_offset = expert_offset
-        factory = dict(device=device, dtype=dtype)
+        factory = {"device": device, "dtype": dtype}
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))
         self.lora_rank = 0
@@ -51,7 +51,7 @@ class GroupedExperts(nn.Module):
     def add_lora(self, rank: int, alpha: float, dropout: float = 0.0) -> None:
         """Adds per-expert LoRA factors; B starts at zero so the output is unchanged."""
         E, H, I = self.num_experts, self.hidden, self.intermediate
-        factory = dict(device=self.gate_up.device, dtype=self.gate_up.dtype)
+        factory = {"device": self.gate_up.device, "dtype": self.gate_up.dtype}
         self.lora_rank = rank
         self.lora_scaling = alpha / rank
         self.lora_dropout = dropout

@@ -20,7 +20,7 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, device=None, dtype=None):
         super().__init__()
-        factory = dict(bias=False, device=device, dtype=dtype)
+        factory = {"bias": False, "device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(hidden, intermediate, **factory)
         self.up_proj = nn.Linear(hidden, intermediate, **factory)
         self.down_proj = nn.Linear(intermediate, hidden, **factory)

@@ -118,8 +118,8 @@ class CheckpointManager:
         mismatched = sorted(f"{k}: checkpoint {saved[k]} vs model {ours[k]}" for k in set(ours) & set(saved)
                             if saved[k] != ours[k])
         if missing or unexpected or mismatched:
-            lines = [f"checkpoint {path} was written for a different model or ep size (check model.path, lora, "
-                     "parallelism.ep and train.output_dir, or start without --resume):"]
+            lines = [(f"checkpoint {path} was written for a different model or ep size (check model.path, lora, "
+                      "parallelism.ep and train.output_dir, or start without --resume):")]
             for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
                 if items:
                     lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:10]))

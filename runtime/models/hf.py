@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import Self
 
 import torch
 from safetensors import safe_open
@@ -86,10 +87,10 @@ def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
     num_layers = runtime_options.pop("num_layers", None) or hf["num_hidden_layers"]
     moe = model_type in MOE_MODEL_TYPES
     hybrid = model_type in HYBRID_MODEL_TYPES
-    hybrid_fields = dict(layer_types=tuple(hf["layer_types"][:num_layers]), gated_attention=True,
-                         norm_unit_offset=True, gdn=_gdn_config(hf, model_type),
-                         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0
-                         ) if hybrid else {}
+    hybrid_fields = {"layer_types": tuple(hf["layer_types"][:num_layers]), "gated_attention": True,
+                         "norm_unit_offset": True, "gdn": _gdn_config(hf, model_type),
+                         "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0
+                         } if hybrid else {}
     # Qwen3.5-MoE always renormalizes its top-k weights and has no norm_topk_prob key.
     norm_topk = hf.get("norm_topk_prob", model_type == "qwen3_5_moe_text")
     return QwenConfig(
@@ -124,12 +125,12 @@ class SafetensorsCheckpoint:
             stored = {}
             for f in files:
                 with safe_open(f, "pt") as handle:
-                    stored.update({k: f for k in handle.keys()})
+                    stored.update(dict.fromkeys(handle.keys(), f))
         # our name -> (file, name in the file)
         self.files = {_text_name(k): (f, k) for k, f in stored.items() if not _FOREIGN.match(k)}
         self._handles: dict[Path, object] = {}
 
-    def __enter__(self) -> SafetensorsCheckpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -100,7 +100,7 @@ def build_mlp(cfg: QwenConfig, layer: int, device=None, dtype=None) -> nn.Module
 
 def build_token_mixer(cfg: QwenConfig, layer: int, rotary_dim: int, device=None, dtype=None) -> tuple[str, nn.Module]:
     """(HF module name, module): Gated DeltaNet for linear-attention layers, else (gated) attention."""
-    factory = dict(device=device, dtype=dtype)
+    factory = {"device": device, "dtype": dtype}
     if cfg.is_linear_attention(layer):
         g = cfg.gdn
         return "linear_attn", GatedDeltaNet(cfg.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
@@ -114,7 +114,7 @@ def build_token_mixer(cfg: QwenConfig, layer: int, rotary_dim: int, device=None,
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: QwenConfig, layer: int, rotary_dim: int, device=None, dtype=None):
         super().__init__()
-        factory = dict(device=device, dtype=dtype)
+        factory = {"device": device, "dtype": dtype}
         norm = dict(eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset, **factory)
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.mixer_name, mixer = build_token_mixer(cfg, layer, rotary_dim, **factory)

@@ -31,7 +31,7 @@ if torch.cuda.is_available():
 TOL = 2e-2
 # Qwen3.5 GDN head dims; rows of 1000 tokens with documents crossing chunk (64) boundaries, a 1-token
 # document and a row that is a single document.
-HEADS = dict(hk=16, hv=32, dk=128, dv=128)
+HEADS = {"hk": 16, "hv": 32, "dk": 128, "dv": 128}
 CU_SEQLENS = [0, 1, 130, 700, 1000, 1063, 2000, 3000]
 
 
@@ -163,8 +163,8 @@ def test_opcheck(cu):
 
 # ---- the layer --------------------------------------------------------------------------------------
 
-LAYER = dict(hidden=1024, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, conv_kernel=4,
-             eps=1e-6)
+LAYER = {"hidden": 1024, "num_k_heads": 4, "num_v_heads": 8, "head_k_dim": 128, "head_v_dim": 128, "conv_kernel": 4,
+             "eps": 1e-6}
 
 
 def layer_pair(layout, seed=0):

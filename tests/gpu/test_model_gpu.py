@@ -20,11 +20,11 @@ from tests.conftest import write_hf_checkpoint
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = Path(__file__).resolve().parents[2]
 
-QWEN3_30B_A3B_2L = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=2,
-                        num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                        max_position_embeddings=40960, rms_norm_eps=1e-6,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+QWEN3_30B_A3B_2L = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 2,
+                        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
 
 
 def _rel(a, b):

@@ -73,9 +73,9 @@ def test_flags_override_yaml_and_relative_paths_resolve():
 
 
 @pytest.mark.parametrize("dims, message", [
-    (dict(dp_replicate=1, dp_shard=3, cp=1, ep=1, world_size=4), "but the world size is 4"),
-    (dict(dp_replicate=1, dp_shard=4, cp=1, ep=3, world_size=4), "ep=3 must divide dp_shard*cp = 4"),
-    (dict(dp_replicate=0, dp_shard=4, cp=1, ep=1, world_size=4), "dp_replicate must be >= 1"),
+    ({"dp_replicate": 1, "dp_shard": 3, "cp": 1, "ep": 1, "world_size": 4}, "but the world size is 4"),
+    ({"dp_replicate": 1, "dp_shard": 4, "cp": 1, "ep": 3, "world_size": 4}, "ep=3 must divide dp_shard*cp = 4"),
+    ({"dp_replicate": 0, "dp_shard": 4, "cp": 1, "ep": 1, "world_size": 4}, "dp_replicate must be >= 1"),
 ])
 def test_bad_mesh(dims, message):
     with pytest.raises(MeshError, match=message.replace("*", r"\*")):

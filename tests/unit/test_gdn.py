@@ -28,7 +28,7 @@ from attention.gdn import GatedDeltaNet, check_gdn_op_set
 from attention.gdn_ops_torch import causal_conv1d_silu, chunk_gated_delta_rule, prepare_docs
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
-TINY = dict(hidden=32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8, conv_kernel=4, eps=1e-6)
+TINY = {"hidden": 32, "num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 8, "conv_kernel": 4, "eps": 1e-6}
 # Several documents per row, one crossing a 64-token chunk boundary, one of length 1, rows of 150 tokens.
 CU_SEQLENS = [0, 10, 70, 150, 214, 215, 300]
 
@@ -152,10 +152,10 @@ def test_packed_layer_equals_per_document(layout):
 # ---- 3. the layer vs transformers' modules -------------------------------------------------------
 
 def hf_module(layout: str):
-    common = dict(hidden_size=TINY["hidden"], linear_num_key_heads=TINY["num_k_heads"],
-                  linear_num_value_heads=TINY["num_v_heads"], linear_key_head_dim=TINY["head_k_dim"],
-                  linear_value_head_dim=TINY["head_v_dim"], linear_conv_kernel_dim=TINY["conv_kernel"],
-                  rms_norm_eps=TINY["eps"], num_hidden_layers=1, layer_types=["linear_attention"])
+    common = {"hidden_size": TINY["hidden"], "linear_num_key_heads": TINY["num_k_heads"],
+                  "linear_num_value_heads": TINY["num_v_heads"], "linear_key_head_dim": TINY["head_k_dim"],
+                  "linear_value_head_dim": TINY["head_v_dim"], "linear_conv_kernel_dim": TINY["conv_kernel"],
+                  "rms_norm_eps": TINY["eps"], "num_hidden_layers": 1, "layer_types": ["linear_attention"]}
     if layout == "qwen3_next":
         from transformers import Qwen3NextConfig
         return hf_next.Qwen3NextGatedDeltaNet(Qwen3NextConfig(**common), layer_idx=0)

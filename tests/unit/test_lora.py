@@ -141,7 +141,7 @@ def normalized_config(path) -> dict:
 
 def tensor_layout(path) -> dict:
     with safe_open(path / "adapter_model.safetensors", "pt") as f:
-        slices = {k: f.get_slice(k) for k in f.keys()}
+        slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         layout = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in slices.items()}
         return {"metadata": f.metadata(), **layout}
 

@@ -10,12 +10,12 @@ from tests.conftest import packed_vs_alone, write_hf_checkpoint
 
 CASES = {
     "moe": ("moe", {}),
-    "moe_sparse_step_untopk_tied": ("moe", dict(decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True)),
-    "moe_mlp_only_yarn": ("moe", dict(mlp_only_layers=[0], rope_parameters=dict(
-        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64))),
+    "moe_sparse_step_untopk_tied": ("moe", {"decoder_sparse_step": 2, "norm_topk_prob": False, "tie_word_embeddings": True}),
+    "moe_mlp_only_yarn": ("moe", {"mlp_only_layers": [0], "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}}),
     "dense": ("dense", {}),
-    "dense_tied_linear_rope": ("dense", dict(tie_word_embeddings=True, rope_parameters=dict(
-        rope_type="linear", rope_theta=5e5, factor=2.0))),
+    "dense_tied_linear_rope": ("dense", {"tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}}),
 }
 
 
