@@ -11,9 +11,9 @@ Forward (valid slots only, expert-sorted; -1 slots are never sorted into a segme
                   (hw = w * h: the routing weight of the slot is applied in the SwiGLU epilogue)
     z' = hw @ W_down^T + s (hw A_down^T) B_down^T  (= w z)             [S, H]
     y[m] = sum_j z'[pos(m, j)]                                          combine, skipping -1 slots
-Backward (dyg = dy gathered into expert-sorted order, once):
+Backward (dyg = dy gathered into expert-sorted order, once; with LoRA the same pass gives dyg B_down):
     g = dyg @ W_down (bare grouped GEMM); g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g),
-    dw = <g, h> in one pass                                              (swiglu_backward)
+    dw = <g, h>, d gate_up B_gu in one pass over each row block          (swiglu_backward)
     dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                     GEMM + combine
     dW_gu = d gate_up^T x[token], dW_down = dyg^T hw: per-expert reductions over the rows, by
     torch._grouped_mm (CUTLASS, K-grouped) on sm90+ bf16, else grouped_xty;
@@ -41,7 +41,7 @@ from moe.kernels.grouped_linear import (
     cutlass_ok,
     expert_linear,
     gate_up_swiglu,
-    rank_product,
+    gather_rank_product,
     swiglu_backward,
 )
 from moe.kernels.grouped_xty import grouped_xty
@@ -92,19 +92,20 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     need = dict(zip(_GRAD_NAMES, needs))
     has_lora = gu_A is not None
     # dy in expert-sorted order, once: the SwiGLU backward's GEMM, dW_down and dB_down all read it.
-    dyg_SH = dy_MH.index_select(0, slots.rows_S)
     # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
     down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
-    dgu_S2I, dyb_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk)
+    if has_lora:  # the gather and the rank product dy B_down share one pass
+        dyg_SH, dyb_Sr = gather_rank_product(dy_MH, slots, down_T.A_ErK)
+    else:
+        dyg_SH, dyb_Sr = dy_MH.index_select(0, slots.rows_S), None
+    dgu_S2I, dyb_Sr, dgub_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk, dyb_Sr,
+                                                      gu_B if has_lora else None)
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
-    dgub_Sr = None
     if need["x"]:
         gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
-        dxs_SH, dgub_Sr = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False)
+        dxs_SH, _ = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False, ia_Sr=dgub_Sr)
         grads["x"] = combine(dxs_SH, slots, None)
-    elif has_lora and need["gu_A"]:
-        dgub_Sr = rank_product(dgu_S2I, slots, gu_B.transpose(1, 2), gather=False)
     xty = {"slots": slots}
     if need["gu"]:
         grads["gu"] = _weight_grad(dgu_S2I, x_MH.index_select(0, slots.rows_S), slots)

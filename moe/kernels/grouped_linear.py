@@ -35,16 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.routing import SlotOrder, slot_weight_grad
+from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, m_bucket, prune_gemm
 from quant.triton_launch import cdiv, launch, next_power_of_2
 
-# Column width of one partial sum of the routing-weight gradient (the smallest BLOCK_N).
-_DW_BLOCK = 16
 # Segment search vector width; a floor keeps one compiled variant for every E up to 256.
 _MIN_BLOCK_E = 256
-# (BLOCK_M, BLOCK_N, warps) of the memory-bound SwiGLU-backward pass; small under the interpreter.
-_SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (64, 128, 8)
+# (BLOCK_M, BLOCK_N, warps) of the memory-bound SwiGLU-backward pass (one program per row block, a
+# loop over the columns), without and with the gate_up LoRA's rank product; small under the
+# interpreter. On one H200 at Qwen3-30B-A3B shapes: 0.148 ms (32, 128) vs 0.166 (64, 64) without,
+# 0.194 ms (64, 32) vs 0.271 (64, 64) with.
+_SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (32, 128, 4)
+_SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,15 @@ def _expert_block(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.cons
 
 
 @triton.jit
+def _num_row_blocks(offsets_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row blocks of all expert segments together (the programs numbered below it have an expert)."""
+    e_E = tl.arange(0, BLOCK_E)
+    in_E = e_E < E
+    counts_E = tl.load(offsets_ptr + e_E + 1, mask=in_E, other=0) - tl.load(offsets_ptr + e_E, mask=in_E, other=0)
+    return tl.sum(tl.cdiv(counts_E, BLOCK_M), 0)
+
+
+@triton.jit
 def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(expert, positions p_M, row mask) of row block pid_m (expert >= E: a surplus program, which exits).
     Surplus rows of an expert's last block re-read its first row: loads need no row mask, stores drop
@@ -95,20 +106,27 @@ def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.conste
 
 
 @triton.jit
-def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r,
-            LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K. Rows are pre-clamped; weight columns
-    and rank rows are masked, never clamped: a clamped index hides the contiguity of a transposed
-    weight view (the backward's W^T) and its loads lose vectorization and async pipelining."""
+def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r, copy_ptrs,
+            copy_M, LORA_IN_LOOP: tl.constexpr, STORE_IN: tl.constexpr, EVEN_K: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K; STORE_IN also writes the input tiles
+    to copy_ptrs (rows copy_M). Rows are pre-clamped; weight columns and rank rows are masked, never
+    clamped: a clamped index hides the contiguity of a transposed weight view (the backward's W^T) and
+    its loads lose vectorization and async pipelining."""
     k_K = tl.arange(0, BLOCK_K)
     for i in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(in_ptrs)
             w = tl.load(w_ptrs, mask=mask_N[None, :], other=0.0)
+            if STORE_IN:
+                tl.store(copy_ptrs, x, mask=copy_M[:, None])
         else:
             k_in = k_K < K - i * BLOCK_K
             x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_in[:, None] & mask_N[None, :], other=0.0)
+            if STORE_IN:
+                tl.store(copy_ptrs, x, mask=copy_M[:, None] & k_in[None, :])
+        copy_ptrs += BLOCK_K
         acc = tl.dot(x, w, acc)
         if LORA_IN_LOOP:
             if EVEN_K:
@@ -164,68 +182,25 @@ def _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, gu_ptr, s_gu_m,
     tl.store(h_ptr + row_M * s_h_m + n_N[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _swiglu_backward_half(g, p_M, mask_M, w_M, n_N, N, dgu_ptr, s_dgu_m, gu_ptr, s_gu_m):
-    """SwiGLU backward on columns n_N; returns the partial <g, h> per row."""
-    mask_N = n_N < N
-    row_M = p_M.to(tl.int64)[:, None]
-    gate = tl.load(gu_ptr + row_M * s_gu_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + row_M * s_gu_m + N + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    dh = g * w_M[:, None]
-    mask = mask_M[:, None] & mask_N[None, :]
-    dtype = dgu_ptr.dtype.element_ty
-    tl.store(dgu_ptr + row_M * s_dgu_m + N + n_N[None, :], (dh * silu).to(dtype), mask=mask)
-    # d silu(g)/dg = sig + silu * (1 - sig)
-    d_gate = dh * up * (sig + silu * (1.0 - sig))
-    tl.store(dgu_ptr + row_M * s_dgu_m + n_N[None, :], d_gate.to(dtype), mask=mask)
-    # Masked columns have gate = up = 0, hence h = 0: they add nothing to the weight gradient.
-    return tl.sum(g * silu * up, 1)
-
-
-@triton.jit
-def _swiglu_backward_epilogue(g_acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_dgu_m, gu_ptr, s_gu_m,
-                              rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DW_BLOCK: tl.constexpr):
-    """g_acc = dy @ W_down_e (+LoRA), unweighted. Writes d(gate, up) = SwiGLU'(w * g_acc) and the
-    partial sums of d weights = <g_acc, h> over this column block."""
-    # Rounding g to the activation dtype (as eager's dH is) and working on two column halves one
-    # after the other keep the epilogue spill-free (sm_90 ptxas: 176-229 registers, was 255 + spills).
-    g = g_acc.to(dgu_ptr.dtype.element_ty)
-    g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    w_M = tl.load(rw_ptr + slot_M).to(tl.float32)
-    n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-    dw_M = _swiglu_backward_half(g_lo.to(tl.float32), p_M, mask_M, w_M, n_N, N, dgu_ptr, s_dgu_m,
-                                 gu_ptr, s_gu_m)
-    dw_M += _swiglu_backward_half(g_hi.to(tl.float32), p_M, mask_M, w_M, n_N + BLOCK_N // 2, N,
-                                  dgu_ptr, s_dgu_m, gu_ptr, s_gu_m)
-    # This block owns BLOCK_N // DW_BLOCK partial columns: the sum goes in the first, zeros in the
-    # rest, so every column is written whatever BLOCK_N the autotuner picked (no stale partials).
-    c_C = tl.arange(0, BLOCK_N // DW_BLOCK)
-    col_C = pid_n * (BLOCK_N // DW_BLOCK) + c_C
-    part = tl.where(c_C[None, :] == 0, dw_M[:, None], 0.0)
-    tl.store(dw_ptr + p_M.to(tl.int64)[:, None] * s_dw_m + col_C[None, :], part,
-             mask=mask_M[:, None] & (col_C < DW_COLS)[None, :])
-
-
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD"],
+                                            "GLU_FWD", "STORE_IN"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _grouped_linear_kernel(
         in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
         w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
-        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr,
-        scaling, E, N, K, R, M_BUCKET,
+        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr, copy_ptr, s_copy_m,
+        scaling, E, N, R, M_BUCKET, K: tl.constexpr,
         GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr, GLU_FWD: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        STORE_IN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
-    in the K loop (LORA_IN_LOOP, ia written) or read from ia."""
+    in the K loop (LORA_IN_LOOP, ia written) or read from ia. STORE_IN: the first column block also
+    writes its (gathered) input rows to copy [S, K] in expert-sorted order.
+    K is a constexpr (a model has a few reduction sizes) so that the unmasked K loop is chosen at
+    compile time, not by a per-launch heuristic."""
     pid = tl.program_id(0)
     if GLU_FWD:
         num_n = tl.cdiv(N, BLOCK_N // 2)
@@ -263,8 +238,16 @@ def _grouped_linear_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if STORE_IN:
+        copy_ptrs = copy_ptr + p_M.to(tl.int64)[:, None] * s_copy_m + k_K[None, :]
+        # Only the first column block writes the copy (a vector compare: Triton's interpreter rejects
+        # a scalar bool in a mask).
+        copy_M = mask_M & (tl.zeros_like(p_M) + pid_n == 0)
+    else:
+        copy_ptrs, copy_M = in_ptrs, mask_M
     acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs, BLOCK_K * s_a_k,
-                         mask_R, K, acc, acc_r, LORA_IN_LOOP, EVEN_K, BLOCK_K)
+                         mask_R, K, acc, acc_r, copy_ptrs, copy_M, LORA_IN_LOOP, STORE_IN,
+                         K % BLOCK_K == 0, BLOCK_K)
     if LORA_IN_LOOP:
         ia = acc_r.to(ia_ptr.dtype.element_ty)
         if pid_n == 0:  # every column block computed the same ia: one writes it
@@ -281,8 +264,10 @@ def _grouped_linear_kernel(
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
             ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, glu_fwd: bool = False,
-            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
-    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store."""
+            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None,
+            copy: torch.Tensor | None = None) -> None:
+    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store;
+    copy: also write the input rows read, in expert-sorted order."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
@@ -297,9 +282,9 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
         w_ENK, *w_ENK.stride(), A, *_strides(A, 3), B, *_strides(B, 3),
         ia_Sr, _strides(ia_Sr, 2)[0], out, out.stride(0), aux, _strides(aux, 2)[0], rw_S,
-        lora.scaling if lora is not None else 0.0, E, N, K, R, m_bucket(S)), {
-        "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora is not None and not lora.split,
-        "GLU_FWD": glu_fwd, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
+        copy, _strides(copy, 2)[0], lora.scaling if lora is not None else 0.0, E, N, R, m_bucket(S)), {
+        "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora is not None and not lora.split,
+        "GLU_FWD": glu_fwd, "STORE_IN": copy is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
 
 
 def _strides(t: torch.Tensor | None, n: int) -> tuple:
@@ -332,6 +317,15 @@ def rank_product(in_: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor, gathe
     return ia_Sr
 
 
+def gather_rank_product(in_MK: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor):
+    """(in[row(p)] [S, K], in[row(p)] @ A_e^T [S, r]) from one pass over the gathered rows: the backward's
+    dy gather and its LoRA rank product share their reads."""
+    gathered_SK = in_MK.new_empty(slots.num_slots, in_MK.shape[1])
+    ia_Sr = in_MK.new_empty(slots.num_slots, A_ErK.shape[1])
+    _launch(in_MK, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=True, copy=gathered_SK)
+    return gathered_SK, ia_Sr
+
+
 def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, lora: LoraView | None,
                    weights_Mk: torch.Tensor):
     """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and hw[p] = w[slot(p)] * silu(gate) * up, for valid
@@ -347,12 +341,14 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, l
 
 
 def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, lora: LoraView | None,
-                  gather: bool):
-    """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None)."""
+                  gather: bool, ia_Sr: torch.Tensor | None = None):
+    """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None).
+    A split LoRA's intermediate may be passed in (ia_Sr) when the caller already has it."""
     if lora is None and not gather:
         return expert_gemm(in_, slots, w_ENK), None
     out_SN = in_.new_empty(slots.num_slots, w_ENK.shape[1])
-    ia_Sr = _rank_buffer(in_, slots, lora, gather)
+    if ia_Sr is None or not lora.split:
+        ia_Sr = _rank_buffer(in_, slots, lora, gather)
     _launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather)
     return out_SN, ia_Sr
 
@@ -387,57 +383,92 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> t
 
 @triton.jit
 def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s_b_r, gu_ptr, s_gu_m,
-                            dgu_ptr, s_dgu_m, order_ptr, offsets_ptr, rw_ptr, dw_ptr, s_dw_m, DW_COLS,
-                            scaling, E, N, R, HAS_LORA: tl.constexpr, BLOCK_E: tl.constexpr,
-                            BLOCK_R: tl.constexpr, DW_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """g (+ scaling * ia @ B_e^T) -> the SwiGLU-backward epilogue, over expert-sorted row blocks."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+                            dgu_ptr, s_dgu_m, gub_ptr, s_gub_e, s_gub_n, s_gub_r, dgub_ptr, s_dgub_m,
+                            order_ptr, offsets_ptr, rw_ptr, dw_ptr, scaling, S, E, N, R,
+                            HAS_LORA: tl.constexpr, HAS_GU_B: tl.constexpr, BLOCK_E: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One expert-sorted row block, all N columns: g (+ scaling * ia @ B_e^T) -> d(gate, up), the routing
+    weight gradient <g, h> of each row (whole, so it is stored straight to its slot) and, for the
+    gate_up LoRA, d gate_up @ B_gu_e [BLOCK_M, r]. Programs without an expert zero the -1 slots' dw."""
+    pid_m = tl.program_id(0)
     e, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
+        first = tl.load(offsets_ptr + E) + (pid_m - _num_row_blocks(offsets_ptr, E, BLOCK_M, BLOCK_E)) * BLOCK_M
+        q_M = first + tl.arange(0, BLOCK_M)
+        slot_M = tl.load(order_ptr + q_M, mask=q_M < S, other=0)
+        tl.store(dw_ptr + slot_M, tl.zeros((BLOCK_M,), tl.float32), mask=q_M < S)
         return
+    e64 = e.to(tl.int64)
     slot_M = tl.load(order_ptr + p_M)
-    n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_N = n_N < N
-    acc = tl.load(g_ptr + p_M.to(tl.int64)[:, None] * s_g_m + n_N[None, :], mask=mask_N[None, :],
-                  other=0.0).to(tl.float32)
+    w_M = tl.load(rw_ptr + slot_M).to(tl.float32)
+    row_M = p_M.to(tl.int64)[:, None]
+    r_R = tl.arange(0, BLOCK_R)
+    mask_R = r_R < R
     if HAS_LORA:
-        r_R = tl.arange(0, BLOCK_R)
-        ia = tl.load(ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :], mask=(r_R < R)[None, :],
-                     other=0.0)
-        b_ptrs = b_ptr + e.to(tl.int64) * s_b_e + n_N[None, :] * s_b_n
-        acc += _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
-    _swiglu_backward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, dgu_ptr, s_dgu_m, gu_ptr, s_gu_m,
-                              rw_ptr, dw_ptr, s_dw_m, DW_COLS, BLOCK_M, BLOCK_N, DW_BLOCK)
+        ia = tl.load(ia_ptr + row_M * s_ia_m + r_R[None, :], mask=mask_R[None, :], other=0.0)
+    dtype = dgu_ptr.dtype.element_ty
+    dw_M = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    dgub = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n_N = n0 + tl.arange(0, BLOCK_N)
+        mask_N = n_N < N
+        g = tl.load(g_ptr + row_M * s_g_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
+        if HAS_LORA:
+            g += _lora_product(ia, b_ptr + e64 * s_b_e + n_N[None, :] * s_b_n, s_b_r, mask_N, R, scaling, BLOCK_R)
+        # g rounded to the activation dtype, as eager's dH is.
+        g = g.to(dtype).to(tl.float32)
+        gate = tl.load(gu_ptr + row_M * s_gu_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row_M * s_gu_m + N + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        dh = g * w_M[:, None]
+        d_up = (dh * silu).to(dtype)
+        d_gate = (dh * up * (sig + silu * (1.0 - sig))).to(dtype)  # d silu(g)/dg = sig + silu (1 - sig)
+        mask = mask_M[:, None] & mask_N[None, :]
+        tl.store(dgu_ptr + row_M * s_dgu_m + n_N[None, :], d_gate, mask=mask)
+        tl.store(dgu_ptr + row_M * s_dgu_m + N + n_N[None, :], d_up, mask=mask)
+        # Masked columns have gate = up = 0, hence h = 0 and d(gate, up) = 0: they add nothing.
+        dw_M += tl.sum(g * silu * up, 1)
+        if HAS_GU_B:
+            b_NR = gub_ptr + e64 * s_gub_e + n_N[:, None] * s_gub_n + r_R[None, :] * s_gub_r
+            mask_NR = mask_N[:, None] & mask_R[None, :]
+            dgub = tl.dot(d_gate, tl.load(b_NR, mask=mask_NR, other=0.0), dgub)
+            dgub = tl.dot(d_up, tl.load(b_NR + N * s_gub_n, mask=mask_NR, other=0.0), dgub)
+    tl.store(dw_ptr + slot_M, dw_M, mask=mask_M)
+    if HAS_GU_B:
+        tl.store(dgub_ptr + row_M * s_dgub_m + r_R[None, :], dgub.to(dtype), mask=mask_M[:, None] & mask_R[None, :])
 
 
 def swiglu_backward(dyg_SH: torch.Tensor, slots: SlotOrder, w_EHI: torch.Tensor, lora: LoraView | None,
-                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor):
+                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor, dyb_Sr: torch.Tensor | None = None,
+                    gu_B_E2Ir: torch.Tensor | None = None):
     """Backward through the routing weight, the down projection and the SwiGLU.
 
     dyg_SH is dy gathered into expert-sorted order (dy[row(p)]), w_EHI the down weight [E, H, I];
-    lora views the down LoRA read backwards (A = B_down^T [E, r, H], B = A_down^T [E, I, r]).
-    g = dyg @ W_down_e by the bare grouped GEMM (CUTLASS where it applies: the SwiGLU-backward
-    epilogue inside our GEMM ran at 271 TFLOP/s against 516 for CUTLASS + this pass), then one pass:
-    g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g), d w = <g, h>. Returns d gate_up [S, 2I],
-    dyg @ B_down^T [S, r] (unweighted; None without LoRA) and d weights [M, k] (fp32, zero at -1 slots).
+    lora views the down LoRA read backwards (A = B_down^T [E, r, H], B = A_down^T [E, I, r]); dyb_Sr
+    = dyg @ B_down^T when the caller already has it. g = dyg @ W_down_e by the bare grouped GEMM
+    (CUTLASS where it applies: the SwiGLU-backward epilogue inside our GEMM ran at 271 TFLOP/s against
+    516 for CUTLASS + this pass), then one pass over each row block: g += s (dyg B_down) A_down,
+    d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B [E, 2I, r]) also
+    d gate_up @ B_gu. Returns d gate_up [S, 2I], dyb [S, r] (None without LoRA), d gate_up @ B_gu
+    [S, r] (None without gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
     """
     S, I = slots.num_slots, w_EHI.shape[2]
     g_SI = expert_gemm(dyg_SH, slots, w_EHI.transpose(1, 2))
-    dyb_Sr = rank_product(dyg_SH, slots, lora.A_ErK, gather=False) if lora is not None else None
+    if lora is not None and dyb_Sr is None:
+        dyb_Sr = rank_product(dyg_SH, slots, lora.A_ErK, gather=False)
     dgu_S2I = dyg_SH.new_empty(S, 2 * I)
-    dw_SC = torch.empty(S, cdiv(I, _DW_BLOCK), device=dyg_SH.device, dtype=torch.float32)
+    dw_S = torch.empty(S, device=dyg_SH.device, dtype=torch.float32)
+    dgub_Sr = dyg_SH.new_empty(S, gu_B_E2Ir.shape[2]) if gu_B_E2Ir is not None else None
     B = lora.B_ENr if lora is not None else None
-    R = lora.rank if lora is not None else 0
-    block_m, block_n, warps = _SWIGLU_BWD_TILE
+    R = lora.rank if lora is not None else (gu_B_E2Ir.shape[2] if gu_B_E2Ir is not None else 0)
+    block_m, block_n, warps = _SWIGLU_BWD_TILE_LORA if gu_B_E2Ir is not None else _SWIGLU_BWD_TILE
     E = w_EHI.shape[0]
-    launch(_swiglu_backward_kernel, ((cdiv(S, block_m) + E) * cdiv(I, block_n),), (
+    launch(_swiglu_backward_kernel, (cdiv(S, block_m) + E,), (
         g_SI, g_SI.stride(0), dyb_Sr, _strides(dyb_Sr, 2)[0], B, *_strides(B, 3), gu_S2I, gu_S2I.stride(0),
-        dgu_S2I, dgu_S2I.stride(0), slots.order_S, slots.offsets_E1, weights_Mk.reshape(-1), dw_SC,
-        dw_SC.stride(0), dw_SC.shape[1], lora.scaling if lora is not None else 0.0, E, I, R), {
-        "HAS_LORA": lora is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DW_BLOCK": _DW_BLOCK,
-        "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps})
-    return dgu_S2I, dyb_Sr, slot_weight_grad(dw_SC, slots).view(weights_Mk.shape)
+        dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir, *_strides(gu_B_E2Ir, 3), dgub_Sr, _strides(dgub_Sr, 2)[0],
+        slots.order_S, slots.offsets_E1, weights_Mk.reshape(-1), dw_S, lora.scaling if lora is not None else 0.0,
+        S, E, I, R), {
+        "HAS_LORA": lora is not None, "HAS_GU_B": gu_B_E2Ir is not None, "BLOCK_E": _block_e(E),
+        "BLOCK_R": _block_r(R), "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps})
+    return dgu_S2I, dyb_Sr, dgub_Sr, dw_S.view(weights_Mk.shape)

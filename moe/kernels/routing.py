@@ -18,7 +18,6 @@ torch ops cost here), over blocks of BLOCK_S slots and keys 0..E (E = the -1 slo
     _scatter_kernel    one program per block: tl.sort of key*BLOCK_S + lane (stable), rank among equal
                        keys by a scan, position = offsets[key] + counts[b, key] + rank; writes order,
                        rows, inv
-slot_weight_grad(dw_SC, slots) sums the routing-weight gradient partials per slot in one more launch.
 """
 
 from __future__ import annotations
@@ -58,9 +57,6 @@ _TARGET_BLOCKS = 1024
 # The scan program's tile: _SCAN_KEYS keys (one 32-byte sector of a counts row) x _SCAN_BLOCKS blocks.
 _SCAN_KEYS = 8
 _SCAN_BLOCKS = 512
-# Slots per program of slot_weight_grad, and partial-sum columns per step of its loop.
-_DW_BLOCK_S = 128
-_DW_BLOCK_C = 32
 
 
 def _block_s(num_slots: int) -> int:
@@ -202,42 +198,6 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int) -> SlotOrder:
            {"BLOCK_S": block_s, "num_warps": _scatter_warps(block_s)})
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
                      num_experts=E, rows_S=rows_S)
-
-
-@triton.jit
-def _slot_weight_grad_kernel(dw_ptr, s_dw_s, s_dw_c, order_ptr, offsets_ptr, out_ptr, S, C, E,
-                             BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Walks sorted positions (contiguous rows of dw) and scatters each sum to its slot.
-    p_B = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    in_S = p_B < S
-    valid_B = p_B < tl.load(offsets_ptr + E)  # rows at -1 positions were never written
-    rows_B = p_B.to(tl.int64) * s_dw_s
-    acc_B = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        c_C = c0 + tl.arange(0, BLOCK_C)
-        mask_BC = valid_B[:, None] & (c_C < C)[None, :]
-        dw_BC = tl.load(dw_ptr + rows_B[:, None] + c_C[None, :] * s_dw_c, mask=mask_BC, other=0.0)
-        acc_B += tl.sum(dw_BC, axis=1)
-    slot_B = tl.load(order_ptr + p_B, mask=in_S, other=0)
-    tl.store(out_ptr + slot_B, acc_B, mask=in_S)
-
-
-def slot_weight_grad(dw_SC: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
-    """Routing-weight gradient per slot, in slot order: fp32 [S] with dw_S[s] = sum_c dw_SC[inv_S[s], c]
-    for valid slots and 0.0 for -1 slots.
-
-    dw_SC: fp32 [S, C] column partials in expert-sorted order; its rows at -1 positions (at and behind
-    offsets[E]) are never read, so they may hold garbage. One kernel; each slot's sum runs over C in a
-    fixed order (deterministic, though not bitwise the order of torch's sum).
-    """
-    S, C = dw_SC.shape
-    dw_S = torch.empty(S, device=dw_SC.device, dtype=torch.float32)
-    if S == 0:
-        return dw_S
-    launch(_slot_weight_grad_kernel, (cdiv(S, _DW_BLOCK_S),), (
-        dw_SC, dw_SC.stride(0), dw_SC.stride(1), slots.order_S, slots.offsets_E1, dw_S, S, C,
-        slots.num_experts), {"BLOCK_S": _DW_BLOCK_S, "BLOCK_C": _DW_BLOCK_C, "num_warps": 4})
-    return dw_S
 
 
 @triton.jit

@@ -1,7 +1,6 @@
-"""sort_slots and slot_weight_grad on the GPU at real routing shapes, against torch references.
+"""sort_slots on the GPU at real routing shapes, against torch references.
 
-The slot order must equal a stable torch.sort exactly (every SlotOrder field); the routing-weight
-gradient must match the torch sum up to summation order.
+The slot order must equal a stable torch.sort exactly (every SlotOrder field).
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.kernels.routing import slot_weight_grad, sort_slots
+from moe.kernels.routing import sort_slots
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -59,14 +58,3 @@ def test_sort_slots_edge_cases():
     assert_matches_reference(make_ids(3, 8, 512, 0.3), 512)  # fewer slots than one block
     empty = sort_slots(torch.empty(0, 8, dtype=torch.long, device="cuda"), 64)
     assert empty.order_S.numel() == 0 and empty.offsets_E1.tolist() == [0] * 65
-
-
-@pytest.mark.parametrize("C", [1, 48])
-def test_slot_weight_grad(C):
-    ids = make_ids(8192, 8, 128, 0.5, seed=1)
-    slots = sort_slots(ids, 128)
-    dw_SC = torch.randn(ids.numel(), C, device="cuda")
-    dw_SC[int(slots.offsets_E1[-1]):] = float("nan")  # -1 positions are never written
-    got = slot_weight_grad(dw_SC, slots)
-    ref = torch.where(slots.ids_S >= 0, dw_SC.sum(1)[slots.inv_S.long()], 0.0)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""sort_slots and slot_weight_grad (Triton interpreter, CPU) against independent torch references.
+"""sort_slots (Triton interpreter, CPU) against independent torch references.
 
 Every SlotOrder field must equal the reference exactly: the order is stable (slot order within a key),
 so there is one right answer. Blocks are shrunk to 32 slots so small S spans many blocks and the last
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from moe.kernels import routing, tuning
-from moe.kernels.routing import slot_weight_grad, sort_slots
+from moe.kernels.routing import sort_slots
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_routing_gpu.py covers the kernels",
@@ -40,11 +40,6 @@ def _ref_sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int) -> dict[str, 
     inv_S[order_S.long()] = torch.arange(order_S.numel(), dtype=torch.int32)
     rows_S = torch.div(order_S, expert_ids_Mk.shape[1], rounding_mode="floor")
     return {"order_S": order_S, "inv_S": inv_S, "offsets_E1": offsets_E1, "rows_S": rows_S, "ids_S": ids_S}
-
-
-def _ref_slot_weight_grad(dw_SC: torch.Tensor, inv_S: torch.Tensor, ids_S: torch.Tensor) -> torch.Tensor:
-    dw_S = dw_SC.sum(1)[inv_S.long()]
-    return torch.where(ids_S >= 0, dw_S, 0.0)
 
 
 @pytest.fixture
@@ -120,26 +115,3 @@ def test_layout_example():
     assert s.offsets_E1.tolist() == [0, 2, 3, 5, 5]
     assert s.order_S.tolist() == [2, 7, 6, 0, 3, 1, 4, 5]
     assert s.rows_S.tolist() == [1, 3, 3, 0, 1, 0, 2, 2]
-
-
-@pytest.mark.parametrize("M,k,E,C", [(5, 2, 4, 3), (60, 8, 130, 40), (33, 1, 8, 1)])
-def test_slot_weight_grad(M, k, E, C, small_blocks):
-    ids = random_ids(M, k, E, seed=M + C)
-    slots = sort_slots(ids, E)
-    dw_SC = torch.randn(M * k, C, generator=torch.Generator().manual_seed(1))
-    dw_SC[int(slots.offsets_E1[-1]):] = float("nan")  # -1 positions are never written: must not be read
-    got = slot_weight_grad(dw_SC, slots)
-    ref = _ref_slot_weight_grad(dw_SC, slots.inv_S, slots.ids_S)
-    assert got.dtype == torch.float32 and got.shape == (M * k,)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)  # another summation order
-    assert (got[ids.reshape(-1) < 0] == 0).all()
-
-
-def test_slot_weight_grad_strided_and_empty(small_blocks):
-    ids = random_ids(20, 2, 4, seed=2)
-    slots = sort_slots(ids, 4)
-    dw_CS = torch.randn(5, 40)
-    got = slot_weight_grad(dw_CS.t(), slots)  # a transposed view: read through its strides
-    torch.testing.assert_close(got, _ref_slot_weight_grad(dw_CS.t(), slots.inv_S, slots.ids_S))
-    empty = sort_slots(torch.empty(0, 2, dtype=torch.long), 4)
-    assert slot_weight_grad(torch.empty(0, 3), empty).shape == (0,)

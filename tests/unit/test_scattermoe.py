@@ -163,6 +163,22 @@ def test_sort_slots_layout():
     assert torch.equal(s.order_S[s.inv_S.long()], torch.arange(8, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("rank", [4, 20])  # 20: not a multiple of the rank block
+def test_gather_rank_product(rank):
+    """One pass gives the expert-sorted rows of dy and their product with each row's expert's A."""
+    from moe.kernels.grouped_linear import gather_rank_product
+    E, M = 4, 11
+    ids, _ = routing(M, E, 2)
+    ids[3] = -1
+    slots = sort_slots(ids, E)
+    dy, A = torch.randn(M, H), torch.randn(E, rank, H)
+    dyg, dyb = gather_rank_product(dy, slots, A)
+    n = int(slots.offsets_E1[-1])
+    rows, experts = slots.rows_S[:n].long(), ids.reshape(-1)[slots.order_S[:n].long()]
+    torch.testing.assert_close(dyg[:n], dy[rows])  # rows behind the valid slots are left unspecified
+    torch.testing.assert_close(dyb[:n], torch.einsum("ph,prh->pr", dy[rows], A[experts]), rtol=1e-5, atol=1e-5)
+
+
 def test_import_without_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", "import moe.backends.scattermoe"], check=True, env=env,
