@@ -1,6 +1,8 @@
 """Where the grouped expert GEMMs lose time, at Qwen3-30B-A3B shapes (T=8192, one GPU).
 
-    python benchmarks/probe_expert_gemms.py
+    python benchmarks/probe_expert_gemms.py [--timeline | --host-costs | --kernels]
+
+Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; --kernels: 6 and 3.
 
 1. Tile-tail waste: each expert's last row block is partly empty (on average BLOCK_M/2 rows of an
    expert's ~512). The same GEMMs timed with random routing (as the benchmark) and with exactly
@@ -10,6 +12,9 @@
 3. Every CUDA kernel of one fwd+bwd (grads set to None first, as in the benchmark table), named.
 4. The host timeline of one fwd+bwd: when each kernel was launched and when it ran, relative to the
    call (GPU idle at the start), the GPU's idle gaps, and the host ops that cost the most.
+5. Host us per call of each primitive (T=8192 with the GPU idle or busy; T=64 in a loop), and of the
+   whole layer at T=64 split into sort / forward / backward, next to the autograd floor.
+6. The SwiGLU-backward pass alone for several tiles, without and with the gate_up LoRA rank product.
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import cuda_time_ms, make_case  # noqa: E402
-from moe.backends import expert_backend  # noqa: E402
-from moe.kernels import grouped_linear as gl  # noqa: E402
-from moe.kernels.routing import sort_slots  # noqa: E402
+from benchmarks.bench_experts import cuda_time_ms, make_case
+from moe.backends import expert_backend
+from moe.kernels import grouped_linear as gl
+from moe.kernels.routing import sort_slots
 
 E, H, I, K_TOP, T = 128, 2048, 768, 8, 8192
 
@@ -53,10 +58,10 @@ def tail_waste() -> None:
     for name, ids in routings().items():
         slots = sort_slots(ids, E)
         counts = slots.offsets_E1.diff()
-        t_gu = ms(lambda: gl.gate_up_swiglu(x, slots, w_gu, None, weights))
         out = torch.empty(T * K_TOP, H, device="cuda", dtype=torch.bfloat16)
-        t_down_ours = ms(lambda: gl._launch(hw, slots, w_down, H, None, None, out, gather=False))
-        t_down_cutlass = ms(lambda: gl.expert_gemm(hw, slots, w_down))
+        t_gu = ms(lambda slots=slots: gl.gate_up_swiglu(x, slots, w_gu, None, weights))
+        t_down_ours = ms(lambda slots=slots, out=out: gl._launch(hw, slots, w_down, H, None, None, out, gather=False))
+        t_down_cutlass = ms(lambda slots=slots: gl.expert_gemm(hw, slots, w_down))
         print(f"== tail {name:8} rows/expert {counts.min().item()}..{counts.max().item()}: gate_up ours "
               f"{t_gu:.3f} ms, down ours {t_down_ours:.3f}, down CUTLASS {t_down_cutlass:.3f}", flush=True)
 
@@ -240,7 +245,7 @@ def host_costs() -> None:
         import moe.backends.scattermoe as sm
         spent = {"_forward": [], "_backward": [], "sort_slots": []}
 
-        def timed(name, fn):
+        def timed(name, fn, spent=spent):
             def wrapper(*a, **k):
                 t0 = time.perf_counter()
                 out = fn(*a, **k)
@@ -257,7 +262,8 @@ def host_costs() -> None:
         print(f"== host layer {mode} T=64 split: fwd+bwd {total:.1f} us; {parts} us", flush=True)
         xg = torch.randn(64, device="cuda", requires_grad=True)
         g = torch.ones(64, device="cuda")
-        print(f"== host autograd floor (x*2).backward: {us(lambda: (xg * 2).backward(g)):.1f} us", flush=True)
+        print(f"== host autograd floor (x*2).backward: {us(lambda xg=xg, g=g: (xg * 2).backward(g)):.1f} us",
+              flush=True)
         import cProfile
         import io
         import pstats
