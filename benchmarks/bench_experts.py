@@ -304,28 +304,47 @@ def graph_ms(fn) -> str:
     return f"{ms:.3f} ms"
 
 
-def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
-    """Host enqueue time of one fwd+bwd (GPU idle at the start) vs its GPU time, at ep1 and ep4, and the
-    functions that spend the host time (cProfile, by own time). Host time above the GPU time is exposed
-    whenever nothing else keeps the GPU busy."""
+def fwd_bwd_step(backend_name: str, ex, x, ids, w):
+    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd."""
+    backend, dy = expert_backend(backend_name), torch.randn_like(x)
+    params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+
+    def fwd_bwd():
+        for p in params:
+            p.grad = None
+        backend(x, ids, w, ex).backward(dy)
+    return fwd_bwd
+
+
+def print_cprofile(fn, calls: int, sort: str, lines: int, prefix: str = "  ") -> None:
+    """cProfile of `calls` calls of fn, the top `lines` functions by `sort`."""
     import cProfile
     import io
     import pstats
 
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(lines)
+    for line in out.getvalue().splitlines()[6:]:
+        if line.strip():
+            print(prefix + line[:170])
+
+
+def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
+    """Host enqueue time of one fwd+bwd (GPU idle at the start) vs its GPU time, at ep1 and ep4, and the
+    functions that spend the host time (cProfile, by own time). Host time above the GPU time is exposed
+    whenever nothing else keeps the GPU busy."""
     for shape in shapes:
         for mode in MODES:
             for name in backends:
                 for ep in (1, 4):
                     ex, x, ids, w, _ = make_case(shape, T, mode, ep=ep)
-                    backend, dy = expert_backend(name), torch.randn_like(x)
-
-                    params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
-
-                    def fwd_bwd(backend=backend, x=x, ids=ids, w=w, ex=ex, dy=dy, params=params):
-                        for p in params:
-                            p.grad = None
-                        backend(x, ids, w, ex).backward(dy)
-
+                    fwd_bwd = fwd_bwd_step(name, ex, x, ids, w)
                     for _ in range(3):
                         fwd_bwd()
                     host = []
@@ -338,17 +357,7 @@ def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
                     print(f"\n== host {shape} {mode} ep{ep} {name}: host {statistics.median(host):.3f} ms, "
                           f"call-to-done {gpu:.3f} ms, GPU only (CUDA graph) {graph_ms(fwd_bwd)}")
                     if ep == 1 or mode == "lora16":
-                        prof = cProfile.Profile()
-                        prof.enable()
-                        for _ in range(20):
-                            fwd_bwd()
-                        prof.disable()
-                        torch.cuda.synchronize()
-                        out = io.StringIO()
-                        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(28)
-                        for line in out.getvalue().splitlines()[6:]:
-                            if line.strip():
-                                print("  " + line[:160])
+                        print_cprofile(fwd_bwd, 20, "tottime", 28)
                     del fwd_bwd
                     torch.cuda.empty_cache()
 

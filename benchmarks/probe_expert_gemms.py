@@ -28,7 +28,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import cuda_time_ms, make_case
+from benchmarks.bench_experts import cuda_time_ms, fwd_bwd_step, make_case, print_cprofile
 from moe.backends import expert_backend
 from moe.kernels import grouped_linear as gl
 from moe.kernels.routing import sort_slots
@@ -123,14 +123,7 @@ def all_kernels() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for mode in ("full", "lora16"):
-        ex, x, ids, w, _ = make_case("qwen3-30b-a3b", T, mode, ep=1)
-        backend, dy = expert_backend("scattermoe"), torch.randn_like(x)
-        params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
-
-        def fwd_bwd(backend=backend, x=x, ids=ids, w=w, ex=ex, dy=dy, params=params):
-            for p in params:
-                p.grad = None
-            backend(x, ids, w, ex).backward(dy)
+        fwd_bwd = fwd_bwd_step("scattermoe", *make_case("qwen3-30b-a3b", T, mode, ep=1)[:4])
         for _ in range(3):
             fwd_bwd()
         torch.cuda.synchronize()
@@ -151,15 +144,11 @@ def host_timeline() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for mode, ep in (("full", 1), ("full", 4), ("lora16", 4)):
-        ex, x, ids, w, _ = make_case("qwen3-30b-a3b", T, mode, ep=ep)
-        backend, dy = expert_backend("scattermoe"), torch.randn_like(x)
-        params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+        step = fwd_bwd_step("scattermoe", *make_case("qwen3-30b-a3b", T, mode, ep=ep)[:4])
 
-        def fwd_bwd(backend=backend, x=x, ids=ids, w=w, ex=ex, dy=dy, params=params):
+        def fwd_bwd(step=step):
             with torch.profiler.record_function("fwd_bwd"):
-                for p in params:
-                    p.grad = None
-                backend(x, ids, w, ex).backward(dy)
+                step()
         for _ in range(3):
             fwd_bwd()
         torch.cuda.synchronize()
@@ -230,17 +219,13 @@ def host_costs() -> None:
         print(f"== host {name:28} {us(fn):7.1f} us", flush=True)
     for mode in ("full", "lora16"):
         ex, x, ids_, w, _ = make_case_small(mode)
-        backend, dy = expert_backend("scattermoe"), torch.randn_like(x)
-        params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+        backend = expert_backend("scattermoe")
+        fwd_bwd = fwd_bwd_step("scattermoe", ex, x, ids_, w)
 
         def fwd(backend=backend, x=x, ids_=ids_, w=w, ex=ex):
             with torch.no_grad():
                 backend(x, ids_, w, ex)
 
-        def fwd_bwd(backend=backend, x=x, ids_=ids_, w=w, ex=ex, dy=dy, params=params):
-            for p in params:
-                p.grad = None
-            backend(x, ids_, w, ex).backward(dy)
         print(f"== host layer {mode} T=64: fwd {us(fwd, 100):7.1f} us, fwd+bwd {us(fwd_bwd, 100):7.1f} us", flush=True)
         import moe.backends.scattermoe as sm
         spent = {"_forward": [], "_backward": [], "sort_slots": []}
@@ -264,20 +249,7 @@ def host_costs() -> None:
         g = torch.ones(64, device="cuda")
         print(f"== host autograd floor (x*2).backward: {us(lambda xg=xg, g=g: (xg * 2).backward(g)):.1f} us",
               flush=True)
-        import cProfile
-        import io
-        import pstats
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(100):
-            fwd_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(45)
-        for line in out.getvalue().splitlines()[6:]:
-            if line.strip():
-                print("== " + line[:170])
+        print_cprofile(fwd_bwd, 100, "cumtime", 45, prefix="== ")
 
 
 def host_costs_big() -> None:
