@@ -20,8 +20,10 @@ Public launchers:
                                                        -> gate_up_S2I, hw_SI, xa_Sr (SwiGLU fused, hw = w * h)
     expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
     expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS where it applies)
-    swiglu_backward(dyg_SH, slots, w_EHI, lora, gate_up_S2I, weights_Mk)
-                                                       -> d_gate_up_S2I, dyb_Sr, d_weights_Mk
+    rank_product(in_, slots, A_ErK, gather)            -> ia_Sr
+    gather_rank_product(in_MK, slots, A_ErK)           -> in gathered [S, K], ia_Sr (one pass)
+    swiglu_backward(dyg_SH, slots, w_EHI, lora, gate_up_S2I, weights_Mk, dyb_Sr, gu_B_E2Ir)
+                                                       -> d_gate_up_S2I, dyb_Sr, dgub_Sr, d_weights_Mk
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
 """
@@ -454,6 +456,8 @@ def swiglu_backward(dyg_SH: torch.Tensor, slots: SlotOrder, w_EHI: torch.Tensor,
     [S, r] (None without gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
     """
     S, I = slots.num_slots, w_EHI.shape[2]
+    # One BLOCK_R serves both rank products (GroupedExperts gives both projections one rank).
+    assert lora is None or gu_B_E2Ir is None or gu_B_E2Ir.shape[2] == lora.rank, "equal LoRA ranks"
     g_SI = expert_gemm(dyg_SH, slots, w_EHI.transpose(1, 2))
     if lora is not None and dyb_Sr is None:
         dyb_Sr = rank_product(dyg_SH, slots, lora.A_ErK, gather=False)
