@@ -37,15 +37,15 @@ def _distributed(rank, world_size, lora, tmp, parallelism):
 
 
 MESHES = {
-    "ep2": (2, dict(ep=2)),
-    "ep4": (4, dict(ep=4)),
-    "fsdp2": (2, dict()),
-    "fsdp4_ep2": (4, dict(ep=2)),
-    "hsdp2x2_ep2": (4, dict(dp_replicate=2, ep=2)),
-    "fsdp4_ep2_selective_ac": (4, dict(ep=2, activation_checkpoint="selective")),
-    "ep2_full_ac": (2, dict(ep=2, activation_checkpoint="full")),
+    "ep2": (2, {"ep": 2}),
+    "ep4": (4, {"ep": 4}),
+    "fsdp2": (2, {}),
+    "fsdp4_ep2": (4, {"ep": 2}),
+    "hsdp2x2_ep2": (4, {"dp_replicate": 2, "ep": 2}),
+    "fsdp4_ep2_selective_ac": (4, {"ep": 2, "activation_checkpoint": "selective"}),
+    "ep2_full_ac": (2, {"ep": 2, "activation_checkpoint": "full"}),
     # the Triton kernels (interpreted on the CPU) behind the EP dispatcher's sentinel layout
-    "fsdp4_ep2_scattermoe": (4, dict(ep=2, expert_backend="scattermoe")),
+    "fsdp4_ep2_scattermoe": (4, {"ep": 2, "expert_backend": "scattermoe"}),
 }
 
 
