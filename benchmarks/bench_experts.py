@@ -5,9 +5,8 @@
 Per real MoE shape (T=8192 tokens; --quick: T=2048 and two shapes), backend and mode it reports the
 median time over CUDA events after warmup (autotuning happens in the warmup; each call starts on an idle
 GPU), the fwd+bwd time of calls issued back to back ("steady": the host runs ahead, as in a training
-step), the peak memory above
-the resident tensors, and achieved TFLOP/s (valid slots only) next to a bf16 matmul rate measured in
-the same run. Modes: `full` (base weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base),
+step), the peak memory above the resident tensors, and achieved TFLOP/s (valid slots only) next to a
+bf16 matmul rate measured in the same run. Modes: `full` (base weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base),
 each with all slots valid (ep1) and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the
 first 1/ep of the experts, every other slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA
 path (chosen automatically only for small experts) for comparison. Then it checks the targets

@@ -112,8 +112,8 @@ def swiglu_backward_tiles() -> None:
     saved_lora = gl._SWIGLU_BWD_TILE_LORA
     for tile in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 4), (64, 32, 4)):
         gl._SWIGLU_BWD_TILE = gl._SWIGLU_BWD_TILE_LORA = tile
-        full = ms(lambda: gl.swiglu_backward(dyg, slots, w_down, None, gu, weights)) - base
-        lora = ms(lambda: gl.swiglu_backward(dyg, slots, w_down, None, gu, weights, None, gu_B)) - base
+        full = ms(lambda: gl.swiglu_backward(dyg, slots, w_down, None, None, gu, weights)) - base
+        lora = ms(lambda: gl.swiglu_backward(dyg, slots, w_down, None, None, gu, weights, gu_B)) - base
         print(f"== swiglu_bwd tile {tile}: pass {full:.3f} ms, with d gate_up B_gu {lora:.3f} ms", flush=True)
     gl._SWIGLU_BWD_TILE, gl._SWIGLU_BWD_TILE_LORA = saved, saved_lora
 
@@ -276,7 +276,7 @@ def host_costs_big() -> None:
         "grouped_mm dW_down": lambda: torch._grouped_mm(z.t(), hw, offs=slots.offsets_E1[1:]),
         "combine": lambda: combine(z, slots, None),
         "index_select": lambda: x.index_select(0, slots.rows_S),
-        "swiglu_backward": lambda: gl.swiglu_backward(z, slots, w_down, None, gu, weights),
+        "swiglu_backward": lambda: gl.swiglu_backward(z, slots, w_down, None, None, gu, weights),
     }
     for name, fn in ops.items():
         fn()

@@ -98,8 +98,8 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
         dyg_SH, dyb_Sr = gather_rank_product(dy_MH, slots, down_T.A_ErK)
     else:
         dyg_SH, dyb_Sr = dy_MH.index_select(0, slots.rows_S), None
-    dgu_S2I, dyb_Sr, dgub_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, gu_S2I, weights_Mk, dyb_Sr,
-                                                      gu_B if has_lora else None)
+    dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, dyb_Sr, gu_S2I, weights_Mk,
+                                              gu_B if has_lora else None)
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
     if need["x"]:

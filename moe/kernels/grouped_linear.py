@@ -20,10 +20,9 @@ Public launchers:
                                                        -> gate_up_S2I, hw_SI, xa_Sr (SwiGLU fused, hw = w * h)
     expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
     expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS where it applies)
-    rank_product(in_, slots, A_ErK, gather)            -> ia_Sr
     gather_rank_product(in_MK, slots, A_ErK)           -> in gathered [S, K], ia_Sr (one pass)
-    swiglu_backward(dyg_SH, slots, w_EHI, lora, gate_up_S2I, weights_Mk, dyb_Sr, gu_B_E2Ir)
-                                                       -> d_gate_up_S2I, dyb_Sr, dgub_Sr, d_weights_Mk
+    swiglu_backward(dyg_SH, slots, w_EHI, lora, dyb_Sr, gate_up_S2I, weights_Mk, gu_B_E2Ir)
+                                                       -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
 """
@@ -312,13 +311,6 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
     return ia_Sr
 
 
-def rank_product(in_: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor, gather: bool) -> torch.Tensor:
-    """ia[p] = in[row(p)] @ A_e^T: [S, r]."""
-    ia_Sr = in_.new_empty(slots.num_slots, A_ErK.shape[1])
-    _launch(in_, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=gather)
-    return ia_Sr
-
-
 def gather_rank_product(in_MK: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor):
     """(in[row(p)] [S, K], in[row(p)] @ A_e^T [S, r]) from one pass over the gathered rows: the backward's
     dy gather and its LoRA rank product share their reads."""
@@ -442,25 +434,24 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
 
 
 def swiglu_backward(dyg_SH: torch.Tensor, slots: SlotOrder, w_EHI: torch.Tensor, lora: LoraView | None,
-                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor, dyb_Sr: torch.Tensor | None = None,
+                    dyb_Sr: torch.Tensor | None, gu_S2I: torch.Tensor, weights_Mk: torch.Tensor,
                     gu_B_E2Ir: torch.Tensor | None = None):
     """Backward through the routing weight, the down projection and the SwiGLU.
 
     dyg_SH is dy gathered into expert-sorted order (dy[row(p)]), w_EHI the down weight [E, H, I];
-    lora views the down LoRA read backwards (A = B_down^T [E, r, H], B = A_down^T [E, I, r]); dyb_Sr
-    = dyg @ B_down^T when the caller already has it. g = dyg @ W_down_e by the bare grouped GEMM
+    lora views the down LoRA read backwards (A = B_down^T [E, r, H], B = A_down^T [E, I, r]) and dyb_Sr
+    is dyg @ B_down^T [S, r] (gather_rank_product gives both; None without LoRA). g = dyg @ W_down_e by
+    the bare grouped GEMM
     (CUTLASS where it applies: the SwiGLU-backward epilogue inside our GEMM ran at 271 TFLOP/s against
     516 for CUTLASS + this pass), then one pass over each row block: g += s (dyg B_down) A_down,
     d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B [E, 2I, r]) also
-    d gate_up @ B_gu. Returns d gate_up [S, 2I], dyb [S, r] (None without LoRA), d gate_up @ B_gu
-    [S, r] (None without gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
+    d gate_up @ B_gu. Returns d gate_up [S, 2I], d gate_up @ B_gu [S, r] (None without gu_B_E2Ir) and
+    d weights [M, k] (fp32, zero at -1 slots).
     """
     S, I = slots.num_slots, w_EHI.shape[2]
     # One BLOCK_R serves both rank products (GroupedExperts gives both projections one rank).
     assert lora is None or gu_B_E2Ir is None or gu_B_E2Ir.shape[2] == lora.rank, "equal LoRA ranks"
     g_SI = expert_gemm(dyg_SH, slots, w_EHI.transpose(1, 2))
-    if lora is not None and dyb_Sr is None:
-        dyb_Sr = rank_product(dyg_SH, slots, lora.A_ErK, gather=False)
     dgu_S2I = dyg_SH.new_empty(S, 2 * I)
     dw_S = torch.empty(S, device=dyg_SH.device, dtype=torch.float32)
     dgub_Sr = dyg_SH.new_empty(S, gu_B_E2Ir.shape[2]) if gu_B_E2Ir is not None else None
@@ -475,4 +466,4 @@ def swiglu_backward(dyg_SH: torch.Tensor, slots: SlotOrder, w_EHI: torch.Tensor,
         S, E, I, R), {
         "HAS_LORA": lora is not None, "HAS_GU_B": gu_B_E2Ir is not None, "BLOCK_E": _block_e(E),
         "BLOCK_R": _block_r(R), "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps})
-    return dgu_S2I, dyb_Sr, dgub_Sr, dw_S.view(weights_Mk.shape)
+    return dgu_S2I, dgub_Sr, dw_S.view(weights_Mk.shape)

@@ -179,6 +179,38 @@ def test_gather_rank_product(rank):
     torch.testing.assert_close(dyb[:n], torch.einsum("ph,prh->pr", dy[rows], A[experts]), rtol=1e-5, atol=1e-5)
 
 
+def test_swiglu_backward_pass(monkeypatch):
+    """The row-block pass against torch math: d(gate, up), the routing-weight gradient per slot and
+    d gate_up @ B_gu. Its buffers start as NaN, so a -1 slot's dw must be written (zero) and no -1 row
+    may leak into a valid one."""
+    from moe.kernels import grouped_linear as gl
+    E, M, k, r = 4, 13, 2, 4
+    ids, w = routing(M, E, k)
+    ids[2], ids[5, 0] = -1, -1
+    slots = sort_slots(ids, E)
+    S, n = M * k, int(slots.offsets_E1[-1])
+    dyg, gu = torch.randn(S, H), torch.randn(S, 2 * I)
+    w_down, gu_B = torch.randn(E, H, I) * 0.2, torch.randn(E, 2 * I, r)
+    dyg[n:], gu[n:] = float("nan"), float("nan")  # rows of -1 positions are never written upstream
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    dgu, dgub, dw = gl.swiglu_backward(dyg, slots, w_down, None, None, gu, w, gu_B)
+    monkeypatch.setattr(torch, "empty", real_empty)
+
+    pos = slots.order_S[:n].long()
+    e = ids.reshape(-1)[pos]
+    g = torch.einsum("ph,phi->pi", dyg[:n], w_down[e])
+    gate, up = gu[:n, :I], gu[:n, I:]
+    silu = torch.nn.functional.silu(gate)
+    dh = g * w.reshape(-1)[pos, None]
+    ref_dgu = torch.cat([dh * up * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))), dh * silu], 1)
+    ref_dw = torch.zeros(S).index_put_((pos,), (g * silu * up).sum(1))
+    torch.testing.assert_close(dgu[:n], ref_dgu, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw.reshape(-1), ref_dw, rtol=1e-4, atol=1e-4)
+    assert (dw.reshape(-1)[ids.reshape(-1) < 0] == 0).all()
+    torch.testing.assert_close(dgub[:n], torch.einsum("pj,pjr->pr", ref_dgu, gu_B[e]), rtol=1e-4, atol=1e-4)
+
+
 def test_import_without_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", "import moe.backends.scattermoe"], check=True, env=env,
