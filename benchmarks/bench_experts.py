@@ -266,12 +266,12 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str]) -> None:
         for mode in MODES:
             for name in backends:
                 ex, x, ids, w, _ = make_case(shape, T, mode, ep=1)
-                backend, dy = expert_backend(name), torch.randn_like(x)
+                step = fwd_bwd_step(name, ex, x, ids, w)  # grads set to None: no accumulation kernels
                 for _ in range(3):
-                    backend(x, ids, w, ex).backward(dy)
+                    step()
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    backend(x, ids, w, ex).backward(dy)
+                    step()
                     torch.cuda.synchronize()
                 kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
                 total_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
@@ -401,6 +401,10 @@ def main() -> None:
         if shape == "qwen3-30b-a3b":  # the targets' shape: report them before the remaining shapes run
             checks = targets(rows)
     save(rows, checks if checks is not None else targets(rows))
+    from moe.kernels.tuning import _FASTER
+    for key, winner in _FASTER.items():  # the measured choices between implementations (CUTLASS or ours)
+        name, _, _, rows, w_shape, w_layout = key
+        print(f"== faster: {name} W{tuple(w_shape)} {'' if w_layout else '(transposed view) '}S~{rows}: {winner}")
 
 
 if __name__ == "__main__":

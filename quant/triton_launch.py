@@ -32,6 +32,7 @@ import torch
 
 try:
     import triton
+    from triton.runtime import _allocation as _triton_allocation
     from triton.runtime.autotuner import Autotuner, Heuristics
     from triton.runtime.jit import JITFunction
     try:
@@ -128,6 +129,18 @@ def current_device() -> int:
 
 def current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)  # what Triton's CUDA driver uses
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+
+
+def ensure_scratch_allocator() -> None:
+    """Kernels that build TMA descriptors on the device need Triton's scratch allocator. Triton keeps it
+    in a context variable, so each thread (the autograd engine runs the backward on its own) starts
+    without one: set one backed by torch's caching allocator unless the caller already set theirs."""
+    if isinstance(_triton_allocation._allocator.get(), _triton_allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def _autotune_key(layers: _Layers, args: tuple, constexprs: dict) -> tuple:

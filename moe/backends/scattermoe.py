@@ -17,10 +17,10 @@ Backward (dyg = dy gathered into expert-sorted order, once; with LoRA the same p
     dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                     GEMM + combine
     dW_gu = d gate_up^T x[token], dW_down = dyg^T hw: per-expert reductions over the rows, by
     torch._grouped_mm (CUTLASS, K-grouped) on sm90+ bf16, else grouped_xty;
-    dA, dB: grouped_xty over the [S, r] intermediates x A^T, hw A^T, dy B, d gate_up B (no routing
-    weights anywhere: they are inside hw). dW is skipped for a frozen base weight.
+    dA, dB: one lora_factor_grads launch over the [S, r] intermediates x A^T, hw A^T, dy B, d gate_up B
+    (no routing weights anywhere: they are inside hw). dW is skipped for a frozen base weight.
 The bare GEMMs without LoRA or epilogue (down and dx of a full fine-tune, g) run on torch._grouped_mm
-(CUTLASS) where it applies, else on our grouped kernel (see grouped_linear.expert_gemm).
+(CUTLASS) or our grouped kernel, whichever was measured faster on the device (grouped_linear.expert_gemm).
 Eager calls go through an autograd.Function (least host time); under torch.compile the sort, the
 forward and the backward are the custom ops moert::scattermoe_{sort,fwd,bwd}, which the fullgraph
 trace keeps whole.
@@ -39,12 +39,13 @@ from moe.backends import compute_dtype, register_backend
 from moe.kernels.grouped_linear import (
     LoraView,
     cutlass_ok,
+    expert_gemm,
     expert_linear,
     gate_up_swiglu,
     gather_rank_product,
     swiglu_backward,
 )
-from moe.kernels.grouped_xty import grouped_xty
+from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
 from moe.kernels.routing import SlotOrder, combine, sort_slots
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
@@ -98,7 +99,8 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
         dyg_SH, dyb_Sr = gather_rank_product(dy_MH, slots, down_T.A_ErK)
     else:
         dyg_SH, dyb_Sr = dy_MH.index_select(0, slots.rows_S), None
-    dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(dyg_SH, slots, w_down, down_T, dyb_Sr, gu_S2I, weights_Mk,
+    g_SI = expert_gemm(dyg_SH, slots, w_down.transpose(1, 2))
+    dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(g_SI, slots, down_T, dyb_Sr, gu_S2I, weights_Mk,
                                               gu_B if has_lora else None)
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
@@ -106,20 +108,17 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
         gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
         dxs_SH, _ = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False, ia_Sr=dgub_Sr)
         grads["x"] = combine(dxs_SH, slots, None)
-    xty = {"slots": slots}
     if need["gu"]:
         grads["gu"] = _weight_grad(dgu_S2I, x_MH.index_select(0, slots.rows_S), slots)
     if need["down"]:
         grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
-    if has_lora:
-        if need["gu_A"]:
-            grads["gu_A"] = grouped_xty(dgub_Sr, x_MH, gather_l=False, gather_r=True, scaling=s, **xty)
-        if need["gu_B"]:
-            grads["gu_B"] = grouped_xty(dgu_S2I, xa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
-        if need["down_A"]:
-            grads["down_A"] = grouped_xty(dyb_Sr, hw_SI, gather_l=False, gather_r=False, scaling=s, **xty)
-        if need["down_B"]:
-            grads["down_B"] = grouped_xty(dyg_SH, hwa_Sr, gather_l=False, gather_r=False, scaling=s, **xty)
+    if has_lora:  # the four factor gradients (those needed) in one launch
+        factor_grads = {"gu_A": FactorGrad(dgub_Sr, x_MH, gather_r=True),
+                        "gu_B": FactorGrad(xa_Sr, dgu_S2I, transposed=True),
+                        "down_A": FactorGrad(dyb_Sr, hw_SI),
+                        "down_B": FactorGrad(hwa_Sr, dyg_SH, transposed=True)}
+        wanted = [problem if need[name] else None for name, problem in factor_grads.items()]
+        grads.update(zip(factor_grads, lora_factor_grads(wanted, slots, s)))
     return tuple(grads.values())
 
 

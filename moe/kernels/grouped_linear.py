@@ -19,9 +19,9 @@ Public launchers:
     gate_up_swiglu(x_MH, slots, w_E2IH, lora, weights_Mk)
                                                        -> gate_up_S2I, hw_SI, xa_Sr (SwiGLU fused, hw = w * h)
     expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
-    expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS where it applies)
+    expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS or ours, the faster)
     gather_rank_product(in_MK, slots, A_ErK)           -> in gathered [S, K], ia_Sr (one pass)
-    swiglu_backward(dyg_SH, slots, w_EHI, lora, dyb_Sr, gate_up_S2I, weights_Mk, gu_B_E2Ir)
+    swiglu_backward(g_SI, slots, lora, dyb_Sr, gate_up_S2I, weights_Mk, gu_B_E2Ir)
                                                        -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from moe.kernels.routing import SlotOrder
-from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, m_bucket, prune_gemm
-from quant.triton_launch import cdiv, launch, next_power_of_2
+from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, faster, m_bucket, prune_gemm
+from quant.triton_launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
 
 # Segment search vector width; a floor keeps one compiled variant for every E up to 256.
 _MIN_BLOCK_E = 256
@@ -48,6 +48,8 @@ _MIN_BLOCK_E = 256
 # 0.194 ms (64, 32) vs 0.271 (64, 64) with.
 _SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (32, 128, 4)
 _SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
+# Widest output that a GEMM storing its gathered input (STORE_IN) is verified for on the GPU.
+_MAX_STORE_IN_N = 64
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,13 @@ def _num_row_blocks(offsets_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 
 @triton.jit
 def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, positions p_M, row mask) of row block pid_m (expert >= E: a surplus program, which exits).
+    """(expert, first row, positions p_M, row mask) of row block pid_m (expert >= E: a surplus program).
     Surplus rows of an expert's last block re-read its first row: loads need no row mask, stores drop
     them."""
     e, row0, row_end = _expert_block(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     p_M = row0 + tl.arange(0, BLOCK_M)
     mask_M = p_M < row_end
-    return e, tl.where(mask_M, p_M, row0), mask_M
+    return e, row0, tl.where(mask_M, p_M, row0), mask_M
 
 
 @triton.jit
@@ -183,84 +185,118 @@ def _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, gu_ptr, s_gu_m,
     tl.store(h_ptr + row_M * s_h_m + n_N[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """acc += in[row0:row0+BLOCK_M] @ W_e^T[:, n0:n0+BLOCK_N] with both tiles by TMA (out-of-range rows,
+    columns and K are zero-filled). W_T: w_desc is over [E, K, N] (a transposed weight view)."""
+    for k0 in range(0, K, BLOCK_K):
+        x = x_desc.load([row0, k0])
+        if W_T:
+            w = w_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            w = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD", "STORE_IN"],
+                                            "GLU_FWD", "STORE_IN", "TMA"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
 def _grouped_linear_kernel(
         in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
         w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
         ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr, copy_ptr, s_copy_m,
-        scaling, E, N, R, M_BUCKET, K: tl.constexpr,
+        scaling, S, E, N, R, M_BUCKET, K: tl.constexpr,
         GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr, GLU_FWD: tl.constexpr,
-        STORE_IN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+        STORE_IN: tl.constexpr, TMA: tl.constexpr, W_T: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_R: tl.constexpr, PERSISTENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
     in the K loop (LORA_IN_LOOP, ia written) or read from ia. STORE_IN: the first column block also
-    writes its (gathered) input rows to copy [S, K] in expert-sorted order.
+    writes its (gathered) input rows to copy [S, K] in expert-sorted order. TMA: expert-sorted input
+    rows and the weight tiles by tensor descriptors (W_T: the weight is a transposed view, its
+    descriptor is over the [E, K, N] tensor underneath). PERSISTENT: one program per SM walks the
+    tiles (row block major, so the programs running together share input rows and expert weights).
     K is a constexpr (a model has a few reduction sizes) so that the unmasked K loop is chosen at
     compile time, not by a per-launch heuristic."""
-    pid = tl.program_id(0)
     if GLU_FWD:
         num_n = tl.cdiv(N, BLOCK_N // 2)
     else:
         num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    e, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
-    if e >= E:
-        return
-    e64 = e.to(tl.int64)
-    slot_M = tl.load(order_ptr + p_M)
-    if GATHER:
-        rows_M = (slot_M // TOPK).to(tl.int64)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(in_ptr, [S, K], [s_in_m, 1], [BLOCK_M, BLOCK_K])
+        if W_T:
+            w_desc = tl.make_tensor_descriptor(w_ptr, [E, K, N], [s_w_e, s_w_k, 1], [1, BLOCK_K, BLOCK_N])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, [E, N, K], [s_w_e, s_w_n, 1], [1, BLOCK_N, BLOCK_K])
+    if PERSISTENT:
+        # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus tiles skip.
+        tiles = (tl.cdiv(S, BLOCK_M) + E) * num_n
+        step = tl.num_programs(0)
     else:
-        rows_M = p_M.to(tl.int64)
-    wrow_N, mask_N = _columns(pid_n, N, GLU_FWD, BLOCK_N)
-    k_K = tl.arange(0, BLOCK_K)
-    in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
-    w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
-    r_R = tl.arange(0, BLOCK_R)
-    mask_R = r_R < R
-    if LORA_IN_LOOP:
-        a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
-    else:
-        a_ptrs = in_ptrs
-    if HAS_LORA:
-        ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
-        b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
-    if HAS_LORA and not LORA_IN_LOOP:
-        # Split LoRA: the rank-sized ia is already in memory; its product seeds the accumulator, so
-        # nothing LoRA-related stays live across the K loop (the base loop keeps its registers).
-        ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
-        acc = _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if STORE_IN:
-        copy_ptrs = copy_ptr + p_M.to(tl.int64)[:, None] * s_copy_m + k_K[None, :]
-        # Only the first column block writes the copy (a vector compare: Triton's interpreter rejects
-        # a scalar bool in a mask).
-        copy_M = mask_M & (tl.zeros_like(p_M) + pid_n == 0)
-    else:
-        copy_ptrs, copy_M = in_ptrs, mask_M
-    acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs, BLOCK_K * s_a_k,
-                         mask_R, K, acc, acc_r, copy_ptrs, copy_M, LORA_IN_LOOP, STORE_IN,
-                         K % BLOCK_K == 0, BLOCK_K)
-    if LORA_IN_LOOP:
-        ia = acc_r.to(ia_ptr.dtype.element_ty)
-        if pid_n == 0:  # every column block computed the same ia: one writes it
-            tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
-        acc += _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
-    if GLU_FWD:
-        _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
-                                 rw_ptr, BLOCK_M, BLOCK_N)
-    else:
-        n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + n_N[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
+        tiles = tl.program_id(0) + 1
+        step = 1
+    for tile in range(tl.program_id(0), tiles, step):
+        pid_m = tile // num_n
+        pid_n = tile % num_n
+        e, row0, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+        if e < E:
+            e64 = e.to(tl.int64)
+            slot_M = tl.load(order_ptr + p_M)
+            if GATHER:
+                rows_M = (slot_M // TOPK).to(tl.int64)
+            else:
+                rows_M = p_M.to(tl.int64)
+            wrow_N, mask_N = _columns(pid_n, N, GLU_FWD, BLOCK_N)
+            k_K = tl.arange(0, BLOCK_K)
+            in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
+            w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
+            r_R = tl.arange(0, BLOCK_R)
+            mask_R = r_R < R
+            if LORA_IN_LOOP:
+                a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
+            else:
+                a_ptrs = in_ptrs
+            if HAS_LORA:
+                ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
+                b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
+            if HAS_LORA and not LORA_IN_LOOP:
+                # Split LoRA: the rank-sized ia is already in memory; its product seeds the accumulator,
+                # so nothing LoRA-related stays live across the K loop (it keeps the base registers).
+                ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
+                acc = _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            if TMA:
+                acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K)
+            else:
+                if STORE_IN:
+                    copy_ptrs = copy_ptr + p_M.to(tl.int64)[:, None] * s_copy_m + k_K[None, :]
+                    # Only the first column block writes the copy (a vector compare: Triton's
+                    # interpreter rejects a scalar bool in a mask).
+                    copy_M = mask_M & (tl.zeros_like(p_M) + pid_n == 0)
+                else:
+                    copy_ptrs, copy_M = in_ptrs, mask_M
+                acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
+                                     BLOCK_K * s_a_k, mask_R, K, acc, acc_r, copy_ptrs, copy_M, LORA_IN_LOOP,
+                                     STORE_IN, K % BLOCK_K == 0, BLOCK_K)
+            if LORA_IN_LOOP:
+                ia = acc_r.to(ia_ptr.dtype.element_ty)
+                if pid_n == 0:  # every column block computed the same ia: one writes it
+                    tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
+                acc += _lora_product(ia, b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
+            if GLU_FWD:
+                _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
+                                         rw_ptr, BLOCK_M, BLOCK_N)
+            else:
+                n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + n_N[None, :]
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
 
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
@@ -273,19 +309,44 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
     S = slots.num_slots
+    lora_in_loop = lora is not None and not lora.split
+    # TMA: expert-sorted rows only (sm90 TMA cannot gather); the fused LoRA's K loop stays on pointers.
+    tma = not gather and not glu_fwd and not lora_in_loop and _tma_ok(in_, w_ENK)
+    if tma:
+        ensure_scratch_allocator()
 
     def grid(meta):
         cols_per_block = meta["BLOCK_N"] // 2 if glu_fwd else meta["BLOCK_N"]
         # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus programs exit.
-        return ((cdiv(S, meta["BLOCK_M"]) + E) * cdiv(N, cols_per_block),)
+        tiles = (cdiv(S, meta["BLOCK_M"]) + E) * cdiv(N, cols_per_block)
+        return (min(tiles, _num_sms(in_.device.index)) if meta["PERSISTENT"] else tiles,)
 
     launch(_grouped_linear_kernel, grid, (
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
         w_ENK, *w_ENK.stride(), A, *_strides(A, 3), B, *_strides(B, 3),
         ia_Sr, _strides(ia_Sr, 2)[0], out, out.stride(0), aux, _strides(aux, 2)[0], rw_S,
-        copy, _strides(copy, 2)[0], lora.scaling if lora is not None else 0.0, E, N, R, m_bucket(S)), {
-        "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora is not None and not lora.split,
-        "GLU_FWD": glu_fwd, "STORE_IN": copy is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
+        copy, _strides(copy, 2)[0], lora.scaling if lora is not None else 0.0, S, E, N, R, m_bucket(S)), {
+        "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora_in_loop,
+        "GLU_FWD": glu_fwd, "STORE_IN": copy is not None, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
+        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
+
+
+def _tma_ok(in_SK: torch.Tensor, w_ENK: torch.Tensor) -> bool:
+    """Both operands can be read by tensor descriptors: 16-byte aligned bases and strides, one unit stride
+    (rows of the input; K or N of the weight)."""
+    size = in_SK.element_size()
+    w_inner = 2 if w_ENK.stride(2) == 1 else 1 if w_ENK.stride(1) == 1 else None
+    if in_SK.stride(1) != 1 or w_inner is None:
+        return False
+    strides = (in_SK.stride(0), *(st for i, st in enumerate(w_ENK.stride()) if i != w_inner))
+    return in_SK.data_ptr() % 16 == 0 and w_ENK.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in strides)
+
+
+@functools.cache
+def _num_sms(device: int | None) -> int:
+    if device is None:  # CPU tensors (the interpreter): a few programs, so the loop over tiles is exercised
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _strides(t: torch.Tensor | None, n: int) -> tuple:
@@ -313,7 +374,9 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
 
 def gather_rank_product(in_MK: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor):
     """(in[row(p)] [S, K], in[row(p)] @ A_e^T [S, r]) from one pass over the gathered rows: the backward's
-    dy gather and its LoRA rank product share their reads."""
+    dy gather and its LoRA rank product share their reads. Rank-sized A only: with 128x256 tiles (a
+    wide W) Triton 3.6 on sm90 computed a wrong product when the K loop also stores its input tiles."""
+    assert A_ErK.shape[1] <= _MAX_STORE_IN_N, f"rank-sized A expected, got {A_ErK.shape[1]} rows"
     gathered_SK = in_MK.new_empty(slots.num_slots, in_MK.shape[1])
     ia_Sr = in_MK.new_empty(slots.num_slots, A_ErK.shape[1])
     _launch(in_MK, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=True, copy=gathered_SK)
@@ -365,11 +428,25 @@ def _capability(device: int) -> tuple[int, int]:
 def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
     """out[p] = in[p] @ W_e^T over expert-sorted rows, no LoRA, no epilogue: [S, N].
 
-    The bare grouped GEMM: torch._grouped_mm (CUTLASS) where it applies (on one H200 at Qwen3-30B-A3B
-    shapes 454-546 TFLOP/s against 395-495 for our kernel), else our kernel. Rows at -1 positions
-    are left unspecified, as everywhere."""
-    if cutlass_ok(in_SK, w_ENK):
-        return torch._grouped_mm(in_SK, w_ENK.transpose(1, 2), offs=slots.offsets_E1[1:])
+    The bare grouped GEMM: torch._grouped_mm (CUTLASS) or our kernel (TMA operands, persistent), the
+    one measured faster for this shape on this device (tuning.faster); ours where CUTLASS does not
+    apply. Rows at -1 positions are left unspecified, as everywhere."""
+    def candidates():
+        return {"cutlass": lambda: _cutlass_gemm(in_SK, slots, w_ENK), "triton": lambda: _triton_gemm(in_SK, slots, w_ENK)}
+    if cutlass_ok(in_SK, w_ENK) and faster(("expert_gemm", *_gemm_key(in_SK, slots, w_ENK)), candidates) == "cutlass":
+        return _cutlass_gemm(in_SK, slots, w_ENK)
+    return _triton_gemm(in_SK, slots, w_ENK)
+
+
+def _gemm_key(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> tuple:
+    return in_.device.index, in_.dtype, m_bucket(slots.num_slots), w_ENK.shape, w_ENK.stride(2) == 1
+
+
+def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(in_SK, w_ENK.transpose(1, 2), offs=slots.offsets_E1[1:])
+
+
+def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
     out_SN = in_SK.new_empty(slots.num_slots, w_ENK.shape[1])
     _launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
     return out_SN
@@ -385,7 +462,7 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
     weight gradient <g, h> of each row (whole, so it is stored straight to its slot) and, for the
     gate_up LoRA, d gate_up @ B_gu_e [BLOCK_M, r]. Programs without an expert zero the -1 slots' dw."""
     pid_m = tl.program_id(0)
-    e, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, _, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         first = tl.load(offsets_ptr + E) + (pid_m - _num_row_blocks(offsets_ptr, E, BLOCK_M, BLOCK_E)) * BLOCK_M
         q_M = first + tl.arange(0, BLOCK_M)
@@ -433,32 +510,26 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
         tl.store(dgub_ptr + row_M * s_dgub_m + r_R[None, :], dgub.to(dtype), mask=mask_M[:, None] & mask_R[None, :])
 
 
-def swiglu_backward(dyg_SH: torch.Tensor, slots: SlotOrder, w_EHI: torch.Tensor, lora: LoraView | None,
-                    dyb_Sr: torch.Tensor | None, gu_S2I: torch.Tensor, weights_Mk: torch.Tensor,
-                    gu_B_E2Ir: torch.Tensor | None = None):
-    """Backward through the routing weight, the down projection and the SwiGLU.
+def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, lora: LoraView | None, dyb_Sr: torch.Tensor | None,
+                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor, gu_B_E2Ir: torch.Tensor | None = None):
+    """Backward through the routing weight and the SwiGLU, after the down projection's bare GEMM.
 
-    dyg_SH is dy gathered into expert-sorted order (dy[row(p)]), w_EHI the down weight [E, H, I];
-    lora views the down LoRA read backwards (A = B_down^T [E, r, H], B = A_down^T [E, I, r]) and dyb_Sr
-    is dyg @ B_down^T [S, r] (gather_rank_product gives both; None without LoRA). g = dyg @ W_down_e by
-    the bare grouped GEMM
-    (CUTLASS where it applies: the SwiGLU-backward epilogue inside our GEMM ran at 271 TFLOP/s against
-    516 for CUTLASS + this pass), then one pass over each row block: g += s (dyg B_down) A_down,
-    d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B [E, 2I, r]) also
-    d gate_up @ B_gu. Returns d gate_up [S, 2I], d gate_up @ B_gu [S, r] (None without gu_B_E2Ir) and
-    d weights [M, k] (fp32, zero at -1 slots).
+    g_SI = dyg @ W_down_e (dyg: dy in expert-sorted order), lora the down LoRA read backwards (A = B_down^T
+    [E, r, H], B = A_down^T [E, I, r]) with dyb_Sr = dyg @ B_down^T [S, r] (None without LoRA). One pass
+    over each row block (the SwiGLU-backward epilogue inside the GEMM ran at 271 TFLOP/s against 516
+    for CUTLASS + this pass): g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g), d w = <g, h>, and
+    with gu_B_E2Ir (the gate_up LoRA B [E, 2I, r]) also d gate_up @ B_gu. Returns d gate_up [S, 2I],
+    d gate_up @ B_gu [S, r] (None without gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
     """
-    S, I = slots.num_slots, w_EHI.shape[2]
+    S, I, E = slots.num_slots, g_SI.shape[1], slots.num_experts
     # One BLOCK_R serves both rank products (GroupedExperts gives both projections one rank).
     assert lora is None or gu_B_E2Ir is None or gu_B_E2Ir.shape[2] == lora.rank, "equal LoRA ranks"
-    g_SI = expert_gemm(dyg_SH, slots, w_EHI.transpose(1, 2))
-    dgu_S2I = dyg_SH.new_empty(S, 2 * I)
-    dw_S = torch.empty(S, device=dyg_SH.device, dtype=torch.float32)
-    dgub_Sr = dyg_SH.new_empty(S, gu_B_E2Ir.shape[2]) if gu_B_E2Ir is not None else None
+    dgu_S2I = g_SI.new_empty(S, 2 * I)
+    dw_S = torch.empty(S, device=g_SI.device, dtype=torch.float32)
+    dgub_Sr = g_SI.new_empty(S, gu_B_E2Ir.shape[2]) if gu_B_E2Ir is not None else None
     B = lora.B_ENr if lora is not None else None
     R = lora.rank if lora is not None else (gu_B_E2Ir.shape[2] if gu_B_E2Ir is not None else 0)
     block_m, block_n, warps = _SWIGLU_BWD_TILE_LORA if gu_B_E2Ir is not None else _SWIGLU_BWD_TILE
-    E = w_EHI.shape[0]
     launch(_swiglu_backward_kernel, (cdiv(S, block_m) + E,), (
         g_SI, g_SI.stride(0), dyb_Sr, _strides(dyb_Sr, 2)[0], B, *_strides(B, 3), gu_S2I, gu_S2I.stride(0),
         dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir, *_strides(gu_B_E2Ir, 3), dgub_Sr, _strides(dgub_Sr, 2)[0],

@@ -1,21 +1,27 @@
 """Autotuning configs and pruning for the scattermoe Triton kernels.
 
 Contract:
-    GEMM_CONFIGS / XTY_CONFIGS   candidate triton.Configs (one fixed small config under TRITON_INTERPRET=1,
+    GEMM_CONFIGS / XTY_CONFIGS / FACTOR_GRAD_CONFIGS
+                                 candidate triton.Configs (one fixed small config under TRITON_INTERPRET=1,
                                  where autotuning over several configs does not work)
-    prune_gemm / prune_xty       `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
+    prune_gemm / prune_xty / prune_factor_grads
+                                 `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
                                  exceed a per-thread register budget
     m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
                                  token count re-tunes only when it crosses a power of two
     bench                        a shorter do_bench for the autotuner (the kernels run for ~0.1-2 ms)
+    faster(key, candidates)      which of several implementations of one operation is faster here,
+                                 timed once per key and remembered
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
+import torch
 import triton
 import triton.testing
 
@@ -30,30 +36,51 @@ _ACC_REGS_LORA = 96
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int, names=("BLOCK_M", "BLOCK_N", "BLOCK_K")):
-    return triton.Config(dict(zip(names, (bm, bn, bk))), num_warps=warps, num_stages=stages)
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int, names=("BLOCK_M", "BLOCK_N", "BLOCK_K"), **extra):
+    return triton.Config({**dict(zip(names, (bm, bn, bk))), **extra}, num_warps=warps, num_stages=stages)
+
+
+def _gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False):
+    return _config(bm, bn, bk, warps, stages, PERSISTENT=persistent)
 
 
 _XTY_NAMES = ("BLOCK_P", "BLOCK_Q", "BLOCK_K")
+# lora_factor_grads: BLOCK_P is not tuned (one tile covers the rank).
+_FACTOR_NAMES = ("BLOCK_Q", "BLOCK_K")
+
+
+def _factor_config(bq: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config(dict(zip(_FACTOR_NAMES, (bq, bk))), num_warps=warps, num_stages=stages)
+
 
 # Narrow configs (BLOCK_N, or BLOCK_P / BLOCK_Q, of 16) serve the rank-sized products and LoRA-factor
 # gradients (N, P or Q <= 32); the others the base GEMMs. The pruners keep one family per problem.
 _NARROW = 32
 
 if INTERPRET:
-    GEMM_CONFIGS = [_config(16, 32, 16, 4, 1)]
+    # Persistent: the loop over tiles is what the interpreter should exercise (one tile per program is
+    # its special case).
+    GEMM_CONFIGS = [_gemm_config(16, 32, 16, 4, 1, persistent=True)]
     XTY_CONFIGS = [_config(32, 32, 16, 4, 1, _XTY_NAMES)]
+    FACTOR_GRAD_CONFIGS = [_factor_config(32, 16, 4, 1)]
 else:
     # Kept short on purpose: every config is compiled once per kernel variant on a cold cache. Chosen
     # from a sweep on one H200 at Qwen3-30B-A3B shapes (T=8192): 128x256x64 wins the forward and dx,
     # 64x128 (4 warps) the LoRA-in-loop variants, 64x16 the rank products; 128x128 and 256x128 tiles are
-    # candidates for the split-LoRA GEMMs (the seeded accumulator costs registers).
-    GEMM_CONFIGS = [_config(*c) for c in ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4),
-                                          (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                                          (64, 16, 64, 4, 4), (64, 16, 128, 4, 3), (128, 16, 64, 4, 4))]
+    # candidates for the split-LoRA GEMMs (the seeded accumulator costs registers). The persistent
+    # 128x256 ones won with TMA operands (down 0.444 ms vs 0.465, dx 0.739-0.761 vs 0.783) and the
+    # gathered gate_up (0.744 vs 0.771; benchmarks/probe_tma_gemm.py).
+    GEMM_CONFIGS = [_gemm_config(*c) for c in (
+        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+        (128, 128, 128, 8, 3), (64, 16, 64, 4, 4), (64, 16, 128, 4, 3), (128, 16, 64, 4, 4),
+        (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True))]
     XTY_CONFIGS = [_config(*c, _XTY_NAMES) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                                                      (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
                                                      (64, 16, 64, 4, 4), (128, 16, 64, 8, 3))]
+    # Not yet swept on a GPU: grouped_xty's rank-by-wide winners (16x128, BLOCK_K 64/128), a narrower
+    # tile for more programs at small E, and a wider one for large hidden sizes.
+    FACTOR_GRAD_CONFIGS = [_factor_config(*c) for c in ((128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
+                                                        (256, 64, 8, 3))]
 
 
 def _family(configs: list[triton.Config], names: tuple[str, ...], dims: tuple[int, ...]) -> list[triton.Config]:
@@ -104,7 +131,9 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
         acc = bm * bn + (bm * block_r if args["LORA_IN_LOOP"] else 0)
         budget = _ACC_REGS_LORA if args["LORA_IN_LOOP"] else _ACC_REGS
         if _fits(c, stage, args["in_ptr"].element_size(), acc, budget, device):
-            kept[(bm, bn, bk, c.num_warps, c.num_stages)] = _config(bm, bn, bk, c.num_warps, c.num_stages)
+            persistent = c.kwargs["PERSISTENT"]
+            kept[(bm, bn, bk, c.num_warps, c.num_stages, persistent)] = _gemm_config(
+                bm, bn, bk, c.num_warps, c.num_stages, persistent)
     return _dedupe_or_smallest(kept, configs)
 
 
@@ -122,6 +151,39 @@ def prune_xty(configs: list[triton.Config], named_args: dict, **kwargs) -> list[
     return _dedupe_or_smallest(kept, configs)
 
 
+def prune_factor_grads(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    args = {**named_args, **kwargs}
+    bp, widest = args["BLOCK_P"], max(args[f"Q{i}"] for i in range(args["NUM"]))
+    device = args["l0_ptr"].device.index
+    kept = {}
+    for c in configs:
+        bq = _clamp(c.kwargs["BLOCK_Q"], widest)
+        bk = c.kwargs["BLOCK_K"]
+        if _fits(c, bk * (bp + bq), args["l0_ptr"].element_size(), bp * bq, _ACC_REGS, device):
+            kept[(bq, bk, c.num_warps, c.num_stages)] = _factor_config(bq, bk, c.num_warps, c.num_stages)
+    return _dedupe_or_smallest(kept, configs)
+
+
 def bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+# Explicit registry: (operation, shape key) -> the name of its faster implementation on this device.
+_FASTER: dict[tuple, str] = {}
+
+
+def faster(key: tuple, candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
+    """The name of the fastest of `candidates()` (name -> a call running that implementation) for `key`,
+    timed on the first call and remembered for the process. Which one wins differs between machines
+    of one kind (CUTLASS's grouped GEMM against ours: 0.72 vs 0.79 ms on one H200, 0.80 vs 0.74 on
+    another), so it is measured, not assumed. During CUDA-graph capture nothing can be timed: the first
+    candidate, unless a winner is already known."""
+    winner = _FASTER.get(key)
+    if winner is None:
+        calls = candidates()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return next(iter(calls))
+        times = {name: bench(call, None) for name, call in calls.items()}
+        winner = _FASTER[key] = min(times, key=times.get)
+    return winner
 

@@ -163,20 +163,42 @@ def test_sort_slots_layout():
     assert torch.equal(s.order_S[s.inv_S.long()], torch.arange(8, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("rank", [4, 20])  # 20: not a multiple of the rank block
-def test_gather_rank_product(rank):
-    """One pass gives the expert-sorted rows of dy and their product with each row's expert's A."""
+@pytest.mark.parametrize("rank,transposed", [(4, False), (20, False), (16, True)],
+                         ids=["rank4", "rank20", "B_down^T view"])  # 20: not a multiple of the rank block
+def test_gather_rank_product(rank, transposed):
+    """One pass gives the expert-sorted rows of dy and their product with each row's expert's A: a LoRA
+    factor [E, r, H], or the transposed view of B_down [E, H, r] as the backward passes it."""
     from moe.kernels.grouped_linear import gather_rank_product
     E, M = 4, 11
     ids, _ = routing(M, E, 2)
     ids[3] = -1
     slots = sort_slots(ids, E)
-    dy, A = torch.randn(M, H), torch.randn(E, rank, H)
+    dy = torch.randn(M, H)
+    A = torch.randn(E, H, rank).transpose(1, 2) if transposed else torch.randn(E, rank, H)
     dyg, dyb = gather_rank_product(dy, slots, A)
     n = int(slots.offsets_E1[-1])
     rows, experts = slots.rows_S[:n].long(), ids.reshape(-1)[slots.order_S[:n].long()]
     torch.testing.assert_close(dyg[:n], dy[rows])  # rows behind the valid slots are left unspecified
     torch.testing.assert_close(dyb[:n], torch.einsum("ph,prh->pr", dy[rows], A[experts]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [36, 37], ids=["rows-16B-aligned(TMA)", "rows-unaligned(pointers)"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["W", "W^T view"])
+def test_expert_gemm_tma_and_pointer_paths(K, transposed):
+    """The bare grouped GEMM reads its operands by tensor descriptors where rows and strides are 16-byte
+    aligned, else by pointers; both against a per-slot torch product, with an empty expert."""
+    from moe.kernels.grouped_linear import _tma_ok, expert_gemm
+    E, M, N = 4, 13, 40
+    ids, _ = routing(M, E, 2)
+    ids[ids == E - 1] = 0
+    slots = sort_slots(ids, E)
+    in_SK = torch.randn(M * 2, K)
+    W = torch.randn(E, K, N).transpose(1, 2) if transposed else torch.randn(E, N, K)
+    assert _tma_ok(in_SK, W) == (K == 36)
+    out = expert_gemm(in_SK, slots, W)
+    n = int(slots.offsets_E1[-1])
+    experts = ids.reshape(-1)[slots.order_S[:n].long()]
+    torch.testing.assert_close(out[:n], torch.einsum("pk,pnk->pn", in_SK[:n], W[experts]), rtol=1e-5, atol=1e-5)
 
 
 def test_swiglu_backward_pass(monkeypatch):
@@ -189,17 +211,17 @@ def test_swiglu_backward_pass(monkeypatch):
     ids[2], ids[5, 0] = -1, -1
     slots = sort_slots(ids, E)
     S, n = M * k, int(slots.offsets_E1[-1])
-    dyg, gu = torch.randn(S, H), torch.randn(S, 2 * I)
-    w_down, gu_B = torch.randn(E, H, I) * 0.2, torch.randn(E, 2 * I, r)
-    dyg[n:], gu[n:] = float("nan"), float("nan")  # rows of -1 positions are never written upstream
+    g, gu = torch.randn(S, I), torch.randn(S, 2 * I)
+    gu_B = torch.randn(E, 2 * I, r)
+    g[n:], gu[n:] = float("nan"), float("nan")  # rows of -1 positions are never written upstream
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    dgu, dgub, dw = gl.swiglu_backward(dyg, slots, w_down, None, None, gu, w, gu_B)
+    dgu, dgub, dw = gl.swiglu_backward(g, slots, None, None, gu, w, gu_B)
     monkeypatch.setattr(torch, "empty", real_empty)
 
     pos = slots.order_S[:n].long()
     e = ids.reshape(-1)[pos]
-    g = torch.einsum("ph,phi->pi", dyg[:n], w_down[e])
+    g = g[:n]
     gate, up = gu[:n, :I], gu[:n, I:]
     silu = torch.nn.functional.silu(gate)
     dh = g * w.reshape(-1)[pos, None]
