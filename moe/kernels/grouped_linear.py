@@ -432,14 +432,14 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> t
     one measured faster for this shape on this device (tuning.faster); ours where CUTLASS does not
     apply. Rows at -1 positions are left unspecified, as everywhere."""
     def candidates():
-        return {"cutlass": lambda: _cutlass_gemm(in_SK, slots, w_ENK), "triton": lambda: _triton_gemm(in_SK, slots, w_ENK)}
-    if cutlass_ok(in_SK, w_ENK) and faster(("expert_gemm", *_gemm_key(in_SK, slots, w_ENK)), candidates) == "cutlass":
-        return _cutlass_gemm(in_SK, slots, w_ENK)
-    return _triton_gemm(in_SK, slots, w_ENK)
-
-
-def _gemm_key(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> tuple:
-    return in_.device.index, in_.dtype, m_bucket(slots.num_slots), w_ENK.shape, w_ENK.stride(2) == 1
+        return {"cutlass": lambda: _cutlass_gemm(in_SK, slots, w_ENK),
+                "triton": lambda: _triton_gemm(in_SK, slots, w_ENK)}
+    if not cutlass_ok(in_SK, w_ENK):
+        return _triton_gemm(in_SK, slots, w_ENK)
+    key = ("expert_gemm", in_SK.device.index, in_SK.dtype, m_bucket(slots.num_slots), w_ENK.shape,
+           w_ENK.stride(2) == 1)
+    return _cutlass_gemm(in_SK, slots, w_ENK) if faster(key, candidates) == "cutlass" else _triton_gemm(
+        in_SK, slots, w_ENK)
 
 
 def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
