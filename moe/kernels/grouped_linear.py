@@ -305,6 +305,9 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
             copy: torch.Tensor | None = None) -> None:
     """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store;
     copy: also write the input rows read, in expert-sorted order."""
+    # With 128x256 tiles (a wide W) Triton 3.6 on sm90 computed a wrong product when the K loop also
+    # stored its input tiles; the narrow rank-sized case is the one verified on the GPU.
+    assert copy is None or N <= _MAX_STORE_IN_N, f"copying the input is verified for N <= {_MAX_STORE_IN_N}, got {N}"
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
@@ -374,9 +377,7 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
 
 def gather_rank_product(in_MK: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor):
     """(in[row(p)] [S, K], in[row(p)] @ A_e^T [S, r]) from one pass over the gathered rows: the backward's
-    dy gather and its LoRA rank product share their reads. Rank-sized A only: with 128x256 tiles (a
-    wide W) Triton 3.6 on sm90 computed a wrong product when the K loop also stores its input tiles."""
-    assert A_ErK.shape[1] <= _MAX_STORE_IN_N, f"rank-sized A expected, got {A_ErK.shape[1]} rows"
+    dy gather and its LoRA rank product share their reads (rank-sized A only, see _launch)."""
     gathered_SK = in_MK.new_empty(slots.num_slots, in_MK.shape[1])
     ia_Sr = in_MK.new_empty(slots.num_slots, A_ErK.shape[1])
     _launch(in_MK, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=True, copy=gathered_SK)
