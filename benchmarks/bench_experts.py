@@ -137,10 +137,13 @@ def forced_fused_lora():
         sm._SPLIT_MIN_WEIGHT_ELEMS = saved
 
 
+VARIANTS = {"scattermoe-fused": forced_fused_lora}
+
+
 def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
-    fused = row.backend == "scattermoe-fused"
-    with forced_fused_lora() if fused else contextlib.nullcontext():
-        backend = expert_backend("scattermoe" if fused else row.backend)
+    variant = VARIANTS.get(row.backend)
+    with variant() if variant else contextlib.nullcontext():
+        backend = expert_backend("scattermoe" if variant else row.backend)
         return _bench_variant(row, backend, iters, warmup, matmul)
 
 
@@ -256,9 +259,12 @@ def targets(rows: list[Row]) -> list[dict]:
     return out
 
 
-def profile_kernels(shapes: list[str], T: int, backends: list[str]) -> None:
-    """CUDA kernels of one fwd+bwd (after warmup) in launch order, for each backend, shape and mode at
-    ep1. Launch order, not a summary by name: scattermoe's GEMM variants share one kernel name."""
+def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int = 3) -> None:
+    """CUDA kernels of `steps` fwd+bwd issued back to back (after warmup), for each backend, shape and mode
+    at ep1: per step the kernel count, the sum of kernel times and the span from the first kernel's
+    start to the last one's end (below the sum where streams overlap; later steps run at the clocks of
+    a busy GPU, the first at those of an idle one), then the last step's kernels in start order (not a
+    summary by name: scattermoe's GEMM variants share one kernel name)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -270,14 +276,36 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str]) -> None:
                 for _ in range(3):
                     step()
                 torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.cuda.set_sync_debug_mode("error")
+                try:
                     step()
+                except RuntimeError as exc:
+                    print(f"== host sync in the step: {str(exc)[:120]}")
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        step()
                     torch.cuda.synchronize()
-                kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-                total_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
-                print(f"\n== {shape} T={T} {mode} {name}: {len(kernels)} kernels, {total_ms:.3f} ms")
-                for e in kernels:
-                    print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} ms  {e.name[:100]}")
+                kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                                 key=lambda e: e.time_range.start)
+                per_step = len(kernels) // steps
+                print(f"\n== {shape} T={T} {mode} {name}: {per_step} kernels per step")
+                for i in range(steps):
+                    ks = kernels[i * per_step:(i + 1) * per_step]
+                    total = sum(e.time_range.elapsed_us() for e in ks) / 1e3
+                    span = (max(e.time_range.end for e in ks) - ks[0].time_range.start) / 1e3
+                    print(f"== step {i + 1}: kernel sum {total:.3f} ms, span {span:.3f} ms")
+                    if i:
+                        gap = ks[0].time_range.start - kernels[i * per_step - 1].time_range.end
+                        print(f"   idle before it {gap / 1e3:.3f} ms")
+                print("  last step: ms, start after the step's first kernel, idle before it, name")
+                last = kernels[-per_step:]
+                for prev, e in zip([None, *last], last):
+                    idle = (e.time_range.start - prev.time_range.end) / 1e3 if prev else 0.0
+                    print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} {(e.time_range.start - last[0].time_range.start) / 1e3:8.3f}"
+                          f" {idle:7.3f}  {e.name[:90]}")
                 del ex, x, ids, w
                 torch.cuda.empty_cache()
 

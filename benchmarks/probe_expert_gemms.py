@@ -1,8 +1,9 @@
 """Where the grouped expert GEMMs lose time, at Qwen3-30B-A3B shapes (T=8192, one GPU).
 
-    python benchmarks/probe_expert_gemms.py [--timeline | --host-costs | --kernels]
+    python benchmarks/probe_expert_gemms.py [--timeline | --host-costs | --kernels | --factor-grads]
 
-Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; --kernels: 6 and 3.
+Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; --kernels: 6 and 3;
+--factor-grads: 7 only.
 
 1. Tile-tail waste: each expert's last row block is partly empty (on average BLOCK_M/2 rows of an
    expert's ~512). The same GEMMs timed with random routing (as the benchmark) and with exactly
@@ -15,6 +16,7 @@ Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; 
 5. Host us per call of each primitive (T=8192 with the GPU idle or busy; T=64 in a loop), and of the
    whole layer at T=64 split into sort / forward / backward, next to the autograd floor.
 6. The SwiGLU-backward pass alone for several tiles, without and with the gate_up LoRA rank product.
+7. The LoRA backward's factor-gradient launch for each of a sweep of configs.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ def config_sweep() -> None:
         def run(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, grid=grid):
             kernel[grid](x, x.stride(0), x.stride(1), slots.order_S, slots.offsets_E1, K_TOP,
                          w_gu, *w_gu.stride(), None, 0, 0, 0, None, 0, 0, 0, None, 0, gu, gu.stride(0),
-                         h, h.stride(0), weights.view(-1), None, 0, 0.0, S, E, I, 0, 1, K=H,
-                         STORE_IN=False, GATHER=True, HAS_LORA=False, LORA_IN_LOOP=False, GLU_FWD=True, TMA=False,
+                         h, h.stride(0), weights.view(-1), 0.0, S, E, I, 0, 1, K=H,
+                         GATHER=True, HAS_LORA=False, LORA_IN_LOOP=False, GLU_FWD=True, TMA=False,
                          W_T=False, BLOCK_E=256, BLOCK_R=16, PERSISTENT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                          num_warps=warps, num_stages=stages)
         try:
@@ -113,10 +115,46 @@ def swiglu_backward_tiles() -> None:
     saved_lora = gl._SWIGLU_BWD_TILE_LORA
     for tile in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 4), (64, 32, 4)):
         gl._SWIGLU_BWD_TILE = gl._SWIGLU_BWD_TILE_LORA = tile
-        full = ms(lambda: gl.swiglu_backward(g, slots, None, None, gu, weights))
-        lora = ms(lambda: gl.swiglu_backward(g, slots, None, None, gu, weights, gu_B))
+        full = ms(lambda: gl.swiglu_backward(g, slots, gu, weights))
+        lora = ms(lambda: gl.swiglu_backward(g, slots, gu, weights, gu_B))
         print(f"== swiglu_bwd tile {tile}: pass {full:.3f} ms, with d gate_up B_gu {lora:.3f} ms", flush=True)
     gl._SWIGLU_BWD_TILE, gl._SWIGLU_BWD_TILE_LORA = saved, saved_lora
+    dgu = gl.swiglu_backward(g, slots, gu, weights)[0]
+    rank = ms(lambda: gl.expert_linear(dgu, slots, gu_B.transpose(1, 2), None, gather=False))
+    print(f"== d gate_up B_gu as its own rank product (after the pass without it): {rank:.3f} ms", flush=True)
+
+
+FACTOR_SWEEP = [(bq, bk, w, st) for bq, bk in ((64, 64), (128, 64), (128, 128), (256, 64), (256, 32), (64, 128))
+                for w, st in ((4, 3), (4, 4), (8, 3))]
+
+
+def factor_grads_sweep() -> None:
+    """The LoRA backward's four factor gradients (one launch) for each (BLOCK_Q, BLOCK_K, warps, stages),
+    at r=16: dA_gu (x gathered), dB_gu, dA_down, dB_down (dy gathered)."""
+    from moe.kernels import grouped_xty as gx
+    slots = sort_slots(routings()["random"], E)
+    S, r = slots.num_slots, 16
+
+    def t(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    x, dy, dgu, hw = t(T, H), t(T, H), t(S, 2 * I), t(S, I)
+    problems = [gx.FactorGrad(t(S, r), x, gather_r=True), gx.FactorGrad(t(S, r), dgu, transposed=True),
+                gx.FactorGrad(t(S, r), hw), gx.FactorGrad(t(S, r), dy, gather_r=True, transposed=True)]
+    outs = [gx._factor_out(p, E)[1] for p in problems]
+    args = [a for p, o in zip(problems, outs) for a in gx._factor_args(p, o)]
+    tuned = ms(lambda: gx.lora_factor_grads(problems, slots, 0.5))
+    print(f"== factor grads, autotuned: {tuned:.3f} ms", flush=True)
+    for bq, bk, warps, stages in FACTOR_SWEEP:
+        grid = (sum(triton.cdiv(p.R.shape[1], bq) for p in problems), E)
+
+        def run(bq=bq, bk=bk, warps=warps, stages=stages, grid=grid):
+            gx._factor_grads_kernel.fn[grid](*args, slots.rows_S, slots.offsets_E1, 0.5, S, NUM=4, GATHER_0=True,
+                                             GATHER_1=False, GATHER_2=False, GATHER_3=True, BLOCK_P=16,
+                                             BLOCK_Q=bq, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        try:
+            print(f"== factor grads {bq}x{bk} w{warps} s{stages}: {ms(run):.3f} ms", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit: say so, go on
+            print(f"== factor grads {bq}x{bk} w{warps} s{stages}: n/a {type(exc).__name__}", flush=True)
 
 
 def all_kernels() -> None:
@@ -277,7 +315,7 @@ def host_costs_big() -> None:
         "grouped_mm dW_down": lambda: torch._grouped_mm(z.t(), hw, offs=slots.offsets_E1[1:]),
         "combine": lambda: combine(z, slots, None),
         "index_select": lambda: x.index_select(0, slots.rows_S),
-        "swiglu_backward": lambda: gl.swiglu_backward(z[:, :I], slots, None, None, gu, weights),
+        "swiglu_backward": lambda: gl.swiglu_backward(z[:, :I], slots, gu, weights),
     }
     for name, fn in ops.items():
         fn()
@@ -316,6 +354,9 @@ if __name__ == "__main__":
     if "--host-costs" in sys.argv:
         host_costs_big()
         host_costs()
+        sys.exit(0)
+    if "--factor-grads" in sys.argv:
+        factor_grads_sweep()
         sys.exit(0)
     if "--kernels" in sys.argv:
         swiglu_backward_tiles()

@@ -11,14 +11,15 @@ Forward (valid slots only, expert-sorted; -1 slots are never sorted into a segme
                   (hw = w * h: the routing weight of the slot is applied in the SwiGLU epilogue)
     z' = hw @ W_down^T + s (hw A_down^T) B_down^T  (= w z)             [S, H]
     y[m] = sum_j z'[pos(m, j)]                                          combine, skipping -1 slots
-Backward (dyg = dy gathered into expert-sorted order, once; with LoRA the same pass gives dyg B_down):
-    g = dyg @ W_down (bare grouped GEMM); g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g),
-    dw = <g, h>, d gate_up B_gu in one pass over each row block          (swiglu_backward)
+Backward (dyg = dy gathered into expert-sorted order, only when dW_down is needed):
+    g = dy[token] @ W_down + s (dy[token] B_down) A_down   gathered GEMM, split LoRA (or dyg @ W_down, bare)
+    d gate_up = SwiGLU'(w g), dw = <g, h>, d gate_up B_gu  one pass over each row block (swiglu_backward)
     dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                     GEMM + combine
     dW_gu = d gate_up^T x[token], dW_down = dyg^T hw: per-expert reductions over the rows, by
     torch._grouped_mm (CUTLASS, K-grouped) on sm90+ bf16, else grouped_xty;
     dA, dB: one lora_factor_grads launch over the [S, r] intermediates x A^T, hw A^T, dy B, d gate_up B
-    (no routing weights anywhere: they are inside hw). dW is skipped for a frozen base weight.
+    and the rows of x, hw, dy and d gate_up (x and dy gathered in-kernel; no routing weights anywhere:
+    they are inside hw). dW is skipped for a frozen base weight.
 The bare GEMMs without LoRA or epilogue (down and dx of a full fine-tune, g) run on torch._grouped_mm
 (CUTLASS) or our grouped kernel, whichever was measured faster on the device (grouped_linear.expert_gemm).
 Eager calls go through an autograd.Function (least host time); under torch.compile the sort, the
@@ -42,7 +43,6 @@ from moe.kernels.grouped_linear import (
     expert_gemm,
     expert_linear,
     gate_up_swiglu,
-    gather_rank_product,
     swiglu_backward,
 )
 from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
@@ -92,16 +92,17 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr = saved
     need = dict(zip(_GRAD_NAMES, needs))
     has_lora = gu_A is not None
-    # dy in expert-sorted order, once: the SwiGLU backward's GEMM, dW_down and dB_down all read it.
     # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
     down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
-    if has_lora:  # the gather and the rank product dy B_down share one pass
-        dyg_SH, dyb_Sr = gather_rank_product(dy_MH, slots, down_T.A_ErK)
-    else:
-        dyg_SH, dyb_Sr = dy_MH.index_select(0, slots.rows_S), None
-    g_SI = expert_gemm(dyg_SH, slots, w_down.transpose(1, 2))
-    dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(g_SI, slots, down_T, dyb_Sr, gu_S2I, weights_Mk,
-                                              gu_B if has_lora else None)
+    w_down_T = w_down.transpose(1, 2)
+    # dy in expert-sorted order only for dW_down (CUTLASS cannot gather); then g reads it too. Otherwise
+    # g and dB_down gather dy's rows in-kernel (dy fits in L2; the [S, H] copy is never written).
+    dyg_SH = dy_MH.index_select(0, slots.rows_S) if need["down"] else None
+    if dyg_SH is not None and not has_lora:
+        g_SI, dyb_Sr = expert_gemm(dyg_SH, slots, w_down_T), None
+    else:  # g = dy W_down + s (dy B_down) A_down, the rank product dy B_down seeding the accumulator
+        g_SI, dyb_Sr = expert_linear(dy_MH, slots, w_down_T, down_T, gather=True)
+    dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(g_SI, slots, gu_S2I, weights_Mk, gu_B if has_lora else None)
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
     if need["x"]:
@@ -116,7 +117,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
         factor_grads = {"gu_A": FactorGrad(dgub_Sr, x_MH, gather_r=True),
                         "gu_B": FactorGrad(xa_Sr, dgu_S2I, transposed=True),
                         "down_A": FactorGrad(dyb_Sr, hw_SI),
-                        "down_B": FactorGrad(hwa_Sr, dyg_SH, transposed=True)}
+                        "down_B": FactorGrad(hwa_Sr, dy_MH, gather_r=True, transposed=True)}
         wanted = [problem if need[name] else None for name, problem in factor_grads.items()]
         grads.update(zip(factor_grads, lora_factor_grads(wanted, slots, s)))
     return tuple(grads.values())

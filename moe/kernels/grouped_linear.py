@@ -13,15 +13,14 @@ intermediate is written once, by the first column block) or split (the intermedi
 beforehand by a rank-sized grouped product; its product with B^T seeds the accumulator, so the base
 K loop runs with the registers of the LoRA-free kernel). The forward SwiGLU is fused into the epilogue
 (gate and up columns interleaved in one accumulator); the backward SwiGLU (with the routing weight and
-its gradient, and the down LoRA's rank product) is one pass after the bare GEMM.
+its gradient, and the gate_up LoRA's rank product) is one pass after the GEMM.
 
 Public launchers:
     gate_up_swiglu(x_MH, slots, w_E2IH, lora, weights_Mk)
                                                        -> gate_up_S2I, hw_SI, xa_Sr (SwiGLU fused, hw = w * h)
     expert_linear(in_, slots, w_ENK, lora, gather)     -> out_SN, ia_Sr
     expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS or ours, the faster)
-    gather_rank_product(in_MK, slots, A_ErK)           -> in gathered [S, K], ia_Sr (one pass)
-    swiglu_backward(g_SI, slots, lora, dyb_Sr, gate_up_S2I, weights_Mk, gu_B_E2Ir)
+    swiglu_backward(g_SI, slots, gate_up_S2I, weights_Mk, gu_B_E2Ir)
                                                        -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
@@ -48,8 +47,6 @@ _MIN_BLOCK_E = 256
 # 0.194 ms (64, 32) vs 0.271 (64, 64) with.
 _SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (32, 128, 4)
 _SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
-# Widest output that a GEMM storing its gathered input (STORE_IN) is verified for on the GPU.
-_MAX_STORE_IN_N = 64
 
 
 @dataclass(frozen=True)
@@ -109,27 +106,20 @@ def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.conste
 
 
 @triton.jit
-def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r, copy_ptrs,
-            copy_M, LORA_IN_LOOP: tl.constexpr, STORE_IN: tl.constexpr, EVEN_K: tl.constexpr,
-            BLOCK_K: tl.constexpr):
-    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K; STORE_IN also writes the input tiles
-    to copy_ptrs (rows copy_M). Rows are pre-clamped; weight columns and rank rows are masked, never
-    clamped: a clamped index hides the contiguity of a transposed weight view (the backward's W^T) and
-    its loads lose vectorization and async pipelining."""
+def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r,
+            LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K. Rows are pre-clamped; weight columns
+    and rank rows are masked, never clamped: a clamped index hides the contiguity of a transposed weight
+    view (the backward's W^T) and its loads lose vectorization and async pipelining."""
     k_K = tl.arange(0, BLOCK_K)
     for i in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(in_ptrs)
             w = tl.load(w_ptrs, mask=mask_N[None, :], other=0.0)
-            if STORE_IN:
-                tl.store(copy_ptrs, x, mask=copy_M[:, None])
         else:
             k_in = k_K < K - i * BLOCK_K
             x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_in[:, None] & mask_N[None, :], other=0.0)
-            if STORE_IN:
-                tl.store(copy_ptrs, x, mask=copy_M[:, None] & k_in[None, :])
-        copy_ptrs += BLOCK_K
         acc = tl.dot(x, w, acc)
         if LORA_IN_LOOP:
             if EVEN_K:
@@ -203,21 +193,20 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD", "STORE_IN", "TMA"],
+                                            "GLU_FWD", "TMA"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
 def _grouped_linear_kernel(
         in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
         w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
-        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr, copy_ptr, s_copy_m,
+        ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr,
         scaling, S, E, N, R, M_BUCKET, K: tl.constexpr,
         GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr, GLU_FWD: tl.constexpr,
-        STORE_IN: tl.constexpr, TMA: tl.constexpr, W_T: tl.constexpr, BLOCK_E: tl.constexpr,
+        TMA: tl.constexpr, W_T: tl.constexpr, BLOCK_E: tl.constexpr,
         BLOCK_R: tl.constexpr, PERSISTENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
-    in the K loop (LORA_IN_LOOP, ia written) or read from ia. STORE_IN: the first column block also
-    writes its (gathered) input rows to copy [S, K] in expert-sorted order. TMA: expert-sorted input
+    in the K loop (LORA_IN_LOOP, ia written) or read from ia. TMA: expert-sorted input
     rows and the weight tiles by tensor descriptors (W_T: the weight is a transposed view, its
     descriptor is over the [E, K, N] tensor underneath). PERSISTENT: one program per SM walks the
     tiles (row block major, so the programs running together share input rows and expert weights).
@@ -275,16 +264,9 @@ def _grouped_linear_kernel(
             if TMA:
                 acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K)
             else:
-                if STORE_IN:
-                    copy_ptrs = copy_ptr + p_M.to(tl.int64)[:, None] * s_copy_m + k_K[None, :]
-                    # Only the first column block writes the copy (a vector compare: Triton's
-                    # interpreter rejects a scalar bool in a mask).
-                    copy_M = mask_M & (tl.zeros_like(p_M) + pid_n == 0)
-                else:
-                    copy_ptrs, copy_M = in_ptrs, mask_M
                 acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
-                                     BLOCK_K * s_a_k, mask_R, K, acc, acc_r, copy_ptrs, copy_M, LORA_IN_LOOP,
-                                     STORE_IN, K % BLOCK_K == 0, BLOCK_K)
+                                     BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
+                                     BLOCK_K)
             if LORA_IN_LOOP:
                 ia = acc_r.to(ia_ptr.dtype.element_ty)
                 if pid_n == 0:  # every column block computed the same ia: one writes it
@@ -301,13 +283,8 @@ def _grouped_linear_kernel(
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
             ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, glu_fwd: bool = False,
-            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None,
-            copy: torch.Tensor | None = None) -> None:
-    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store;
-    copy: also write the input rows read, in expert-sorted order."""
-    # With 128x256 tiles (a wide W) Triton 3.6 on sm90 computed a wrong product when the K loop also
-    # stored its input tiles; the narrow rank-sized case is the one verified on the GPU.
-    assert copy is None or N <= _MAX_STORE_IN_N, f"copying the input is verified for N <= {_MAX_STORE_IN_N}, got {N}"
+            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
+    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
@@ -328,9 +305,9 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
         w_ENK, *w_ENK.stride(), A, *_strides(A, 3), B, *_strides(B, 3),
         ia_Sr, _strides(ia_Sr, 2)[0], out, out.stride(0), aux, _strides(aux, 2)[0], rw_S,
-        copy, _strides(copy, 2)[0], lora.scaling if lora is not None else 0.0, S, E, N, R, m_bucket(S)), {
+        lora.scaling if lora is not None else 0.0, S, E, N, R, m_bucket(S)), {
         "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora_in_loop,
-        "GLU_FWD": glu_fwd, "STORE_IN": copy is not None, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
+        "GLU_FWD": glu_fwd, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
         "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
 
 
@@ -373,15 +350,6 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
     if lora.split:
         _launch(in_, slots, lora.A_ErK, lora.rank, None, None, ia_Sr, gather=gather)
     return ia_Sr
-
-
-def gather_rank_product(in_MK: torch.Tensor, slots: SlotOrder, A_ErK: torch.Tensor):
-    """(in[row(p)] [S, K], in[row(p)] @ A_e^T [S, r]) from one pass over the gathered rows: the backward's
-    dy gather and its LoRA rank product share their reads (rank-sized A only, see _launch)."""
-    gathered_SK = in_MK.new_empty(slots.num_slots, in_MK.shape[1])
-    ia_Sr = in_MK.new_empty(slots.num_slots, A_ErK.shape[1])
-    _launch(in_MK, slots, A_ErK, A_ErK.shape[1], None, None, ia_Sr, gather=True, copy=gathered_SK)
-    return gathered_SK, ia_Sr
 
 
 def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, lora: LoraView | None,
@@ -454,14 +422,13 @@ def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> 
 
 
 @triton.jit
-def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s_b_r, gu_ptr, s_gu_m,
-                            dgu_ptr, s_dgu_m, gub_ptr, s_gub_e, s_gub_n, s_gub_r, dgub_ptr, s_dgub_m,
-                            order_ptr, offsets_ptr, rw_ptr, dw_ptr, scaling, S, E, N, R,
-                            HAS_LORA: tl.constexpr, HAS_GU_B: tl.constexpr, BLOCK_E: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One expert-sorted row block, all N columns: g (+ scaling * ia @ B_e^T) -> d(gate, up), the routing
-    weight gradient <g, h> of each row (whole, so it is stored straight to its slot) and, for the
-    gate_up LoRA, d gate_up @ B_gu_e [BLOCK_M, r]. Programs without an expert zero the -1 slots' dw."""
+def _swiglu_backward_kernel(g_ptr, s_g_m, gu_ptr, s_gu_m, dgu_ptr, s_dgu_m, gub_ptr, s_gub_e, s_gub_n, s_gub_r,
+                            dgub_ptr, s_dgub_m, order_ptr, offsets_ptr, rw_ptr, dw_ptr, S, E, N, R,
+                            HAS_GU_B: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One expert-sorted row block, all N columns: g -> d(gate, up), the routing weight gradient <g, h>
+    of each row (whole, so it is stored straight to its slot) and, for the gate_up LoRA,
+    d gate_up @ B_gu_e [BLOCK_M, r]. Programs without an expert zero the -1 slots' dw."""
     pid_m = tl.program_id(0)
     e, _, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
@@ -476,8 +443,6 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
     row_M = p_M.to(tl.int64)[:, None]
     r_R = tl.arange(0, BLOCK_R)
     mask_R = r_R < R
-    if HAS_LORA:
-        ia = tl.load(ia_ptr + row_M * s_ia_m + r_R[None, :], mask=mask_R[None, :], other=0.0)
     dtype = dgu_ptr.dtype.element_ty
     dw_M = tl.zeros((BLOCK_M,), dtype=tl.float32)
     dgub = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -485,10 +450,6 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
         n_N = n0 + tl.arange(0, BLOCK_N)
         mask_N = n_N < N
         g = tl.load(g_ptr + row_M * s_g_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
-        if HAS_LORA:
-            g += _lora_product(ia, b_ptr + e64 * s_b_e + n_N[None, :] * s_b_n, s_b_r, mask_N, R, scaling, BLOCK_R)
-        # g rounded to the activation dtype, as eager's dH is.
-        g = g.to(dtype).to(tl.float32)
         gate = tl.load(gu_ptr + row_M * s_gu_m + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row_M * s_gu_m + N + n_N[None, :], mask=mask_N[None, :], other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
@@ -511,31 +472,26 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, ia_ptr, s_ia_m, b_ptr, s_b_e, s_b_n, s
         tl.store(dgub_ptr + row_M * s_dgub_m + r_R[None, :], dgub.to(dtype), mask=mask_M[:, None] & mask_R[None, :])
 
 
-def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, lora: LoraView | None, dyb_Sr: torch.Tensor | None,
-                    gu_S2I: torch.Tensor, weights_Mk: torch.Tensor, gu_B_E2Ir: torch.Tensor | None = None):
-    """Backward through the routing weight and the SwiGLU, after the down projection's bare GEMM.
+def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, gu_S2I: torch.Tensor, weights_Mk: torch.Tensor,
+                    gu_B_E2Ir: torch.Tensor | None = None):
+    """Backward through the routing weight and the SwiGLU, after the down projection's GEMM.
 
-    g_SI = dyg @ W_down_e (dyg: dy in expert-sorted order), lora the down LoRA read backwards (A = B_down^T
-    [E, r, H], B = A_down^T [E, I, r]) with dyb_Sr = dyg @ B_down^T [S, r] (None without LoRA). One pass
-    over each row block (the SwiGLU-backward epilogue inside the GEMM ran at 271 TFLOP/s against 516
-    for CUTLASS + this pass): g += s (dyg B_down) A_down, d gate_up = SwiGLU'(w g), d w = <g, h>, and
-    with gu_B_E2Ir (the gate_up LoRA B [E, 2I, r]) also d gate_up @ B_gu. Returns d gate_up [S, 2I],
-    d gate_up @ B_gu [S, r] (None without gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
+    g_SI = dy[token] @ W_down_e (with the down LoRA's part) in expert-sorted order. One pass over each
+    row block (the SwiGLU-backward epilogue inside the GEMM ran at 271 TFLOP/s against 516 for CUTLASS +
+    this pass): d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B
+    [E, 2I, r]) also d gate_up @ B_gu. Returns d gate_up [S, 2I], d gate_up @ B_gu [S, r] (None without
+    gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
     """
     S, I, E = slots.num_slots, g_SI.shape[1], slots.num_experts
-    # One BLOCK_R serves both rank products (GroupedExperts gives both projections one rank).
-    assert lora is None or gu_B_E2Ir is None or gu_B_E2Ir.shape[2] == lora.rank, "equal LoRA ranks"
     dgu_S2I = g_SI.new_empty(S, 2 * I)
     dw_S = torch.empty(S, device=g_SI.device, dtype=torch.float32)
     dgub_Sr = g_SI.new_empty(S, gu_B_E2Ir.shape[2]) if gu_B_E2Ir is not None else None
-    B = lora.B_ENr if lora is not None else None
-    R = lora.rank if lora is not None else (gu_B_E2Ir.shape[2] if gu_B_E2Ir is not None else 0)
+    R = gu_B_E2Ir.shape[2] if gu_B_E2Ir is not None else 0
     block_m, block_n, warps = _SWIGLU_BWD_TILE_LORA if gu_B_E2Ir is not None else _SWIGLU_BWD_TILE
     launch(_swiglu_backward_kernel, (cdiv(S, block_m) + E,), (
-        g_SI, g_SI.stride(0), dyb_Sr, _strides(dyb_Sr, 2)[0], B, *_strides(B, 3), gu_S2I, gu_S2I.stride(0),
-        dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir, *_strides(gu_B_E2Ir, 3), dgub_Sr, _strides(dgub_Sr, 2)[0],
-        slots.order_S, slots.offsets_E1, weights_Mk.reshape(-1), dw_S, lora.scaling if lora is not None else 0.0,
-        S, E, I, R), {
-        "HAS_LORA": lora is not None, "HAS_GU_B": gu_B_E2Ir is not None, "BLOCK_E": _block_e(E),
-        "BLOCK_R": _block_r(R), "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps})
+        g_SI, g_SI.stride(0), gu_S2I, gu_S2I.stride(0), dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir,
+        *_strides(gu_B_E2Ir, 3), dgub_Sr, _strides(dgub_Sr, 2)[0], slots.order_S, slots.offsets_E1,
+        weights_Mk.reshape(-1), dw_S, S, E, I, R), {
+        "HAS_GU_B": gu_B_E2Ir is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "BLOCK_M": block_m,
+        "BLOCK_N": block_n, "num_warps": warps})
     return dgu_S2I, dgub_Sr, dw_S.view(weights_Mk.shape)

@@ -163,23 +163,39 @@ def test_sort_slots_layout():
     assert torch.equal(s.order_S[s.inv_S.long()], torch.arange(8, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("rank,transposed", [(4, False), (20, False), (16, True)],
-                         ids=["rank4", "rank20", "B_down^T view"])  # 20: not a multiple of the rank block
-def test_gather_rank_product(rank, transposed):
-    """One pass gives the expert-sorted rows of dy and their product with each row's expert's A: a LoRA
-    factor [E, r, H], or the transposed view of B_down [E, H, r] as the backward passes it."""
-    from moe.kernels.grouped_linear import gather_rank_product
-    E, M = 4, 11
+@pytest.mark.parametrize("rank,split", [(4, True), (20, True), (4, False)],
+                         ids=["rank4-split", "rank20-split", "rank4-fused"])  # 20: not a multiple of the rank block
+def test_gathered_lora_product_through_transposed_views(rank, split):
+    """The backward's g = dy[token] W_down_e + s (dy[token] B_down_e) A_down_e: rows gathered in-kernel,
+    the weight and both LoRA factors read through the transposed views the backward passes, and the
+    rank-sized dy B_down returned (it feeds dA_down); against torch per slot."""
+    from moe.kernels.grouped_linear import LoraView, expert_linear
+    E, M, s = 4, 11, 0.5
     ids, _ = routing(M, E, 2)
     ids[3] = -1
     slots = sort_slots(ids, E)
     dy = torch.randn(M, H)
-    A = torch.randn(E, H, rank).transpose(1, 2) if transposed else torch.randn(E, rank, H)
-    dyg, dyb = gather_rank_product(dy, slots, A)
+    w_down, B_down, A_down = torch.randn(E, H, I), torch.randn(E, H, rank), torch.randn(E, rank, I)
+    lora = LoraView(B_down.transpose(1, 2), A_down.transpose(1, 2), s, split)
+    g, dyb = expert_linear(dy, slots, w_down.transpose(1, 2), lora, gather=True)
     n = int(slots.offsets_E1[-1])
-    rows, experts = slots.rows_S[:n].long(), ids.reshape(-1)[slots.order_S[:n].long()]
-    torch.testing.assert_close(dyg[:n], dy[rows])  # rows behind the valid slots are left unspecified
-    torch.testing.assert_close(dyb[:n], torch.einsum("ph,prh->pr", dy[rows], A[experts]), rtol=1e-5, atol=1e-5)
+    rows, e = slots.rows_S[:n].long(), ids.reshape(-1)[slots.order_S[:n].long()]
+    ref_dyb = torch.einsum("ph,phr->pr", dy[rows], B_down[e])
+    ref_g = torch.einsum("ph,phi->pi", dy[rows], w_down[e]) + s * torch.einsum("pr,pri->pi", ref_dyb, A_down[e])
+    torch.testing.assert_close(dyb[:n], ref_dyb, rtol=1e-5, atol=1e-5)  # rows behind the valid slots: unspecified
+    torch.testing.assert_close(g[:n], ref_g, rtol=1e-5, atol=1e-4)
+
+
+def test_frozen_base_without_lora():
+    """A frozen base and no LoRA (only dx and the routing-weight gradient): g from the gathered dy."""
+    E, M = 4, 11
+    ex = make_experts(E, 0)
+    ex.gate_up.requires_grad_(False)
+    ex.down.requires_grad_(False)
+    ids, w = routing(M, E, 2)
+    ids[4, 1] = -1
+    got = assert_matches_eager(ex, torch.randn(M, H, requires_grad=True), ids, w)
+    assert got["gate_up"] is None and got["dx"] is not None
 
 
 @pytest.mark.parametrize("K", [36, 37], ids=["rows-16B-aligned(TMA)", "rows-unaligned(pointers)"])
@@ -216,7 +232,7 @@ def test_swiglu_backward_pass(monkeypatch):
     g[n:], gu[n:] = float("nan"), float("nan")  # rows of -1 positions are never written upstream
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    dgu, dgub, dw = gl.swiglu_backward(g, slots, None, None, gu, w, gu_B)
+    dgu, dgub, dw = gl.swiglu_backward(g, slots, gu, w, gu_B)
     monkeypatch.setattr(torch, "empty", real_empty)
 
     pos = slots.order_S[:n].long()
