@@ -53,6 +53,7 @@ class Row:
     ep: int
     backend: str
     fwd_ms: float | None = None
+    fwd_steady_ms: float | None = None  # forward calls back to back
     fwd_bwd_ms: float | None = None
     steady_ms: float | None = None  # fwd+bwd, calls back to back (see steady_time_ms)
     peak_gib: float | None = None
@@ -171,6 +172,8 @@ def _bench_variant(row: Row, backend, iters: int, warmup: int, matmul: float) ->
             return row
         iters, warmup = min(iters, 2), 0
     row.fwd_ms = statistics.median(cuda_time_ms(fwd, iters, warmup))
+    if row.backend != "eager":
+        row.fwd_steady_ms = steady_time_ms(fwd, iters, warmup=1)
     fwd_bwd()  # grads allocated before the memory baseline, as in a training step
     torch.cuda.synchronize()
     base_bytes = torch.cuda.memory_allocated()
@@ -211,12 +214,12 @@ def fmt(v, spec: str) -> str:
 
 def print_header(matmul: float) -> None:
     print(f"device: {torch.cuda.get_device_name()}  bf16 matmul 8192^3: {matmul:.0f} TFLOP/s")
-    print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':16} {'fwd ms':>8} {'fwd+bwd ms':>10} "
+    print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':16} {'fwd ms':>8} {'fwd st':>7} {'fwd+bwd ms':>10} "
           f"{'steady ms':>9} {'peak GiB':>8} {'TFLOP/s':>7} {'%mm':>4}  note")
 
 
 def print_row(r: Row) -> None:
-    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} "
+    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} {fmt(r.fwd_steady_ms, '7.3f')} "
           f"{fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
           f"{fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
 
@@ -245,6 +248,7 @@ def targets(rows: list[Row]) -> list[dict]:
          ratio(get("lora16", 4, "fwd_bwd_ms"), get("lora16", 1, "fwd_bwd_ms")), 0.35),
         ("steady: full fine-tune fwd+bwd ms", get("full", 1, "steady_ms"), 4.0),
         ("steady: LoRA r=16 fwd+bwd ms", get("lora16", 1, "steady_ms"), 3.0),
+        ("steady: LoRA fwd overhead", ratio(get("lora16", 1, "fwd_steady_ms"), get("full", 1, "fwd_steady_ms")), 1.15),
         ("steady: full 75% -1 / all valid",
          ratio(get("full", 4, "steady_ms"), get("full", 1, "steady_ms")), 0.35),
         ("steady: LoRA 75% -1 / all valid",

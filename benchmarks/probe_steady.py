@@ -1,0 +1,79 @@
+"""Why back-to-back timings of the expert layer exceed its kernel sum: the GPU's clocks under sustained load.
+
+    python benchmarks/probe_steady.py
+
+Qwen3-30B-A3B shapes, T=8192, scattermoe, full and LoRA r=16. For each mode: the mean ms per fwd+bwd of
+n calls issued back to back (n = 3, 10, 30, 100, then 10 again) with the SM clock read right after;
+10 steps under the profiler (event time, kernel span and kernel sum per step); and the layer captured
+in one CUDA graph replayed 10 and 100 times back to back (GPU time alone, no host).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_experts import fwd_bwd_step, make_case, steady_time_ms
+
+
+def sm_clock() -> str:
+    try:
+        return f"{torch.cuda.clock_rate()} MHz"
+    except Exception as exc:  # noqa: BLE001 - no NVML here: say so, go on
+        return f"n/a ({type(exc).__name__})"
+
+
+def profiled_steps(step, n: int = 10) -> str:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(n):
+            step()
+        stop.record()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    span = (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1e3 / n
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / n
+    return f"events {start.elapsed_time(stop) / n:.3f} ms/step, span {span:.3f}, kernel sum {busy:.3f}"
+
+
+def graph_of(step) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def main() -> None:
+    for mode in ("full", "lora16"):
+        ex, x, ids, w, _ = make_case("qwen3-30b-a3b", 8192, mode, ep=1)
+        step = fwd_bwd_step("scattermoe", ex, x, ids, w)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        for n in (3, 10, 30, 100, 10):
+            print(f"== {mode} steady n={n}: {steady_time_ms(step, n, warmup=1):.3f} ms/step, SM clock after "
+                  f"{sm_clock()}", flush=True)
+        print(f"== {mode} profiled 10 steps: {profiled_steps(step)}", flush=True)
+        graph = graph_of(step)
+        for n in (10, 100):
+            print(f"== {mode} graph replays back to back n={n}: {steady_time_ms(graph.replay, n, warmup=2):.3f} ms/step, "
+                  f"SM clock after {sm_clock()}", flush=True)
+        del graph, step, ex, x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
