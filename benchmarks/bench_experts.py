@@ -314,9 +314,9 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int =
                 torch.cuda.empty_cache()
 
 
-def graph_ms(fn) -> str:
-    """Median ms of `fn` captured once in a CUDA graph and replayed: the GPU time alone, no host gaps
-    (the layer must be free of host syncs, which scattermoe and grouped_mm are)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after warmup calls on a side stream (as capture wants). Raises
+    RuntimeError where fn syncs with the host."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -325,9 +325,16 @@ def graph_ms(fn) -> str:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_ms(fn) -> str:
+    """Median ms of `fn` captured once in a CUDA graph and replayed: the GPU time alone, no host gaps
+    (the layer must be free of host syncs, which scattermoe and grouped_mm are)."""
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn)
     except RuntimeError as exc:  # a host sync inside: no graph, say why
         return f"n/a ({str(exc)[:60]})"
     ms = statistics.median(cuda_time_ms(graph.replay, 20, 2))

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import fwd_bwd_step, make_case, steady_time_ms
+from benchmarks.bench_experts import capture_graph, fwd_bwd_step, make_case, steady_time_ms
 
 
 def sm_clock() -> str:
@@ -43,19 +43,6 @@ def profiled_steps(step, n: int = 10) -> str:
     return f"events {start.elapsed_time(stop) / n:.3f} ms/step, span {span:.3f}, kernel sum {busy:.3f}"
 
 
-def graph_of(step) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
 def main() -> None:
     for mode in ("full", "lora16"):
         ex, x, ids, w, _ = make_case("qwen3-30b-a3b", 8192, mode, ep=1)
@@ -67,7 +54,7 @@ def main() -> None:
             print(f"== {mode} steady n={n}: {steady_time_ms(step, n, warmup=1):.3f} ms/step, SM clock after "
                   f"{sm_clock()}", flush=True)
         print(f"== {mode} profiled 10 steps: {profiled_steps(step)}", flush=True)
-        graph = graph_of(step)
+        graph = capture_graph(step)
         for n in (10, 100):
             print(f"== {mode} graph replays back to back n={n}: {steady_time_ms(graph.replay, n, warmup=2):.3f} ms/step, "
                   f"SM clock after {sm_clock()}", flush=True)

@@ -26,10 +26,10 @@ Eager calls go through an autograd.Function (least host time); under torch.compi
 forward and the backward are the custom ops moert::scattermoe_{sort,fwd,bwd}, which the fullgraph
 trace keeps whole.
 LoRA through the rank is split (`_split_lora`): the rank-sized intermediate is computed by its own
-grouped product and seeds the base GEMM's accumulator, so the base K loop runs with its own registers
-(on one H200 at Qwen3-30B-A3B shapes the fused gate_up took 1.29 ms against 0.88 + 0.05 split). Only
-small experts (out*in < 1M, where launches dominate) fuse it into the K loop. lora_dropout > 0 in
-training raises NotImplementedError (use the eager backend for it).
+grouped product and its product with B joins the base GEMM's accumulator after the K loop, so the
+base K loop runs with its own registers (on one H200 at Qwen3-30B-A3B shapes the fused gate_up took
+1.29 ms against 0.88 + 0.05 split). Only small experts (out*in < 1M, where launches dominate) fuse it
+into the K loop. lora_dropout > 0 in training raises NotImplementedError (use the eager backend for it).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     dyg_SH = dy_MH.index_select(0, slots.rows_S) if need["down"] else None
     if dyg_SH is not None and not has_lora:
         g_SI, dyb_Sr = expert_gemm(dyg_SH, slots, w_down_T), None
-    else:  # g = dy W_down + s (dy B_down) A_down, the rank product dy B_down seeding the accumulator
+    else:  # g = dy W_down + s (dy B_down) A_down; dy B_down is kept (it feeds dA_down)
         g_SI, dyb_Sr = expert_linear(dy_MH, slots, w_down_T, down_T, gather=True)
     dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(g_SI, slots, gu_S2I, weights_Mk, gu_B if has_lora else None)
     grads = dict.fromkeys(need)

@@ -10,8 +10,8 @@ with W_e = w_ENK[e] [N, K], A_e = A_ErK[e] [r, K], B_e = B_ENr[e] [N, r] read th
 so a transposed view (the backward's W^T, B^T, A^T) costs nothing. The LoRA product is either fused
 (in @ A^T accumulated in the K loop next to the base product, @ B^T in the epilogue; the rank-sized
 intermediate is written once, by the first column block) or split (the intermediate is computed
-beforehand by a rank-sized grouped product; its product with B^T seeds the accumulator, so the base
-K loop runs with the registers of the LoRA-free kernel). The forward SwiGLU is fused into the epilogue
+beforehand by a rank-sized grouped product; its product with B^T is added to the accumulator after
+the K loop, so the loop runs with the registers of the LoRA-free kernel). The forward SwiGLU is fused into the epilogue
 (gate and up columns interleaved in one accumulator); the backward SwiGLU (with the routing weight and
 its gradient, and the gate_up LoRA's rank product) is one pass after the GEMM.
 
