@@ -5,14 +5,15 @@
 Per real MoE shape (T=8192 tokens; --quick: T=2048 and two shapes), backend and mode it reports the
 median time over CUDA events after warmup (autotuning happens in the warmup; each call starts on an idle
 GPU), the fwd+bwd time of calls issued back to back ("steady": the host runs ahead, as in a training
-step), the peak memory above the resident tensors, and achieved TFLOP/s (valid slots only) next to a
-bf16 matmul rate measured in the same run. Modes: `full` (base weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base),
-each with all slots valid (ep1) and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the
-first 1/ep of the experts, every other slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA
-path (chosen automatically only for small experts) for comparison. Then it checks the targets
+step; also for the forward alone), the peak memory above the resident tensors, and achieved TFLOP/s
+(valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base weights
+trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1) and in
+the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts, every other
+slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA path (chosen automatically only for
+small experts) for comparison. Then it checks the targets
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
-`--profile` prints the per-kernel CUDA times of one fwd+bwd instead (to see which kernel to work on);
+`--profile` prints the per-kernel CUDA times of fwd+bwd steps instead (to see which kernel to work on);
 `--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times, and a
 cProfile of where the host time goes.
 """
@@ -32,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cuda_graphs import capture_graph
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 
@@ -219,8 +221,8 @@ def print_header(matmul: float) -> None:
 
 
 def print_row(r: Row) -> None:
-    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} {fmt(r.fwd_steady_ms, '7.3f')} "
-          f"{fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
+    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} "
+          f"{fmt(r.fwd_steady_ms, '7.3f')} {fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
           f"{fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
 
 
@@ -263,15 +265,24 @@ def targets(rows: list[Row]) -> list[dict]:
     return out
 
 
+def profiled_kernels(fn, calls: int) -> list:
+    """The CUDA kernel events (torch.profiler) of `calls` calls of fn issued back to back, by start time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+
+
 def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int = 3) -> None:
     """CUDA kernels of `steps` fwd+bwd issued back to back (after warmup), for each backend, shape and mode
     at ep1: per step the kernel count, the sum of kernel times and the span from the first kernel's
     start to the last one's end (below the sum where streams overlap; later steps run at the clocks of
     a busy GPU, the first at those of an idle one), then the last step's kernels in start order (not a
     summary by name: scattermoe's GEMM variants share one kernel name)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     for shape in shapes:
         for mode in MODES:
             for name in backends:
@@ -288,12 +299,7 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int =
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(steps):
-                        step()
-                    torch.cuda.synchronize()
-                kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                                 key=lambda e: e.time_range.start)
+                kernels = profiled_kernels(step, steps)
                 per_step = len(kernels) // steps
                 print(f"\n== {shape} T={T} {mode} {name}: {per_step} kernels per step")
                 for i in range(steps):
@@ -307,27 +313,11 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int =
                 print("  last step: ms, start after the step's first kernel, idle before it, name")
                 last = kernels[-per_step:]
                 for prev, e in zip([None, *last], last):
+                    start = (e.time_range.start - last[0].time_range.start) / 1e3
                     idle = (e.time_range.start - prev.time_range.end) / 1e3 if prev else 0.0
-                    print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} {(e.time_range.start - last[0].time_range.start) / 1e3:8.3f}"
-                          f" {idle:7.3f}  {e.name[:90]}")
+                    print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} {start:8.3f} {idle:7.3f}  {e.name[:90]}")
                 del ex, x, ids, w
                 torch.cuda.empty_cache()
-
-
-def capture_graph(fn) -> torch.cuda.CUDAGraph:
-    """`fn` captured in a CUDA graph, after warmup calls on a side stream (as capture wants). Raises
-    RuntimeError where fn syncs with the host."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def graph_ms(fn) -> str:

@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention import norm_rope
 from attention.norm_rope import qk_norm_rope, qk_norm_rope_reference, rope_reference
+from benchmarks.cuda_graphs import capture_graph
 from quant import triton_launch
 
 HEADS_Q, HEADS_K, HEAD_DIM, BATCH = 40, 8, 128, 1
@@ -131,16 +132,7 @@ class Timer:
     def gpu(self, fn) -> float:
         if self.flush is None:
             return self._wall(fn)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (and compile) off the default stream, as capture wants
-            for _ in range(max(2, self.warmup)):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn, warmup=max(2, self.warmup))
         graph.replay()  # first replay uploads the graph
         torch.cuda.synchronize()
         try:

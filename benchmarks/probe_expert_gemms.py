@@ -10,7 +10,7 @@ Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; 
    S/E rows per expert (a multiple of every BLOCK_M: no tail) show what the tails cost.
 2. Config sweep of the gate_up kernel: every candidate config timed alone (the autotuner keeps the best
    of GEMM_CONFIGS; extra ones here are candidates to add).
-3. Every CUDA kernel of one fwd+bwd (grads set to None first, as in the benchmark table), named.
+3. Every CUDA kernel of a fwd+bwd, named (bench_experts.profile_kernels: 3 steps back to back).
 4. The host timeline of one fwd+bwd: when each kernel was launched and when it ran, relative to the
    call (GPU idle at the start), the GPU's idle gaps, and the host ops that cost the most.
 5. Host us per call of each primitive (T=8192 with the GPU idle or busy; T=64 in a loop), and of the
@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import cuda_time_ms, fwd_bwd_step, make_case, print_cprofile
+from benchmarks.bench_experts import cuda_time_ms, fwd_bwd_step, make_case, print_cprofile, profile_kernels
 from moe.backends import expert_backend
 from moe.kernels import grouped_linear as gl
 from moe.kernels.routing import sort_slots
@@ -155,27 +155,6 @@ def factor_grads_sweep() -> None:
             print(f"== factor grads {bq}x{bk} w{warps} s{stages}: {ms(run):.3f} ms", flush=True)
         except Exception as exc:  # noqa: BLE001 - a config that does not fit: say so, go on
             print(f"== factor grads {bq}x{bk} w{warps} s{stages}: n/a {type(exc).__name__}", flush=True)
-
-
-def all_kernels() -> None:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    for mode in ("full", "lora16"):
-        fwd_bwd = fwd_bwd_step("scattermoe", *make_case("qwen3-30b-a3b", T, mode, ep=1)[:4])
-        for _ in range(3):
-            fwd_bwd()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                fwd_bwd()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        half = kernels[len(kernels) // 2:]
-        print(f"\n== kernels {mode}: {len(half)} in the second fwd+bwd, "
-              f"{sum(e.time_range.elapsed_us() for e in half) / 1e3:.3f} ms")
-        for e in half:
-            print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} ms  {e.name[:110]}")
 
 
 def host_timeline() -> None:
@@ -360,10 +339,10 @@ if __name__ == "__main__":
         sys.exit(0)
     if "--kernels" in sys.argv:
         swiglu_backward_tiles()
-        all_kernels()
+        profile_kernels(["qwen3-30b-a3b"], T, ["scattermoe"])
         sys.exit(0)
     host_timeline()
     if "--timeline" not in sys.argv:
         tail_waste()
         config_sweep()
-        all_kernels()
+        profile_kernels(["qwen3-30b-a3b"], T, ["scattermoe"])

@@ -4,7 +4,7 @@
 
 Qwen3-30B-A3B shapes, T=8192, scattermoe, full and LoRA r=16. For each mode: the mean ms per fwd+bwd of
 n calls issued back to back (n = 3, 10, 30, 100, then 10 again) with the SM clock read right after;
-10 steps under the profiler (event time, kernel span and kernel sum per step); and the layer captured
+10 steps under the profiler (kernel span and kernel sum per step); and the layer captured
 in one CUDA graph replayed 10 and 100 times back to back (GPU time alone, no host).
 """
 
@@ -14,12 +14,11 @@ import os
 import sys
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import capture_graph, fwd_bwd_step, make_case, steady_time_ms
+from benchmarks.bench_experts import fwd_bwd_step, make_case, profiled_kernels, steady_time_ms
+from benchmarks.cuda_graphs import capture_graph
 
 
 def sm_clock() -> str:
@@ -30,17 +29,10 @@ def sm_clock() -> str:
 
 
 def profiled_steps(step, n: int = 10) -> str:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for _ in range(n):
-            step()
-        stop.record()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    kernels = profiled_kernels(step, n)
     span = (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1e3 / n
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / n
-    return f"events {start.elapsed_time(stop) / n:.3f} ms/step, span {span:.3f}, kernel sum {busy:.3f}"
+    return f"span {span:.3f} ms/step, kernel sum {busy:.3f}"
 
 
 def main() -> None:
@@ -56,7 +48,8 @@ def main() -> None:
         print(f"== {mode} profiled 10 steps: {profiled_steps(step)}", flush=True)
         graph = capture_graph(step)
         for n in (10, 100):
-            print(f"== {mode} graph replays back to back n={n}: {steady_time_ms(graph.replay, n, warmup=2):.3f} ms/step, "
+            ms = steady_time_ms(graph.replay, n, warmup=2)
+            print(f"== {mode} graph replays back to back n={n}: {ms:.3f} ms/step, "
                   f"SM clock after {sm_clock()}", flush=True)
         del graph, step, ex, x
         torch.cuda.empty_cache()

@@ -132,8 +132,10 @@ def current_stream(device: int) -> int:
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # The caching allocator's blocks are 512-byte aligned, more than any descriptor asks for.
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    # The caching allocator's blocks are 512-byte aligned, more than any descriptor asks for. On the CPU
+    # (the interpreter builds descriptors too) a host buffer.
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 def ensure_scratch_allocator() -> None:

@@ -2,9 +2,9 @@
 [--max-steps N] [--output-dir D] [--resume] [--set KEY=VALUE ...] cfg.yaml`, under torchrun or as a
 plain process.
 
-Flags override the YAML; `--set` overrides any key. Config and mesh errors are raised before any process group exists; any
-error ends every rank with one message from rank 0 and a non-zero exit (torchrun then stops the
-rest), never a hang or a stack of identical tracebacks.
+Flags override the YAML; `--set` overrides any key. Config and mesh errors are raised before any process
+group exists; any error ends every rank with one message from rank 0 and a non-zero exit (torchrun then
+stops the rest), never a hang or a stack of identical tracebacks.
 """
 
 from __future__ import annotations

@@ -14,16 +14,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-TINY_MOE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
-                "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "norm_topk_prob": True}
-TINY_HYBRID = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                   "num_experts": 8, "num_experts_per_tok": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                   "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
-                   "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
-TINY_DENSE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256}
+TINY_MOE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+            "norm_topk_prob": True}
+TINY_HYBRID = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+               "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "max_position_embeddings": 256,
+               "rms_norm_eps": 1e-6}
+TINY_DENSE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256}
 
 
 def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -79,8 +81,8 @@ def _build_hf_model(kind: str, overrides: dict):
         from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
         hybrid.pop("intermediate_size")
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64, "patch_size": 4,
-                      "temporal_patch_size": 1, "spatial_merge_size": 1}
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                  "patch_size": 4, "temporal_patch_size": 1, "spatial_merge_size": 1}
         return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision))
     raise ValueError(kind)
 

@@ -12,7 +12,7 @@ Forward (valid slots only, expert-sorted; -1 slots are never sorted into a segme
     z' = hw @ W_down^T + s (hw A_down^T) B_down^T  (= w z)             [S, H]
     y[m] = sum_j z'[pos(m, j)]                                          combine, skipping -1 slots
 Backward (dyg = dy gathered into expert-sorted order, only when dW_down is needed):
-    g = dy[token] @ W_down + s (dy[token] B_down) A_down   gathered GEMM, split LoRA (or dyg @ W_down, bare)
+    g = dy[token] @ W_down + s (dy[token] B_down) A_down   grouped GEMM, split LoRA; rows of dyg, or of dy gathered
     d gate_up = SwiGLU'(w g), dw = <g, h>, d gate_up B_gu  one pass over each row block (swiglu_backward)
     dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                     GEMM + combine
     dW_gu = d gate_up^T x[token], dW_down = dyg^T hw: per-expert reductions over the rows, by
@@ -40,7 +40,6 @@ from moe.backends import compute_dtype, register_backend
 from moe.kernels.grouped_linear import (
     LoraView,
     cutlass_ok,
-    expert_gemm,
     expert_linear,
     gate_up_swiglu,
     swiglu_backward,
@@ -95,13 +94,12 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
     down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
     w_down_T = w_down.transpose(1, 2)
-    # dy in expert-sorted order only for dW_down (CUTLASS cannot gather); then g reads it too. Otherwise
-    # g and dB_down gather dy's rows in-kernel (dy fits in L2; the [S, H] copy is never written).
+    # dy in expert-sorted order only for dW_down (CUTLASS cannot gather); then g and dB_down read it too.
+    # Otherwise they gather dy's rows in-kernel (dy fits in L2; the [S, H] copy is never written).
     dyg_SH = dy_MH.index_select(0, slots.rows_S) if need["down"] else None
-    if dyg_SH is not None and not has_lora:
-        g_SI, dyb_Sr = expert_gemm(dyg_SH, slots, w_down_T), None
-    else:  # g = dy W_down + s (dy B_down) A_down; dy B_down is kept (it feeds dA_down)
-        g_SI, dyb_Sr = expert_linear(dy_MH, slots, w_down_T, down_T, gather=True)
+    dy_rows, gather_dy = (dy_MH, True) if dyg_SH is None else (dyg_SH, False)
+    # g = dy W_down + s (dy B_down) A_down; dy B_down is kept (it feeds dA_down)
+    g_SI, dyb_Sr = expert_linear(dy_rows, slots, w_down_T, down_T, gather=gather_dy)
     dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(g_SI, slots, gu_S2I, weights_Mk, gu_B if has_lora else None)
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
@@ -117,7 +115,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
         factor_grads = {"gu_A": FactorGrad(dgub_Sr, x_MH, gather_r=True),
                         "gu_B": FactorGrad(xa_Sr, dgu_S2I, transposed=True),
                         "down_A": FactorGrad(dyb_Sr, hw_SI),
-                        "down_B": FactorGrad(hwa_Sr, dy_MH, gather_r=True, transposed=True)}
+                        "down_B": FactorGrad(hwa_Sr, dy_rows, gather_r=gather_dy, transposed=True)}
         wanted = [problem if need[name] else None for name, problem in factor_grads.items()]
         grads.update(zip(factor_grads, lora_factor_grads(wanted, slots, s)))
     return tuple(grads.values())

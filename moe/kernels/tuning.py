@@ -67,9 +67,9 @@ else:
     # Kept short on purpose: every config is compiled once per kernel variant on a cold cache. Chosen
     # from a sweep on one H200 at Qwen3-30B-A3B shapes (T=8192): 128x256x64 wins the forward and dx,
     # 64x128 (4 warps) the LoRA-in-loop variants, 64x16 the rank products; 128x128 and 256x128 tiles are
-    # candidates for the split-LoRA GEMMs (the LoRA tiles held across the K loop cost registers). The persistent
-    # 128x256 ones won with TMA operands (down 0.444 ms vs 0.465, dx 0.739-0.761 vs 0.783) and the
-    # gathered gate_up (0.744 vs 0.771; benchmarks/probe_tma_gemm.py).
+    # candidates for the split-LoRA GEMMs (the LoRA tiles held across the K loop cost registers). The
+    # persistent 128x256 ones won with TMA operands (down 0.444 ms vs 0.465, dx 0.739-0.761 vs 0.783) and
+    # the gathered gate_up (0.744 vs 0.771; benchmarks/probe_tma_gemm.py).
     GEMM_CONFIGS = [_gemm_config(*c) for c in (
         (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
         (128, 128, 128, 8, 3), (64, 16, 64, 4, 4), (64, 16, 128, 4, 3), (128, 16, 64, 4, 4),

@@ -88,9 +88,9 @@ def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
     moe = model_type in MOE_MODEL_TYPES
     hybrid = model_type in HYBRID_MODEL_TYPES
     hybrid_fields = {"layer_types": tuple(hf["layer_types"][:num_layers]), "gated_attention": True,
-                         "norm_unit_offset": True, "gdn": _gdn_config(hf, model_type),
-                         "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0
-                         } if hybrid else {}
+                     "norm_unit_offset": True, "gdn": _gdn_config(hf, model_type),
+                     "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0
+                     } if hybrid else {}
     # Qwen3.5-MoE always renormalizes its top-k weights and has no norm_topk_prob key.
     norm_topk = hf.get("norm_topk_prob", model_type == "qwen3_5_moe_text")
     return QwenConfig(

@@ -4,7 +4,8 @@ The expert layer test checks whatever config the autotuner picks on that machine
 candidate config in turn, so a config that is wrong on one path (persistent tiles, TMA descriptors of a
 transposed weight view, gathered rows) fails here on any machine.
 Paths at Qwen3-30B-A3B shapes: expert-sorted rows x W (the down projection), x a transposed weight view
-(dx = d gate_up W_gu), and gathered rows x W_gu (the forward's gate_up, SwiGLU epilogue). Reference: torch._grouped_mm on the same bf16 operands (norm-relative error <= 1e-2).
+(dx = d gate_up W_gu), and gathered rows x W_gu (the forward's gate_up, SwiGLU epilogue). Reference:
+torch._grouped_mm on the same bf16 operands (norm-relative error <= 1e-2).
 """
 
 from __future__ import annotations
