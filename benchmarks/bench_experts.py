@@ -277,16 +277,16 @@ def profiled_kernels(fn, calls: int) -> list:
     return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
 
 
-def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int = 3) -> None:
+def profile_kernels(shapes: list[str], T: int, backends: list[str], ep: int = 1, steps: int = 3) -> None:
     """CUDA kernels of `steps` fwd+bwd issued back to back (after warmup), for each backend, shape and mode
-    at ep1: per step the kernel count, the sum of kernel times and the span from the first kernel's
+    at the given ep (its -1 slot layout): per step the kernel count, the sum of kernel times and the span from the first kernel's
     start to the last one's end (below the sum where streams overlap; later steps run at the clocks of
     a busy GPU, the first at those of an idle one), then the last step's kernels in start order (not a
     summary by name: scattermoe's GEMM variants share one kernel name)."""
     for shape in shapes:
         for mode in MODES:
             for name in backends:
-                ex, x, ids, w, _ = make_case(shape, T, mode, ep=1)
+                ex, x, ids, w, _ = make_case(shape, T, mode, ep=ep)
                 step = fwd_bwd_step(name, ex, x, ids, w)  # grads set to None: no accumulation kernels
                 for _ in range(3):
                     step()
@@ -301,7 +301,7 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str], steps: int =
                 torch.cuda.synchronize()
                 kernels = profiled_kernels(step, steps)
                 per_step = len(kernels) // steps
-                print(f"\n== {shape} T={T} {mode} {name}: {per_step} kernels per step")
+                print(f"\n== {shape} T={T} ep{ep} {mode} {name}: {per_step} kernels per step")
                 for i in range(steps):
                     ks = kernels[i * per_step:(i + 1) * per_step]
                     total = sum(e.time_range.elapsed_us() for e in ks) / 1e3
@@ -382,8 +382,15 @@ def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
                         fwd_bwd()
                         host.append(1e3 * (time.perf_counter() - t0))
                     gpu = statistics.median(cuda_time_ms(fwd_bwd, 10, 0))
+                    t0 = time.perf_counter()
+                    for _ in range(30):  # back to back: does the host keep up with the GPU?
+                        fwd_bwd()
+                    enqueued = time.perf_counter()
+                    torch.cuda.synchronize()
+                    done = time.perf_counter()
                     print(f"\n== host {shape} {mode} ep{ep} {name}: host {statistics.median(host):.3f} ms, "
-                          f"call-to-done {gpu:.3f} ms, GPU only (CUDA graph) {graph_ms(fwd_bwd)}")
+                          f"call-to-done {gpu:.3f} ms, GPU only (CUDA graph) {graph_ms(fwd_bwd)}; 30 back to back: "
+                          f"host {(enqueued - t0) / 0.03:.3f} ms/call, done {(done - t0) / 0.03:.3f} ms/call")
                     if ep == 1 or mode == "lora16":
                         print_cprofile(fwd_bwd, 20, "tottime", 28)
                     del fwd_bwd
@@ -399,13 +406,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: per-kernel CUDA times of one fwd+bwd (torch.profiler)")
+    ap.add_argument("--ep", type=int, default=1, help="with --profile: the -1 slot layout of this ep")
     ap.add_argument("--host", action="store_true",
                     help="instead of the table: host time of one fwd+bwd and a cProfile of it")
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = 2048 if args.quick else 8192
     if args.profile:
-        profile_kernels(shapes, T, args.backends.split(","))
+        profile_kernels(shapes, T, args.backends.split(","), args.ep)
         return
     if args.host:
         host_time(shapes, T, args.backends.split(","))

@@ -45,7 +45,7 @@ from moe.kernels.grouped_linear import (
     swiglu_backward,
 )
 from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
-from moe.kernels.routing import SlotOrder, combine, sort_slots
+from moe.kernels.routing import SlotOrder, combine, gather_rows, sort_slots
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
 
@@ -96,7 +96,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     w_down_T = w_down.transpose(1, 2)
     # dy in expert-sorted order only for dW_down (CUTLASS cannot gather); then g and dB_down read it too.
     # Otherwise they gather dy's rows in-kernel (dy fits in L2; the [S, H] copy is never written).
-    dyg_SH = dy_MH.index_select(0, slots.rows_S) if need["down"] else None
+    dyg_SH = gather_rows(dy_MH, slots) if need["down"] else None
     dy_rows, gather_dy = (dy_MH, True) if dyg_SH is None else (dyg_SH, False)
     # g = dy W_down + s (dy B_down) A_down; dy B_down is kept (it feeds dA_down)
     g_SI, dyb_Sr = expert_linear(dy_rows, slots, w_down_T, down_T, gather=gather_dy)
@@ -108,7 +108,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
         dxs_SH, _ = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False, ia_Sr=dgub_Sr)
         grads["x"] = combine(dxs_SH, slots, None)
     if need["gu"]:
-        grads["gu"] = _weight_grad(dgu_S2I, x_MH.index_select(0, slots.rows_S), slots)
+        grads["gu"] = _weight_grad(dgu_S2I, gather_rows(x_MH, slots), slots)
     if need["down"]:
         grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
     if has_lora:  # the four factor gradients (those needed) in one launch

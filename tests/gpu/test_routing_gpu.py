@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.kernels.routing import sort_slots
+from moe.kernels.routing import gather_rows, sort_slots
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -58,3 +58,13 @@ def test_sort_slots_edge_cases():
     assert_matches_reference(make_ids(3, 8, 512, 0.3), 512)  # fewer slots than one block
     empty = sort_slots(torch.empty(0, 8, dtype=torch.long, device="cuda"), 64)
     assert empty.order_S.numel() == 0 and empty.offsets_E1.tolist() == [0] * 65
+
+
+@pytest.mark.parametrize("invalid", [0.0, 0.75])
+def test_gather_rows_matches_index_select(invalid):
+    ids = make_ids(8192, 8, 128, invalid)
+    slots = sort_slots(ids, 128)
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    valid = int((ids >= 0).sum())
+    out = gather_rows(x, slots)
+    assert torch.equal(out[:valid], x.index_select(0, slots.rows_S[:valid]))

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from moe.kernels import routing, tuning
-from moe.kernels.routing import sort_slots
+from moe.kernels.routing import gather_rows, sort_slots
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_routing_gpu.py covers the kernels",
@@ -115,3 +115,22 @@ def test_layout_example():
     assert s.offsets_E1.tolist() == [0, 2, 3, 5, 5]
     assert s.order_S.tolist() == [2, 7, 6, 0, 3, 1, 4, 5]
     assert s.rows_S.tolist() == [1, 3, 3, 0, 1, 0, 2, 2]
+
+
+@pytest.mark.parametrize("M,k,E,H,invalid", [(40, 2, 4, 37, 0.25), (30, 3, 8, 70, 0.0), (20, 2, 4, 16, 1.0)],
+                         ids=["some-invalid", "all-valid", "all-invalid"])
+def test_gather_rows_writes_the_valid_positions(M, k, E, H, invalid, small_blocks):
+    """out[p] = x[slot // k] for the valid sorted positions (x a column-strided view); the -1 tail is
+    never written (NaN-filled output rows there stay NaN)."""
+    ids = random_ids(M, k, E, seed=M + H, invalid=invalid)
+    x = torch.randn(H, M).t()
+    slots = sort_slots(ids, E)
+    valid = int((ids >= 0).sum())
+    out = gather_rows(x, slots)
+    ref = x[(slots.order_S[:valid] // k).long()]
+    assert out.shape == (M * k, H) and torch.equal(out[:valid], ref)
+    filled = torch.full((M * k, H), float("nan"))
+    routing.launch(routing._gather_rows_kernel, (routing.cdiv(M * k, routing._GATHER_ROWS), 1), (
+        x, *x.stride(), slots.rows_S, slots.offsets_E1, filled, H, H, E),
+        {"BLOCK_P": routing._GATHER_ROWS, "BLOCK_H": routing.next_power_of_2(H)})
+    assert torch.equal(filled[:valid], ref) and filled[valid:].isnan().all()
