@@ -10,8 +10,9 @@ step; also for the forward alone), the peak memory above the resident tensors, a
 trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1) and in
 the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts, every other
 slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA path (chosen automatically only for
-small experts) for comparison. Then it checks the targets
-(set for one H200 at Qwen3-30B-A3B shapes, T=8192). A variant that fails prints its error and the
+small experts) for comparison. MHz is the SM clock after the steady timing. Then it checks the targets
+(set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1 ratio once more with the ep1
+and ep4 cases in turns, at the same clocks (`--modes` restricts the modes). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
 `--profile` prints the per-kernel CUDA times of fwd+bwd steps instead (to see which kernel to work on);
 `--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times, and a
@@ -58,6 +59,7 @@ class Row:
     fwd_steady_ms: float | None = None  # forward calls back to back
     fwd_bwd_ms: float | None = None
     steady_ms: float | None = None  # fwd+bwd, calls back to back (see steady_time_ms)
+    clock_mhz: int | None = None  # SM clock right after the steady fwd+bwd (the clocks it ran at)
     peak_gib: float | None = None
     tflops: float | None = None
     pct_matmul: float | None = None
@@ -100,6 +102,29 @@ def steady_time_ms(fn, iters: int, warmup: int) -> float:
     stop.record()
     stop.synchronize()
     return start.elapsed_time(stop) / iters
+
+
+def sm_clock_mhz() -> int | None:
+    """The SM clock now (NVML); the GPU clocks down under sustained load, so every timing depends on it."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001 - no NVML here: the column stays empty
+        return None
+
+
+def alternated_ratio(shape: str, T: int, mode: str, ep: int, rounds: int = 3, iters: int = 10) -> str:
+    """Steady fwd+bwd at `ep` over the all-valid (ep1) case, the two timed in turns so both run at the
+    same clocks (in the table the ep4 rows come last, on a GPU hot from the rows before)."""
+    steps = {e: fwd_bwd_step("scattermoe", *make_case(shape, T, mode, ep=e)[:4]) for e in (1, ep)}
+    times = {1: [], ep: []}
+    for step in steps.values():
+        steady_time_ms(step, 3, warmup=2)
+    for _ in range(rounds):
+        for e, step in steps.items():
+            times[e].append(steady_time_ms(step, iters, warmup=1))
+    one, sparse = statistics.median(times[1]), statistics.median(times[ep])
+    return (f"{mode} ep{ep} / ep1, timed in turns: {sparse:.3f} / {one:.3f} ms = {sparse / one:.3f} "
+            f"(SM clock after {sm_clock_mhz()} MHz)")
 
 
 def matmul_tflops() -> float:
@@ -184,16 +209,18 @@ def _bench_variant(row: Row, backend, iters: int, warmup: int, matmul: float) ->
     row.peak_gib = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
     if row.backend != "eager":
         row.steady_ms = steady_time_ms(fwd_bwd, iters, warmup=1)
+        row.clock_mhz = sm_clock_mhz()
     row.tflops = flops / row.fwd_bwd_ms / 1e9
     row.pct_matmul = 100 * row.tflops / matmul
     return row
 
 
 def run_all(shapes: list[str], T: int, backends: list[str], iters: int, warmup: int, matmul: float,
-            on_row) -> list[Row]:
+            on_row, modes: list[str]) -> list[Row]:
     rows = []
     for shape in shapes:
-        for mode, rank in MODES.items():
+        for mode in modes:
+            rank = MODES[mode]
             for ep in (1, 2, 4):
                 extra = ["scattermoe-fused"] if "scattermoe" in backends and rank and ep == 1 else []
                 for name in backends + extra:
@@ -217,13 +244,14 @@ def fmt(v, spec: str) -> str:
 def print_header(matmul: float) -> None:
     print(f"device: {torch.cuda.get_device_name()}  bf16 matmul 8192^3: {matmul:.0f} TFLOP/s")
     print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':16} {'fwd ms':>8} {'fwd st':>7} {'fwd+bwd ms':>10} "
-          f"{'steady ms':>9} {'peak GiB':>8} {'TFLOP/s':>7} {'%mm':>4}  note")
+          f"{'steady ms':>9} {'MHz':>4} {'peak GiB':>8} {'TFLOP/s':>7} {'%mm':>4}  note")
 
 
 def print_row(r: Row) -> None:
     print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} "
-          f"{fmt(r.fwd_steady_ms, '7.3f')} {fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
-          f"{fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
+          f"{fmt(r.fwd_steady_ms, '7.3f')} {fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} "
+          f"{fmt(r.clock_mhz, '4d')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} {fmt(r.pct_matmul, '4.0f')}  "
+          f"{r.note}", flush=True)
 
 
 def targets(rows: list[Row]) -> list[dict]:
@@ -277,14 +305,15 @@ def profiled_kernels(fn, calls: int) -> list:
     return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
 
 
-def profile_kernels(shapes: list[str], T: int, backends: list[str], ep: int = 1, steps: int = 3) -> None:
+def profile_kernels(shapes: list[str], T: int, backends: list[str], modes: list[str], ep: int = 1,
+                    steps: int = 3) -> None:
     """CUDA kernels of `steps` fwd+bwd issued back to back (after warmup), for each backend, shape and mode
     at the given ep (its -1 slot layout): per step the kernel count, the sum of kernel times and the span from the first kernel's
     start to the last one's end (below the sum where streams overlap; later steps run at the clocks of
     a busy GPU, the first at those of an idle one), then the last step's kernels in start order (not a
     summary by name: scattermoe's GEMM variants share one kernel name)."""
     for shape in shapes:
-        for mode in MODES:
+        for mode in modes:
             for name in backends:
                 ex, x, ids, w, _ = make_case(shape, T, mode, ep=ep)
                 step = fwd_bwd_step(name, ex, x, ids, w)  # grads set to None: no accumulation kernels
@@ -363,12 +392,12 @@ def print_cprofile(fn, calls: int, sort: str, lines: int, prefix: str = "  ") ->
             print(prefix + line[:170])
 
 
-def host_time(shapes: list[str], T: int, backends: list[str]) -> None:
+def host_time(shapes: list[str], T: int, backends: list[str], modes: list[str]) -> None:
     """Host enqueue time of one fwd+bwd (GPU idle at the start) vs its GPU time, at ep1 and ep4, and the
     functions that spend the host time (cProfile, by own time). Host time above the GPU time is exposed
     whenever nothing else keeps the GPU busy."""
     for shape in shapes:
-        for mode in MODES:
+        for mode in modes:
             for name in backends:
                 for ep in (1, 4):
                     ex, x, ids, w, _ = make_case(shape, T, mode, ep=ep)
@@ -404,6 +433,7 @@ def main() -> None:
     ap.add_argument("--backends", default="eager,grouped_mm,scattermoe")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: per-kernel CUDA times of one fwd+bwd (torch.profiler)")
     ap.add_argument("--ep", type=int, default=1, help="with --profile: the -1 slot layout of this ep")
@@ -412,11 +442,12 @@ def main() -> None:
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = 2048 if args.quick else 8192
+    modes = args.modes.split(",")
     if args.profile:
-        profile_kernels(shapes, T, args.backends.split(","), args.ep)
+        profile_kernels(shapes, T, args.backends.split(","), modes, args.ep)
         return
     if args.host:
-        host_time(shapes, T, args.backends.split(","))
+        host_time(shapes, T, args.backends.split(","), modes)
         return
     matmul = matmul_tflops()
 
@@ -434,9 +465,12 @@ def main() -> None:
     rows, checks = [], None
     for shape in shapes:
         rows += run_all([shape], T, args.backends.split(","), args.iters, warmup=3, matmul=matmul,
-                        on_row=lambda new, done=rows: save(done + new))
+                        on_row=lambda new, done=rows: save(done + new), modes=modes)
         if shape == "qwen3-30b-a3b":  # the targets' shape: report them before the remaining shapes run
             checks = targets(rows)
+            if "scattermoe" in args.backends.split(","):
+                for mode in modes:
+                    print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, ep=4), flush=True)
     save(rows, checks if checks is not None else targets(rows))
     from moe.kernels.tuning import _FASTER
     for key, winner in _FASTER.items():  # the measured choices between implementations (CUTLASS or ours)

@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import cuda_time_ms, fwd_bwd_step, make_case, print_cprofile, profile_kernels
+from benchmarks.bench_experts import MODES, cuda_time_ms, fwd_bwd_step, make_case, print_cprofile, profile_kernels
 from moe.backends import expert_backend
 from moe.kernels import grouped_linear as gl
 from moe.kernels.routing import sort_slots
@@ -339,10 +339,10 @@ if __name__ == "__main__":
         sys.exit(0)
     if "--kernels" in sys.argv:
         swiglu_backward_tiles()
-        profile_kernels(["qwen3-30b-a3b"], T, ["scattermoe"])
+        profile_kernels(["qwen3-30b-a3b"], T, ["scattermoe"], list(MODES))
         sys.exit(0)
     host_timeline()
     if "--timeline" not in sys.argv:
         tail_waste()
         config_sweep()
-        profile_kernels(["qwen3-30b-a3b"], T, ["scattermoe"])
+        profile_kernels(["qwen3-30b-a3b"], T, ["scattermoe"], list(MODES))
