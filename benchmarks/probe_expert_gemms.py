@@ -161,7 +161,7 @@ def host_timeline() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    for mode, ep in (("full", 1), ("full", 4), ("lora16", 4)):
+    for mode, ep in (("full", 1), ("full", 4), ("lora16", 1), ("lora16", 4)):
         step = fwd_bwd_step("scattermoe", *make_case("qwen3-30b-a3b", T, mode, ep=ep)[:4])
 
         def fwd_bwd(step=step):
