@@ -12,7 +12,8 @@ the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of th
 slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA path (chosen automatically only for
 small experts) for comparison. MHz is the SM clock after the steady timing. Then it checks the targets
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1 ratio once more with the ep1
-and ep4 cases in turns, at the same clocks (`--modes` restricts the modes). A variant that fails prints its error and the
+and ep4 cases in turns, at the same clocks: for one layer, and per layer of 4 layers under one backward
+call (as in a model; `--modes` restricts the modes). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
 `--profile` prints the per-kernel CUDA times of fwd+bwd steps instead (to see which kernel to work on);
 `--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times, and a
@@ -112,19 +113,39 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
-def alternated_ratio(shape: str, T: int, mode: str, ep: int, rounds: int = 3, iters: int = 10) -> str:
-    """Steady fwd+bwd at `ep` over the all-valid (ep1) case, the two timed in turns so both run at the
-    same clocks (in the table the ep4 rows come last, on a GPU hot from the rows before)."""
-    steps = {e: fwd_bwd_step("scattermoe", *make_case(shape, T, mode, ep=e)[:4]) for e in (1, ep)}
+def stacked_step(shape: str, T: int, mode: str, ep: int, layers: int):
+    """fwd+bwd of `layers` expert layers in a row (each its own weights, one backward call), as in a
+    model: the autograd engine's fixed cost per backward call is shared by the layers."""
+    cases = [make_case(shape, T, mode, ep) for _ in range(layers)]
+    _, x, ids, w, _ = cases[0]
+    experts = [case[0] for case in cases]
+    backend, dy = expert_backend("scattermoe"), torch.randn_like(x)
+    params = [p for ex in experts for p in ex.parameters() if p.requires_grad] + [x, w]
+
+    def step():
+        for p in params:
+            p.grad = None
+        h = x
+        for ex in experts:
+            h = backend(h, ids, w, ex)
+        h.backward(dy)
+    return step
+
+
+def alternated_ratio(shape: str, T: int, mode: str, ep: int, layers: int, rounds: int = 3,
+                     iters: int = 10) -> str:
+    """Steady fwd+bwd per layer at `ep` over the all-valid (ep1) case, the two timed in turns so both
+    run at the same clocks (in the table the ep4 rows come last, on a GPU hot from the rows before)."""
+    steps = {e: stacked_step(shape, T, mode, e, layers) for e in (1, ep)}
     times = {1: [], ep: []}
     for step in steps.values():
         steady_time_ms(step, 3, warmup=2)
     for _ in range(rounds):
         for e, step in steps.items():
-            times[e].append(steady_time_ms(step, iters, warmup=1))
+            times[e].append(steady_time_ms(step, iters, warmup=1) / layers)
     one, sparse = statistics.median(times[1]), statistics.median(times[ep])
-    return (f"{mode} ep{ep} / ep1, timed in turns: {sparse:.3f} / {one:.3f} ms = {sparse / one:.3f} "
-            f"(SM clock after {sm_clock_mhz()} MHz)")
+    return (f"{mode} ep{ep} / ep1, {layers} layer(s) per backward, timed in turns: {sparse:.3f} / {one:.3f} "
+            f"ms per layer = {sparse / one:.3f} (SM clock after {sm_clock_mhz()} MHz)")
 
 
 def matmul_tflops() -> float:
@@ -470,7 +491,8 @@ def main() -> None:
             checks = targets(rows)
             if "scattermoe" in args.backends.split(","):
                 for mode in modes:
-                    print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, ep=4), flush=True)
+                    for layers in (1, 4):
+                        print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, 4, layers), flush=True)
     save(rows, checks if checks is not None else targets(rows))
     from moe.kernels.tuning import _FASTER
     for key, winner in _FASTER.items():  # the measured choices between implementations (CUTLASS or ours)

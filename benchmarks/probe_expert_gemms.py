@@ -1,9 +1,10 @@
 """Where the grouped expert GEMMs lose time, at Qwen3-30B-A3B shapes (T=8192, one GPU).
 
-    python benchmarks/probe_expert_gemms.py [--timeline | --host-costs | --kernels | --factor-grads]
+    python benchmarks/probe_expert_gemms.py [--timeline | --host-costs | --kernels | --factor-grads |
+                                             --host-gaps]
 
 Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; --kernels: 6 and 3;
---factor-grads: 7 only.
+--factor-grads: 7 only; --host-gaps: 8 only.
 
 1. Tile-tail waste: each expert's last row block is partly empty (on average BLOCK_M/2 rows of an
    expert's ~512). The same GEMMs timed with random routing (as the benchmark) and with exactly
@@ -17,6 +18,8 @@ Default: the host timeline, then 1-3. --timeline: 4 only; --host-costs: 5 only; 
    whole layer at T=64 split into sort / forward / backward, next to the autograd floor.
 6. The SwiGLU-backward pass alone for several tiles, without and with the gate_up LoRA rank product.
 7. The LoRA backward's factor-gradient launch for each of a sweep of configs.
+8. Host us between consecutive Triton launches of a fwd+bwd (perf_counter at each direct launch, no
+   profiler: its CPU tracing inflates the host several times), median over steps issued back to back.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import MODES, cuda_time_ms, fwd_bwd_step, make_case, print_cprofile, profile_kernels
+from benchmarks.bench_experts import (
+    MODES,
+    cuda_time_ms,
+    fwd_bwd_step,
+    make_case,
+    print_cprofile,
+    profile_kernels,
+)
 from moe.backends import expert_backend
 from moe.kernels import grouped_linear as gl
 from moe.kernels.routing import sort_slots
@@ -329,7 +339,49 @@ def make_case_small(mode: str):
     return ex, x, ids, w.requires_grad_(True), None
 
 
+def host_gaps(steps: int = 40) -> None:
+    import time
+
+    import quant.triton_launch as tl_launch
+
+    direct = tl_launch._launch_compiled
+    stamps = []
+
+    def stamped(entry, *args):
+        stamps.append((time.perf_counter(), entry.kernel.name))
+        direct(entry, *args)
+
+    for mode, ep in (("full", 1), ("lora16", 1), ("lora16", 4)):
+        step = fwd_bwd_step("scattermoe", *make_case("qwen3-30b-a3b", T, mode, ep=ep)[:4])
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        tl_launch._launch_compiled = stamped
+        try:
+            per_step, ends = [], []
+            for _ in range(steps):
+                stamps.clear()
+                t0 = time.perf_counter()
+                step()
+                ends.append(time.perf_counter() - t0)
+                per_step.append([(t - t0, name) for t, name in stamps])
+        finally:
+            tl_launch._launch_compiled = direct
+        torch.cuda.synchronize()
+        print(f"\n== host gaps {mode} ep{ep}: median us from the previous Triton launch (the first: from the "
+              f"call), over {steps} steps back to back; host per step {1e3 * statistics.median(ends):.3f} ms")
+        prev = [0.0] * steps
+        for i, (_, name) in enumerate(per_step[0]):
+            gaps = [1e6 * (launches[i][0] - prev[j]) for j, launches in enumerate(per_step)]
+            prev = [launches[i][0] for launches in per_step]
+            print(f"  {statistics.median(gaps):7.1f}  {name}")
+        print(f"  {1e6 * statistics.median(e - p for e, p in zip(ends, prev)):7.1f}  (to the end of the call)")
+
+
 if __name__ == "__main__":
+    if "--host-gaps" in sys.argv:
+        host_gaps()
+        sys.exit(0)
     if "--host-costs" in sys.argv:
         host_costs_big()
         host_costs()

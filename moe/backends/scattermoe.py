@@ -247,7 +247,8 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     dtype = compute_dtype(x_MH)
 
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dtype)
+        # The dtype test first: a no-op .to() still costs a dispatcher round trip, per operand and step.
+        return t if t is None or t.dtype == dtype else t.to(dtype)
 
     gu = experts.lora_params("gate_up") or (None, None)
     down = experts.lora_params("down") or (None, None)
