@@ -234,9 +234,10 @@ def combine(z_SH: torch.Tensor, slots: SlotOrder, weights_Mk: torch.Tensor | Non
     return y_MH
 
 
-# Rows x columns of one gather program: 16 KB of bf16 moved per program, 16-byte vectors per lane.
-_GATHER_ROWS = 8
-_GATHER_COLS = 1024
+# Rows x columns of one gather program. On one H200 ([65536, 2048] bf16 from 8192 rows): 32x256 0.086 ms
+# (3.5 TB/s), 16x512 0.090, 8x1024 0.099, 4x2048 0.113; index_select 0.119.
+_GATHER_ROWS = 32
+_GATHER_COLS = 256
 
 
 @triton.jit
