@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 4 on one GPU: routing + scattermoe kernel tests at real shapes (bf16 vs fp32 eager), the
 # expert-layer benchmark (with the SM clock per row), then where the time goes (host time +
-# cProfile, per-kernel GPU times). Parts: `bash benchmarks/gpu_experts.sh [tests] [bench] [host] [profile]`
-# (all four when none is named; the whole takes more than one 10-minute device call).
+# cProfile, per-kernel GPU times), and the layer under torch.compile's CUDA graphs. Parts:
+# `bash benchmarks/gpu_experts.sh [tests] [bench] [host] [profile] [graphs]` (all when none is named; the
+# whole takes more than one 10-minute device call).
 source benchmarks/gpu_env.sh
-parts=${*:-tests bench host profile}
+parts=${*:-tests bench host profile graphs}
 if [[ $parts == *tests* ]]; then
   python -m pytest -m gpu tests/gpu/test_routing_gpu.py tests/gpu/test_grouped_gemm_paths_gpu.py tests/gpu/test_scattermoe_gpu.py -q -p no:cacheprovider 2>&1 \
     | tee "$OUT/experts_tests.log" | tail -n 3
@@ -22,4 +23,8 @@ fi
 if [[ $parts == *profile* ]]; then
   python benchmarks/bench_experts.py --profile --shapes qwen3-30b-a3b --backends scattermoe > "$OUT/experts_profile.log" 2>&1
   grep "==" "$OUT/experts_profile.log"
+fi
+if [[ $parts == *graphs* ]]; then
+  python benchmarks/probe_graphs.py > "$OUT/experts_graphs.log" 2>&1
+  grep "==" "$OUT/experts_graphs.log"
 fi
