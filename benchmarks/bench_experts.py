@@ -114,22 +114,11 @@ def sm_clock_mhz() -> int | None:
 
 
 def stacked_step(shape: str, T: int, mode: str, ep: int, layers: int):
-    """fwd+bwd of `layers` expert layers in a row (each its own weights, one backward call), as in a
-    model: the autograd engine's fixed cost per backward call is shared by the layers."""
+    """scattermoe fwd+bwd of `layers` expert layers (each its own weights) under one backward call: the
+    autograd engine's fixed cost per backward call is shared by the layers, as in a model."""
     cases = [make_case(shape, T, mode, ep) for _ in range(layers)]
     _, x, ids, w, _ = cases[0]
-    experts = [case[0] for case in cases]
-    backend, dy = expert_backend("scattermoe"), torch.randn_like(x)
-    params = [p for ex in experts for p in ex.parameters() if p.requires_grad] + [x, w]
-
-    def step():
-        for p in params:
-            p.grad = None
-        h = x
-        for ex in experts:
-            h = backend(h, ids, w, ex)
-        h.backward(dy)
-    return step
+    return fwd_bwd_step("scattermoe", [case[0] for case in cases], x, ids, w)
 
 
 def alternated_ratio(shape: str, T: int, mode: str, ep: int, layers: int, rounds: int = 3,
@@ -271,8 +260,8 @@ def print_header(matmul: float) -> None:
 def print_row(r: Row) -> None:
     print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} "
           f"{fmt(r.fwd_steady_ms, '7.3f')} {fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} "
-          f"{fmt(r.clock_mhz, '4d')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} {fmt(r.pct_matmul, '4.0f')}  "
-          f"{r.note}", flush=True)
+          f"{fmt(r.clock_mhz, '4d')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
+          f"{fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
 
 
 def targets(rows: list[Row]) -> list[dict]:
@@ -329,10 +318,10 @@ def profiled_kernels(fn, calls: int) -> list:
 def profile_kernels(shapes: list[str], T: int, backends: list[str], modes: list[str], ep: int = 1,
                     steps: int = 3) -> None:
     """CUDA kernels of `steps` fwd+bwd issued back to back (after warmup), for each backend, shape and mode
-    at the given ep (its -1 slot layout): per step the kernel count, the sum of kernel times and the span from the first kernel's
-    start to the last one's end (below the sum where streams overlap; later steps run at the clocks of
-    a busy GPU, the first at those of an idle one), then the last step's kernels in start order (not a
-    summary by name: scattermoe's GEMM variants share one kernel name)."""
+    at the given ep (its -1 slot layout): per step the kernel count, the sum of kernel times and the span
+    from the first kernel's start to the last one's end (below the sum where streams overlap; later steps
+    run at the clocks of a busy GPU, the first at those of an idle one), then the last step's kernels in
+    start order (not a summary by name: scattermoe's GEMM variants share one kernel name)."""
     for shape in shapes:
         for mode in modes:
             for name in backends:
@@ -383,14 +372,20 @@ def graph_ms(fn) -> str:
 
 
 def fwd_bwd_step(backend_name: str, ex, x, ids, w):
-    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd."""
+    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd.
+    `ex` may also be a list of experts: that many layers in a row (x -> layer 1 -> layer 2 ...) under
+    one backward call, as in a model."""
+    layers = ex if isinstance(ex, list) else [ex]
     backend, dy = expert_backend(backend_name), torch.randn_like(x)
-    params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad] + [x, w]
 
     def fwd_bwd():
         for p in params:
             p.grad = None
-        backend(x, ids, w, ex).backward(dy)
+        h = x
+        for layer in layers:
+            h = backend(h, ids, w, layer)
+        h.backward(dy)
     return fwd_bwd
 
 
@@ -439,8 +434,9 @@ def host_time(shapes: list[str], T: int, backends: list[str], modes: list[str]) 
                     torch.cuda.synchronize()
                     done = time.perf_counter()
                     print(f"\n== host {shape} {mode} ep{ep} {name}: host {statistics.median(host):.3f} ms, "
-                          f"call-to-done {gpu:.3f} ms, GPU only (CUDA graph) {graph_ms(fwd_bwd)}; 30 back to back: "
-                          f"host {(enqueued - t0) / 0.03:.3f} ms/call, done {(done - t0) / 0.03:.3f} ms/call")
+                          f"call-to-done {gpu:.3f} ms, GPU only (CUDA graph) {graph_ms(fwd_bwd)}; "
+                          f"30 back to back: host {(enqueued - t0) / 0.03:.3f} ms/call, "
+                          f"done {(done - t0) / 0.03:.3f} ms/call")
                     if ep == 1 or mode == "lora16":
                         print_cprofile(fwd_bwd, 20, "tottime", 28)
                     del fwd_bwd
@@ -492,7 +488,8 @@ def main() -> None:
             if "scattermoe" in args.backends.split(","):
                 for mode in modes:
                     for layers in (1, 4):
-                        print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, 4, layers), flush=True)
+                        ratio = alternated_ratio(shape, T, mode, 4, layers)
+                        print("  steady 75% -1 ratio, " + ratio, flush=True)
     save(rows, checks if checks is not None else targets(rows))
     from moe.kernels.tuning import _FASTER
     for key, winner in _FASTER.items():  # the measured choices between implementations (CUTLASS or ours)

@@ -375,7 +375,8 @@ def host_gaps(steps: int = 40) -> None:
             gaps = [1e6 * (launches[i][0] - prev[j]) for j, launches in enumerate(per_step)]
             prev = [launches[i][0] for launches in per_step]
             print(f"  {statistics.median(gaps):7.1f}  {name}")
-        print(f"  {1e6 * statistics.median(e - p for e, p in zip(ends, prev)):7.1f}  (to the end of the call)")
+        tail_us = 1e6 * statistics.median(e - p for e, p in zip(ends, prev))
+        print(f"  {tail_us:7.1f}  (to the end of the call)")
 
 
 if __name__ == "__main__":

@@ -53,9 +53,10 @@ def main() -> None:
         cases = {}
         for ep in (1, 4):
             eager, graphed, ref, got = steps(mode, ep)
-            errs = [((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item() for g, r in zip(got, ref)]
-            print(f"== {mode} ep{ep}: compiled vs eager, worst norm-relative error over y and grads {max(errs):.1e}",
-                  flush=True)
+            errs = [((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
+                    for g, r in zip(got, ref)]
+            print(f"== {mode} ep{ep}: compiled vs eager, worst norm-relative error over y and grads "
+                  f"{max(errs):.1e}", flush=True)
             cases[ep] = {"eager": eager, "graphs": graphed}
             for fn in cases[ep].values():
                 steady_time_ms(fn, 3, warmup=3)

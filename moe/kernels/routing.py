@@ -1,4 +1,4 @@
-"""Expert-sorted slot order and the routing-weighted combine (sentinel-skip layout).
+"""Expert-sorted slot order, the gather into it and the routing-weighted combine (sentinel-skip layout).
 
 Shapes: M routed rows, k slots per row, S = M*k slots (slot s = m*k + j), E local experts, H hidden.
 

@@ -118,10 +118,10 @@ def test_autocast_fp32_master_lora_on_frozen_bf16_base():
         assert err <= 2e-2, (n, err)
 
 
-@pytest.mark.parametrize("rank", [0, 16])
-def test_compiled_inductor_equals_eager(rank):
-    """torch.compile(fullgraph=True, inductor) of the backend call (the moert::scattermoe_* ops): zero
-    graph breaks, output and gradients equal to the eager path (bf16, Qwen3-30B-A3B shape)."""
+def compiled_vs_eager(rank: int, mode: str | None, steps: int) -> tuple[dict, dict]:
+    """(y and grads of the backend call under torch.compile(mode, fullgraph=True), those of the eager
+    call) at the Qwen3-30B-A3B shape with 50% -1 slots. The compiled call runs `steps` fwd+bwd (under CUDA
+    graphs: warmup, capture, then replays); the last one is returned. Dynamo's counters start empty."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -135,14 +135,26 @@ def test_compiled_inductor_equals_eager(rank):
     torch._dynamo.reset()
     counters.clear()
     backend = expert_backend("scattermoe")
-    compiled = torch.compile(lambda *a: backend(*a), fullgraph=True)
+    compiled = torch.compile(lambda *a: backend(*a), mode=mode, fullgraph=True)
     x_c, w_c = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    for p in ex.parameters():
-        p.grad = None
-    y = compiled(x_c, ids, w_c, ex)
-    y.backward(dy)
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    for _ in range(steps):
+        for p in (*ex.parameters(), x_c, w_c):
+            p.grad = None
+        y = compiled(x_c, ids, w_c, ex)
+        y.backward(dy)
+    torch.cuda.synchronize()
     got = {"y": y.detach(), "dx": x_c.grad, "dw": w_c.grad, **{n: p.grad for n, p in ex.named_parameters()}}
+    return got, eager
+
+
+@pytest.mark.parametrize("rank", [0, 16])
+def test_compiled_inductor_equals_eager(rank):
+    """torch.compile(fullgraph=True, inductor) of the backend call (the moert::scattermoe_* ops): zero
+    graph breaks, output and gradients equal to the eager path (bf16, Qwen3-30B-A3B shape)."""
+    from torch._dynamo.utils import counters
+
+    got, eager = compiled_vs_eager(rank, None, steps=1)
+    assert not counters["graph_break"], dict(counters["graph_break"])
     for n, r in eager.items():
         err = ((got[n].float() - r.float()).norm() / r.float().norm()).item()
         assert err <= 1e-3, (n, err)
@@ -151,31 +163,12 @@ def test_compiled_inductor_equals_eager(rank):
 @pytest.mark.parametrize("rank", [0, 16])
 def test_cuda_graphs_reduce_overhead_equals_eager(rank):
     """torch.compile(mode="reduce-overhead"): inductor captures the layer's forward and backward in CUDA
-    graphs (no host sync inside, every size from the shapes) and no capture is skipped; replayed steps
-    give the eager path's output and gradients bit for bit (50% -1 slots, Qwen3-30B-A3B shape)."""
-    import torch._dynamo
+    graphs (no host sync inside, every size from the shapes) and skips no capture; the replayed step
+    gives the eager path's output and gradients bit for bit."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    E, H, I, k = SHAPES["qwen3-30b-a3b"]
-    ids, w, _ = make_routing(2048, E, k, 2)
-    ex = make_experts(E // 2, H, I, rank)
-    x = torch.randn(2048, H, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(2048, H, device="cuda", dtype=torch.bfloat16)
-    eager = fwd_bwd(ex, "scattermoe", x, ids, w, dy)
-    torch._dynamo.reset()
-    counters.clear()
-    backend = expert_backend("scattermoe")
-    compiled = torch.compile(lambda *a: backend(*a), mode="reduce-overhead", fullgraph=True)
-    x_c, w_c = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    for _ in range(3):  # warmup runs eagerly, then capture, then replays
-        for p in (*ex.parameters(), x_c, w_c):
-            p.grad = None
-        y = compiled(x_c, ids, w_c, ex)
-        y.backward(dy)
-    torch.cuda.synchronize()
+    got, eager = compiled_vs_eager(rank, "reduce-overhead", steps=3)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    got = {"y": y.detach(), "dx": x_c.grad, "dw": w_c.grad, **{n: p.grad for n, p in ex.named_parameters()}}
     for n, r in eager.items():
         assert (got[n] is None) == (r is None), n
         if r is not None:

@@ -8,8 +8,8 @@ from runtime.verify import compare
 
 
 def _step(expert_grad: torch.Tensor, router_grad: torch.Tensor) -> dict:
-    return {"loss": 6.0, "grad_norm": 1.0,
-            "grads": {"model.layers.0.mlp.experts.down": expert_grad, "model.layers.0.mlp.gate.weight": router_grad}}
+    grads = {"model.layers.0.mlp.experts.down": expert_grad, "model.layers.0.mlp.gate.weight": router_grad}
+    return {"loss": 6.0, "grad_norm": 1.0, "grads": grads}
 
 
 def _steps(expert_errors: list[float], router_error: float = 0.0) -> tuple[list[dict], list[dict]]:
