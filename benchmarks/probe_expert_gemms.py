@@ -340,6 +340,7 @@ def make_case_small(mode: str):
 
 
 def host_gaps(steps: int = 40) -> None:
+    """Host us between consecutive direct Triton launches of the layer's fwd+bwd (section 8)."""
     import time
 
     import quant.triton_launch as tl_launch
