@@ -101,14 +101,11 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     # g = dy W_down + s (dy B_down) A_down; dy B_down is kept (it feeds dA_down)
     g_SI, dyb_Sr = expert_linear(dy_rows, slots, w_down_T, down_T, gather=gather_dy)
     dgu_S2I, dgub_Sr, dw_Mk = swiglu_backward(g_SI, slots, gu_S2I, weights_Mk, gu_B if has_lora else None)
+    # Each [S, *] intermediate is dropped once read, and what reads dy runs first, so that the peak holds
+    # only buffers still to be read (a Python local would live to the end of the backward).
+    del g_SI
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
-    if need["x"]:
-        gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
-        dxs_SH, _ = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False, ia_Sr=dgub_Sr)
-        grads["x"] = combine(dxs_SH, slots, None)
-    if need["gu"]:
-        grads["gu"] = _weight_grad(dgu_S2I, gather_rows(x_MH, slots), slots)
     if need["down"]:
         grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
     if has_lora:  # the four factor gradients (those needed) in one launch
@@ -118,6 +115,15 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
                         "down_B": FactorGrad(hwa_Sr, dy_rows, gather_r=gather_dy, transposed=True)}
         wanted = [problem if need[name] else None for name, problem in factor_grads.items()]
         grads.update(zip(factor_grads, lora_factor_grads(wanted, slots, s)))
+        del factor_grads, wanted
+    del dyg_SH, dy_rows
+    if need["x"]:
+        gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
+        dxs_SH, _ = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False, ia_Sr=dgub_Sr)
+        grads["x"] = combine(dxs_SH, slots, None)
+        del dxs_SH
+    if need["gu"]:
+        grads["gu"] = _weight_grad(dgu_S2I, gather_rows(x_MH, slots), slots)
     return tuple(grads.values())
 
 
