@@ -187,17 +187,11 @@ def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
 
 def _bench_variant(row: Row, backend, iters: int, warmup: int, matmul: float) -> Row:
     ex, x, ids, w, flops = make_case(row.shape, row.tokens, row.mode, row.ep)
-    dy = torch.randn_like(x)
-    params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+    fwd_bwd = fwd_bwd_step(backend, ex, x, ids, w)
 
     def fwd():
         with torch.no_grad():
             backend(x, ids, w, ex)
-
-    def fwd_bwd():
-        for p in params:
-            p.grad = None
-        backend(x, ids, w, ex).backward(dy)
 
     if row.backend == "eager":  # per-expert loop with host syncs: time one call, cap the repetitions
         t0 = time.perf_counter()
@@ -315,6 +309,12 @@ def profiled_kernels(fn, calls: int) -> list:
     return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
 
 
+def kernel_sum_and_span(kernels: list) -> tuple[float, float]:
+    """(sum of the kernels' times, first start to last end) in ms, of profiled kernels by start time."""
+    total = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    return total, (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1e3
+
+
 def profile_kernels(shapes: list[str], T: int, backends: list[str], modes: list[str], ep: int = 1,
                     steps: int = 3) -> None:
     """CUDA kernels of `steps` fwd+bwd issued back to back (after warmup), for each backend, shape and mode
@@ -343,8 +343,7 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str], modes: list[
                 print(f"\n== {shape} T={T} ep{ep} {mode} {name}: {per_step} kernels per step")
                 for i in range(steps):
                     ks = kernels[i * per_step:(i + 1) * per_step]
-                    total = sum(e.time_range.elapsed_us() for e in ks) / 1e3
-                    span = (max(e.time_range.end for e in ks) - ks[0].time_range.start) / 1e3
+                    total, span = kernel_sum_and_span(ks)
                     print(f"== step {i + 1}: kernel sum {total:.3f} ms, span {span:.3f} ms")
                     if i:
                         gap = ks[0].time_range.start - kernels[i * per_step - 1].time_range.end
@@ -371,12 +370,14 @@ def graph_ms(fn) -> str:
     return f"{ms:.3f} ms"
 
 
-def fwd_bwd_step(backend_name: str, ex, x, ids, w):
-    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd.
-    `ex` may also be a list of experts: that many layers in a row (x -> layer 1 -> layer 2 ...) under
-    one backward call, as in a model."""
+def fwd_bwd_step(backend, ex, x, ids, w, dy=None):
+    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd;
+    it returns the output. `backend`: a registered name or a callable with the backend signature. `ex`
+    may also be a list of experts: that many layers in a row (x -> layer 1 -> layer 2 ...) under one
+    backward call, as in a model. dy: the output gradient (random when not given)."""
     layers = ex if isinstance(ex, list) else [ex]
-    backend, dy = expert_backend(backend_name), torch.randn_like(x)
+    backend = expert_backend(backend) if isinstance(backend, str) else backend
+    dy = torch.randn_like(x) if dy is None else dy
     params = [p for layer in layers for p in layer.parameters() if p.requires_grad] + [x, w]
 
     def fwd_bwd():
@@ -386,6 +387,7 @@ def fwd_bwd_step(backend_name: str, ex, x, ids, w):
         for layer in layers:
             h = backend(h, ids, w, layer)
         h.backward(dy)
+        return h
     return fwd_bwd
 
 

@@ -43,7 +43,7 @@ from benchmarks.bench_experts import (
 )
 from moe.backends import expert_backend
 from moe.kernels import grouped_linear as gl
-from moe.kernels.routing import sort_slots
+from moe.kernels.routing import gather_rows, sort_slots
 
 E, H, I, K_TOP, T = 128, 2048, 768, 8, 8192
 
@@ -229,7 +229,6 @@ def host_costs() -> None:
     a2 = torch.randn(Ts * K_TOP, 64, device="cuda", dtype=torch.bfloat16)
     w3 = torch.randn(Es, 64, 64, device="cuda", dtype=torch.bfloat16)
     offs = slots.offsets_E1[1:]
-    rows = slots.rows_S
     xs = torch.randn(Ts, 64, device="cuda", dtype=torch.bfloat16)
     costs = {
         "torch.empty": lambda: torch.empty(1024, device="cuda"),
@@ -241,12 +240,12 @@ def host_costs() -> None:
         "sort_slots": lambda: sort_slots(ids, Es),
         "_grouped_mm 2d x 3d": lambda: torch._grouped_mm(a2, w3.transpose(1, 2), offs=offs),
         "_grouped_mm 2d x 2d": lambda: torch._grouped_mm(a2.t(), a2, offs=offs),
-        "index_select": lambda: xs.index_select(0, rows),
+        "gather_rows": lambda: gather_rows(xs, slots),
     }
     for name, fn in costs.items():
         print(f"== host {name:28} {us(fn):7.1f} us", flush=True)
     for mode in ("full", "lora16"):
-        ex, x, ids_, w, _ = make_case_small(mode)
+        ex, x, ids_, w, _ = make_case("qwen3-30b-a3b", 64, mode, ep=1)
         backend = expert_backend("scattermoe")
         fwd_bwd = fwd_bwd_step("scattermoe", ex, x, ids_, w)
 
@@ -303,7 +302,7 @@ def host_costs_big() -> None:
         "grouped_mm down": lambda: gl.expert_gemm(hw, slots, w_down),
         "grouped_mm dW_down": lambda: torch._grouped_mm(z.t(), hw, offs=slots.offsets_E1[1:]),
         "combine": lambda: combine(z, slots, None),
-        "index_select": lambda: x.index_select(0, slots.rows_S),
+        "gather_rows": lambda: gather_rows(x, slots),
         "swiglu_backward": lambda: gl.swiglu_backward(z[:, :I], slots, gu, weights),
     }
     for name, fn in ops.items():
@@ -323,20 +322,6 @@ def host_costs_big() -> None:
             busy.append((time.perf_counter() - t0) * 1e6)
         print(f"== big {name:20} idle GPU {statistics.median(times):7.1f} us, busy GPU "
               f"{statistics.median(busy):7.1f} us", flush=True)
-
-
-def make_case_small(mode: str):
-    from moe.experts import GroupedExperts
-    rank = 16 if mode == "lora16" else 0
-    Ts = 64
-    w, ids = torch.randn(Ts, E, device="cuda").softmax(-1).topk(K_TOP, dim=-1)
-    ex = GroupedExperts(E, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None, device="cuda",
-                        dtype=torch.bfloat16)
-    if rank:
-        ex.gate_up.requires_grad_(False)
-        ex.down.requires_grad_(False)
-    x = torch.randn(Ts, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    return ex, x, ids, w.requires_grad_(True), None
 
 
 def host_gaps(steps: int = 40) -> None:

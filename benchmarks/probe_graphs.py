@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import make_case, sm_clock_mhz, steady_time_ms
+from benchmarks.bench_experts import fwd_bwd_step, make_case, sm_clock_mhz, steady_time_ms
 from moe.backends import expert_backend
 
 
@@ -30,21 +30,12 @@ def steps(mode: str, ep: int):
     dy = torch.randn_like(x)
     params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
 
-    def make(fn):
-        def step():
-            for p in params:
-                p.grad = None
-            y = fn(x, ids, w, ex)
-            y.backward(dy)
-            return y
-        return step
-
     def results(step):
         y = step()
         torch.cuda.synchronize()
         return [y.detach().clone()] + [p.grad.detach().clone() for p in params]
 
-    eager, graphed = make(backend), make(compiled)
+    eager, graphed = (fwd_bwd_step(fn, ex, x, ids, w, dy) for fn in (backend, compiled))
     return eager, graphed, results(eager), results(graphed)
 
 

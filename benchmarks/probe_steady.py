@@ -17,22 +17,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import fwd_bwd_step, make_case, profiled_kernels, steady_time_ms
+from benchmarks.bench_experts import (
+    fwd_bwd_step,
+    kernel_sum_and_span,
+    make_case,
+    profiled_kernels,
+    sm_clock_mhz,
+    steady_time_ms,
+)
 from benchmarks.cuda_graphs import capture_graph
 
 
-def sm_clock() -> str:
-    try:
-        return f"{torch.cuda.clock_rate()} MHz"
-    except Exception as exc:  # noqa: BLE001 - no NVML here: say so, go on
-        return f"n/a ({type(exc).__name__})"
-
-
 def profiled_steps(step, n: int = 10) -> str:
-    kernels = profiled_kernels(step, n)
-    span = (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1e3 / n
-    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / n
-    return f"span {span:.3f} ms/step, kernel sum {busy:.3f}"
+    busy, span = kernel_sum_and_span(profiled_kernels(step, n))
+    return f"span {span / n:.3f} ms/step, kernel sum {busy / n:.3f}"
 
 
 def main() -> None:
@@ -44,13 +42,13 @@ def main() -> None:
         torch.cuda.synchronize()
         for n in (3, 10, 30, 100, 10):
             print(f"== {mode} steady n={n}: {steady_time_ms(step, n, warmup=1):.3f} ms/step, SM clock after "
-                  f"{sm_clock()}", flush=True)
+                  f"{sm_clock_mhz()} MHz", flush=True)
         print(f"== {mode} profiled 10 steps: {profiled_steps(step)}", flush=True)
         graph = capture_graph(step)
         for n in (10, 100):
             ms = steady_time_ms(graph.replay, n, warmup=2)
             print(f"== {mode} graph replays back to back n={n}: {ms:.3f} ms/step, "
-                  f"SM clock after {sm_clock()}", flush=True)
+                  f"SM clock after {sm_clock_mhz()} MHz", flush=True)
         del graph, step, ex, x
         torch.cuda.empty_cache()
 

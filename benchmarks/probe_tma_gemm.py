@@ -4,7 +4,8 @@
 
 A plain grouped expert GEMM (no LoRA, no epilogue) over expert-sorted rows at Qwen3-30B-A3B shapes
 (T=8192, E=128, H=2048, I=768, k=8, random routing), in variants of one probe kernel:
-    ptr      pointer loads (what grouped_linear does today)
+    ptr      pointer loads (what grouped_linear did before this probe; it now takes TMA + persistent for
+             expert-sorted rows, pointers for gathered ones)
     tma_w    the weight tile by a device-side tensor descriptor, the rows by pointers (works gathered)
     tma_all  both by descriptors (expert-sorted rows only: TMA cannot gather on sm90)
 each also with a warp-specialized K loop (ws) and on a persistent grid (pers). Printed next to the
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import sys
 
 import torch
@@ -24,12 +24,11 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_experts import cuda_time_ms
+from benchmarks.probe_expert_gemms import K_TOP, E, H, I, T, ms, routings
 from moe.kernels import grouped_linear as gl
 from moe.kernels.grouped_linear import _expert_block
 from moe.kernels.routing import sort_slots
-
-E, H, I, K_TOP, T = 128, 2048, 768, 8, 8192
+from quant.triton_launch import ensure_scratch_allocator
 
 
 @triton.jit
@@ -92,18 +91,8 @@ def _probe_kernel(in_ptr, s_in_m, order_ptr, offsets_ptr, w_ptr, s_w_e, s_w_n, s
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & (n_N < N)[None, :])
 
 
-def ms(fn) -> float:
-    return statistics.median(cuda_time_ms(fn, 20, 5))
-
-
-def _alloc(size: int, alignment: int, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 def cases():
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    _, ids = torch.randn(T, E, device="cuda", generator=gen).softmax(-1).topk(K_TOP, dim=-1)
-    slots = sort_slots(ids, E)
+    slots = sort_slots(routings()["random"], E)
     S = slots.num_slots
     bf = torch.bfloat16
     x = torch.randn(T, H, device="cuda", dtype=bf)
@@ -117,7 +106,7 @@ def cases():
 
 
 def main() -> None:
-    triton.set_allocator(_alloc)
+    ensure_scratch_allocator()
     slots, named = cases()
     S = slots.num_slots
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -12,7 +12,8 @@ Forward (valid slots only, expert-sorted; -1 slots are never sorted into a segme
     z' = hw @ W_down^T + s (hw A_down^T) B_down^T  (= w z)             [S, H]
     y[m] = sum_j z'[pos(m, j)]                                          combine, skipping -1 slots
 Backward (dyg = dy gathered into expert-sorted order, only when dW_down is needed):
-    g = dy[token] @ W_down + s (dy[token] B_down) A_down   grouped GEMM, split LoRA; rows of dyg, or of dy gathered
+    g = dy[token] @ W_down + s (dy[token] B_down) A_down   grouped GEMM, split LoRA (reads dyg, or
+                                                            gathers dy's rows in-kernel)
     d gate_up = SwiGLU'(w g), dw = <g, h>, d gate_up B_gu  one pass over each row block (swiglu_backward)
     dx[m] = sum_j d gate_up[pos] @ W_gu + s (d gate_up B_gu) A_gu                     GEMM + combine
     dW_gu = d gate_up^T x[token], dW_down = dyg^T hw: per-expert reductions over the rows, by

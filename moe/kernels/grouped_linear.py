@@ -11,9 +11,9 @@ so a transposed view (the backward's W^T, B^T, A^T) costs nothing. The LoRA prod
 (in @ A^T accumulated in the K loop next to the base product, @ B^T in the epilogue; the rank-sized
 intermediate is written once, by the first column block) or split (the intermediate is computed
 beforehand by a rank-sized grouped product; its product with B^T is added to the accumulator after
-the K loop, so the loop runs with the registers of the LoRA-free kernel). The forward SwiGLU is fused into the epilogue
-(gate and up columns interleaved in one accumulator); the backward SwiGLU (with the routing weight and
-its gradient, and the gate_up LoRA's rank product) is one pass after the GEMM.
+the K loop, so the loop runs with the registers of the LoRA-free kernel). The forward SwiGLU is fused
+into the epilogue (gate and up columns interleaved in one accumulator); the backward SwiGLU (with the
+routing weight and its gradient, and the gate_up LoRA's rank product) is one pass after the GEMM.
 
 Public launchers:
     gate_up_swiglu(x_MH, slots, w_E2IH, lora, weights_Mk)
@@ -411,8 +411,8 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> t
         return _triton_gemm(in_SK, slots, w_ENK)
     key = ("expert_gemm", in_SK.device.index, in_SK.dtype, m_bucket(slots.num_slots), w_ENK.shape,
            w_ENK.stride(2) == 1)
-    return _cutlass_gemm(in_SK, slots, w_ENK) if faster(key, candidates) == "cutlass" else _triton_gemm(
-        in_SK, slots, w_ENK)
+    gemm = _cutlass_gemm if faster(key, candidates) == "cutlass" else _triton_gemm
+    return gemm(in_SK, slots, w_ENK)
 
 
 def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
@@ -489,8 +489,8 @@ def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, gu_S2I: torch.Tensor, 
     S, I, E = slots.num_slots, g_SI.shape[1], slots.num_experts
     dgu_S2I = g_SI.new_empty(S, 2 * I)
     dw_S = torch.empty(S, device=g_SI.device, dtype=torch.float32)
-    dgub_Sr = g_SI.new_empty(S, gu_B_E2Ir.shape[2]) if gu_B_E2Ir is not None else None
     R = gu_B_E2Ir.shape[2] if gu_B_E2Ir is not None else 0
+    dgub_Sr = g_SI.new_empty(S, R) if gu_B_E2Ir is not None else None
     block_m, block_n, warps = _SWIGLU_BWD_TILE_LORA if gu_B_E2Ir is not None else _SWIGLU_BWD_TILE
     launch(_swiglu_backward_kernel, (cdiv(S, block_m) + E,), (
         g_SI, g_SI.stride(0), gu_S2I, gu_S2I.stride(0), dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir,
