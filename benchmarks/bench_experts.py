@@ -1,6 +1,6 @@
 """Whole expert layer (gate_up + SwiGLU + down + routing-weighted combine), forward and forward+backward.
 
-    python benchmarks/bench_experts.py [--quick] [--out DIR] [--backends eager,grouped_mm,scattermoe]
+    python benchmarks/bench_experts.py [--quick] [--out DIR] [--backends eager,transformers,grouped_mm,scattermoe]
 
 Per real MoE shape (T=8192 tokens; --quick: T=2048 and two shapes), backend and mode it reports the
 median time over CUDA events after warmup (autotuning happens in the warmup; each call starts on an idle
@@ -9,7 +9,9 @@ step; also for the forward alone), the peak memory above the resident tensors, a
 (valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base weights
 trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1) and in
 the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts, every other
-slot is -1); `scattermoe-fused` forces scattermoe's fused-LoRA path (chosen automatically only for
+slot is -1). Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`) and `transformers`
+(its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead; the issue's 10.7 ms
+reference); `scattermoe-fused` forces scattermoe's fused-LoRA path (chosen automatically only for
 small experts) for comparison. MHz is the SM clock after the steady timing. Then it checks the targets
 (set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1 ratio once more with the ep1
 and ep4 cases in turns, at the same clocks: for one layer, and per layer of 4 layers under one backward
@@ -36,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cuda_graphs import capture_graph
+from benchmarks.hf_experts import transformers_layer
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 
@@ -176,17 +179,29 @@ def forced_fused_lora():
 
 
 VARIANTS = {"scattermoe-fused": forced_fused_lora}
+# transformers' Qwen3MoeExperts with its grouped_mm implementation (HF+PEFT for LoRA): the baseline users
+# would run instead; benchmarks/hf_experts.py.
+TRANSFORMERS = "transformers"
 
 
 def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
     variant = VARIANTS.get(row.backend)
     with variant() if variant else contextlib.nullcontext():
-        backend = expert_backend("scattermoe" if variant else row.backend)
-        return _bench_variant(row, backend, iters, warmup, matmul)
+        return _bench_variant(row, iters, warmup, matmul)
 
 
-def _bench_variant(row: Row, backend, iters: int, warmup: int, matmul: float) -> Row:
+def layer_case(row: Row):
+    """(layer, backend, x, ids, w, flops) of the row: our experts and backend, or transformers' own."""
     ex, x, ids, w, flops = make_case(row.shape, row.tokens, row.mode, row.ep)
+    if row.backend == TRANSFORMERS:
+        layer, backend, ids = transformers_layer(ex, ids)
+        return layer, backend, x, ids, w, flops
+    backend = expert_backend("scattermoe" if row.backend in VARIANTS else row.backend)
+    return ex, backend, x, ids, w, flops
+
+
+def _bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
+    ex, backend, x, ids, w, flops = layer_case(row)
     fwd_bwd = fwd_bwd_step(backend, ex, x, ids, w)
 
     def fwd():
@@ -294,6 +309,12 @@ def targets(rows: list[Row]) -> list[dict]:
         verdict = "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
         print(f"  {name:36} {fmt(value, '7.3f')}  <= {limit:<5} {verdict}")
         out.append({"target": name, "value": value, "limit": limit, "verdict": verdict})
+    # The issue's reference: transformers' grouped_mm experts, 10.7 ms full fwd+bwd on its H200.
+    for mode in MODES:
+        for field in ("fwd_bwd_ms", "steady_ms"):
+            theirs, ours = get(mode, 1, field, TRANSFORMERS), get(mode, 1, field)
+            if theirs and ours:
+                print(f"  {mode} {field}: transformers {theirs:.3f} / scattermoe {ours:.3f} = {theirs / ours:.2f}x")
     return out
 
 
@@ -449,7 +470,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
     ap.add_argument("--out", help="directory for bench_experts.json")
-    ap.add_argument("--backends", default="eager,grouped_mm,scattermoe")
+    ap.add_argument("--backends", default="eager,transformers,grouped_mm,scattermoe")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
