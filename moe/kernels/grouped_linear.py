@@ -224,65 +224,67 @@ def _grouped_linear_kernel(
             w_desc = tl.make_tensor_descriptor(w_ptr, [E, K, N], [s_w_e, s_w_k, 1], [1, BLOCK_K, BLOCK_N])
         else:
             w_desc = tl.make_tensor_descriptor(w_ptr, [E, N, K], [s_w_e, s_w_n, 1], [1, BLOCK_N, BLOCK_K])
+    # The exact tile count (the grid is sized from an upper bound: surplus programs run no tile), so the
+    # loop body needs no validity branch and a persistent program's loop over its tiles can be flattened
+    # into one pipeline: the next tile's first loads are issued under this tile's epilogue (on one H200
+    # at Qwen3-30B-A3B shapes: down 0.404 -> 0.376 ms, dx 0.691 -> 0.675; the gathered gate_up unchanged).
+    tiles = _num_row_blocks(offsets_ptr, E, BLOCK_M, BLOCK_E) * num_n
     if PERSISTENT:
-        # Upper bound on the row blocks: sum_e ceil(count_e / BM) <= S / BM + E; surplus tiles skip.
-        tiles = (tl.cdiv(S, BLOCK_M) + E) * num_n
         step = tl.num_programs(0)
     else:
-        tiles = tl.program_id(0) + 1
+        tiles = tl.minimum(tiles, tl.program_id(0) + 1)
         step = 1
-    for tile in range(tl.program_id(0), tiles, step):
+    for tile in tl.range(tl.program_id(0), tiles, step, flatten=PERSISTENT):
         pid_m = tile // num_n
         pid_n = tile % num_n
         e, row0, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)
-        if e < E:
-            e64 = e.to(tl.int64)
-            slot_M = tl.load(order_ptr + p_M)
-            if GATHER:
-                rows_M = (slot_M // TOPK).to(tl.int64)
-            else:
-                rows_M = p_M.to(tl.int64)
-            wrow_N, mask_N = _columns(pid_n, N, GLU_FWD, BLOCK_N)
-            k_K = tl.arange(0, BLOCK_K)
-            in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
-            w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
-            r_R = tl.arange(0, BLOCK_R)
-            mask_R = r_R < R
-            if LORA_IN_LOOP:
-                a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
-            else:
-                a_ptrs = in_ptrs
-            if HAS_LORA:
-                ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
-                b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
-            if HAS_LORA and not LORA_IN_LOOP:
-                # Split LoRA: the rank-sized ia is already in memory. Its tile and B's are loaded before
-                # the K loop, whose latency hides theirs; their product joins the accumulator after it
-                # (as a seed before it, the loads stalled every tile: 1-3% of each GEMM on one H200).
-                ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
-                b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            if TMA:
-                acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K)
-            else:
-                acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
-                                     BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
-                                     BLOCK_K)
-            if LORA_IN_LOOP:
-                ia = acc_r.to(ia_ptr.dtype.element_ty)
-                if pid_n == 0:  # every column block computed the same ia: one writes it
-                    tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
-                b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
-            if HAS_LORA:
-                acc = tl.dot(ia, b, acc)
-            if GLU_FWD:
-                _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
-                                         rw_ptr, BLOCK_M, BLOCK_N)
-            else:
-                n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + n_N[None, :]
-                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
+        e64 = e.to(tl.int64)
+        slot_M = tl.load(order_ptr + p_M)
+        if GATHER:
+            rows_M = (slot_M // TOPK).to(tl.int64)
+        else:
+            rows_M = p_M.to(tl.int64)
+        wrow_N, mask_N = _columns(pid_n, N, GLU_FWD, BLOCK_N)
+        k_K = tl.arange(0, BLOCK_K)
+        in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
+        w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
+        r_R = tl.arange(0, BLOCK_R)
+        mask_R = r_R < R
+        if LORA_IN_LOOP:
+            a_ptrs = a_ptr + e64 * s_a_e + r_R[None, :] * s_a_r + k_K[:, None] * s_a_k
+        else:
+            a_ptrs = in_ptrs
+        if HAS_LORA:
+            ia_ptrs = ia_ptr + p_M.to(tl.int64)[:, None] * s_ia_m + r_R[None, :]
+            b_ptrs = b_ptr + e64 * s_b_e + wrow_N[None, :] * s_b_n
+        if HAS_LORA and not LORA_IN_LOOP:
+            # Split LoRA: the rank-sized ia is already in memory. Its tile and B's are loaded before
+            # the K loop, whose latency hides theirs; their product joins the accumulator after it
+            # (as a seed before it, the loads stalled every tile: 1-3% of each GEMM on one H200).
+            ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
+            b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        if TMA:
+            acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K)
+        else:
+            acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
+                                 BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
+                                 BLOCK_K)
+        if LORA_IN_LOOP:
+            ia = acc_r.to(ia_ptr.dtype.element_ty)
+            if pid_n == 0:  # every column block computed the same ia: one writes it
+                tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
+            b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
+        if HAS_LORA:
+            acc = tl.dot(ia, b, acc)
+        if GLU_FWD:
+            _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
+                                     rw_ptr, BLOCK_M, BLOCK_N)
+        else:
+            n_N = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            out_ptrs = out_ptr + p_M.to(tl.int64)[:, None] * s_out_m + n_N[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
 
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
