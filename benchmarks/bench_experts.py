@@ -377,6 +377,14 @@ def profile_kernels(shapes: list[str], T: int, backends: list[str], modes: list[
                     print(f"  {e.time_range.elapsed_us() / 1e3:8.3f} {start:8.3f} {idle:7.3f}  {e.name[:90]}")
                 del ex, x, ids, w
                 torch.cuda.empty_cache()
+    print_autotuned()
+
+
+def print_autotuned() -> None:
+    """The config the autotuner chose for each grouped-GEMM variant this process ran (key -> config)."""
+    from moe.kernels.grouped_linear import _grouped_linear_kernel
+    for key, config in _grouped_linear_kernel.cache.items():
+        print(f"== autotuned {key}: {config}")
 
 
 def graph_ms(fn) -> str:
