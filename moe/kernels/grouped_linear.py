@@ -228,13 +228,15 @@ def _grouped_linear_kernel(
     # loop body needs no validity branch and a persistent program's loop over its tiles can be flattened
     # into one pipeline: the next tile's first loads are issued under this tile's epilogue (on one H200
     # at Qwen3-30B-A3B shapes: down 0.404 -> 0.376 ms, dx 0.691 -> 0.675; the gathered gate_up unchanged).
+    # Not with a split LoRA: Triton 3.6 miscompiles its rank tiles (loaded before the K loop) in the
+    # flattened loop (the Qwen3.5-35B-A3B LoRA down gave 27% error; tests/gpu/test_grouped_gemm_paths_gpu.py).
     tiles = _num_row_blocks(offsets_ptr, E, BLOCK_M, BLOCK_E) * num_n
     if PERSISTENT:
         step = tl.num_programs(0)
     else:
         tiles = tl.minimum(tiles, tl.program_id(0) + 1)
         step = 1
-    for tile in tl.range(tl.program_id(0), tiles, step, flatten=PERSISTENT):
+    for tile in tl.range(tl.program_id(0), tiles, step, flatten=PERSISTENT and not HAS_LORA):
         pid_m = tile // num_n
         pid_n = tile % num_n
         e, row0, p_M, mask_M = _block_rows(offsets_ptr, pid_m, E, BLOCK_M, BLOCK_E)

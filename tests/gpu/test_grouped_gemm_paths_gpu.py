@@ -3,9 +3,12 @@
 The expert layer test checks whatever config the autotuner picks on that machine; this one forces each
 candidate config in turn, so a config that is wrong on one path (persistent tiles, TMA descriptors of a
 transposed weight view, gathered rows) fails here on any machine.
-Paths at Qwen3-30B-A3B shapes: expert-sorted rows x W (the down projection), x a transposed weight view
-(dx = d gate_up W_gu), and gathered rows x W_gu (the forward's gate_up, SwiGLU epilogue). Reference:
-torch._grouped_mm on the same bf16 operands (norm-relative error <= 1e-2).
+Paths at Qwen3-30B-A3B shapes and with Qwen3.5-35B-A3B's I=512 (a short K loop for the down projection):
+expert-sorted rows x W (the down projection), x a transposed weight view (dx = d gate_up W_gu), and
+gathered rows x W_gu (the forward's gate_up, SwiGLU epilogue); then the split-LoRA variants of down and
+dx (the rank tiles loaded before the K loop, their product added after it: Triton 3.6 miscompiled them
+in a flattened tile loop at I=512). Reference: torch._grouped_mm on the same bf16 operands (norm-relative
+error <= 1e-2).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from quant import triton_launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-E, H, I, K_TOP, T = 128, 2048, 768, 8, 2048
+E, H, K_TOP, T, R = 128, 2048, 8, 2048, 16
 WIDE = [c for c in GEMM_CONFIGS if c.kwargs["BLOCK_N"] >= 128]
 
 
@@ -36,7 +39,7 @@ def one_config(monkeypatch):
     return use
 
 
-def operands(ep: int = 1):
+def operands(ep: int = 1, I: int = 768):
     gen = torch.Generator(device="cuda").manual_seed(0)
     _, ids = torch.randn(T, E, device="cuda", generator=gen).softmax(-1).topk(K_TOP, dim=-1)
     ids = torch.where(ids < E // ep, ids, -1)
@@ -44,18 +47,19 @@ def operands(ep: int = 1):
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     return slots, {"x": torch.randn(T, H, **bf), "hw": torch.randn(T * K_TOP, I, **bf),
                    "dgu": torch.randn(T * K_TOP, 2 * I, **bf), "w_gu": torch.randn(E, 2 * I, H, **bf) * 0.02,
-                   "w_down": torch.randn(E, H, I, **bf) * 0.02}
+                   "w_down": torch.randn(E, H, I, **bf) * 0.02, "ia": torch.randn(T * K_TOP, R, **bf),
+                   "B_down": torch.randn(E, H, R, **bf) * 0.02, "A_gu": torch.randn(E, R, H, **bf) * 0.02}
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, n: int) -> float:
     return ((got[:n].float() - ref[:n].float()).norm() / ref[:n].float().norm()).item()
 
 
-@pytest.mark.parametrize("ep", [1, 4])
+@pytest.mark.parametrize("ep,I", [(1, 768), (4, 768), (1, 512)])
 @pytest.mark.parametrize("config", WIDE, ids=[str(c) for c in WIDE])
-def test_each_config_on_each_path(config, ep, one_config):
+def test_each_config_on_each_path(config, ep, I, one_config):
     one_config(config)
-    slots, t = operands(ep)
+    slots, t = operands(ep, I)
     n = int(slots.offsets_E1[-1])
     down = gl._triton_gemm(t["hw"], slots, t["w_down"])
     assert rel_err(down, gl._cutlass_gemm(t["hw"], slots, t["w_down"]), n) <= 1e-2, "down (W)"
@@ -66,3 +70,25 @@ def test_each_config_on_each_path(config, ep, one_config):
     gu, _, _ = gl.gate_up_swiglu(t["x"], slots, t["w_gu"], None, weights)
     xg = t["x"].index_select(0, slots.rows_S)
     assert rel_err(gu, gl._cutlass_gemm(xg, slots, t["w_gu"]), n) <= 1e-2, "gate_up (gathered rows)"
+
+
+@pytest.mark.parametrize("I", [768, 512])
+@pytest.mark.parametrize("config", WIDE, ids=[str(c) for c in WIDE])
+def test_each_config_split_lora(config, I, one_config):
+    """out = in W^T + s ia B^T with the rank-sized ia given (the split LoRA of the forward down and the dx)."""
+    one_config(config)
+    slots, t = operands(1, I)
+    n, s = int(slots.offsets_E1[-1]), 2.0
+
+    def reference(in_, w, B):
+        offs = slots.offsets_E1[1:]
+        return gl._cutlass_gemm(in_, slots, w).float() + s * torch._grouped_mm(t["ia"], B.transpose(1, 2), offs=offs)
+
+    # A is not read when ia is given: any [E, r, K] tensor of the right shape serves.
+    down_lora = gl.LoraView(torch.empty(E, R, I, device="cuda", dtype=torch.bfloat16), t["B_down"], s, True)
+    down, _ = gl.expert_linear(t["hw"], slots, t["w_down"], down_lora, gather=False, ia_Sr=t["ia"])
+    assert rel_err(down, reference(t["hw"], t["w_down"], t["B_down"]), n) <= 1e-2, "down + LoRA"
+    w_gu_T, B_T = t["w_gu"].transpose(1, 2), t["A_gu"].transpose(1, 2)  # dx reads the gate_up LoRA backwards
+    dx_lora = gl.LoraView(torch.empty(E, R, 2 * I, device="cuda", dtype=torch.bfloat16), B_T, s, True)
+    dx, _ = gl.expert_linear(t["dgu"], slots, w_gu_T, dx_lora, gather=False, ia_Sr=t["ia"])
+    assert rel_err(dx, reference(t["dgu"], w_gu_T, B_T), n) <= 1e-2, "dx + LoRA"
