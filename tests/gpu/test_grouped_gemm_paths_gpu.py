@@ -7,7 +7,7 @@ Paths at Qwen3-30B-A3B shapes and with Qwen3.5-35B-A3B's I=512 (a short K loop f
 expert-sorted rows x W (the down projection), x a transposed weight view (dx = d gate_up W_gu), and
 gathered rows x W_gu (the forward's gate_up, SwiGLU epilogue); then the split-LoRA variants of down and
 dx (the rank tiles loaded before the K loop, their product added after it: Triton 3.6 miscompiled them
-in a flattened tile loop at I=512). Reference: torch._grouped_mm on the same bf16 operands (norm-relative
+in a flattened tile loop, for every persistent config at I = 768 and 512). Reference: torch._grouped_mm on the same bf16 operands (norm-relative
 error <= 1e-2).
 """
 
