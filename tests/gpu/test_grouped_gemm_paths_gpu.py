@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 E, H, K_TOP, T, R = 128, 2048, 8, 2048, 16
 WIDE = [c for c in GEMM_CONFIGS if c.kwargs["BLOCK_N"] >= 128]
+PERSISTENT = [c for c in WIDE if c.kwargs["PERSISTENT"]]
+# (E, H, I) beyond the Qwen3-30B-A3B ones: Qwen3-Next-like, Qwen2-MoE-like, few wide experts.
+OTHER_SHAPES = [(512, 2048, 512), (60, 2560, 1408), (8, 4096, 1792)]
 
 
 @pytest.fixture
@@ -39,7 +42,7 @@ def one_config(monkeypatch):
     return use
 
 
-def operands(ep: int = 1, I: int = 768):
+def operands(ep: int = 1, I: int = 768, E: int = E, H: int = H):
     gen = torch.Generator(device="cuda").manual_seed(0)
     _, ids = torch.randn(T, E, device="cuda", generator=gen).softmax(-1).topk(K_TOP, dim=-1)
     ids = torch.where(ids < E // ep, ids, -1)
@@ -59,7 +62,19 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor, n: int) -> float:
 @pytest.mark.parametrize("config", WIDE, ids=[str(c) for c in WIDE])
 def test_each_config_on_each_path(config, ep, I, one_config):
     one_config(config)
-    slots, t = operands(ep, I)
+    check_each_path(*operands(ep, I))
+
+
+@pytest.mark.parametrize("E_,H_,I", OTHER_SHAPES)
+@pytest.mark.parametrize("config", PERSISTENT, ids=[str(c) for c in PERSISTENT])
+def test_persistent_configs_at_other_shapes(config, E_, H_, I, one_config):
+    """The flattened tile loop of the persistent configs at other expert counts and widths (K is a constexpr:
+    every reduction size is its own compiled kernel)."""
+    one_config(config)
+    check_each_path(*operands(1, I, E_, H_))
+
+
+def check_each_path(slots, t) -> None:
     n = int(slots.offsets_E1[-1])
     down = gl._triton_gemm(t["hw"], slots, t["w_down"])
     assert rel_err(down, gl._cutlass_gemm(t["hw"], slots, t["w_down"]), n) <= 1e-2, "down (W)"
