@@ -42,16 +42,16 @@ def one_config(monkeypatch):
     return use
 
 
-def operands(ep: int = 1, I: int = 768, E: int = E, H: int = H):
+def operands(ep: int = 1, I: int = 768, num_experts: int = E, hidden: int = H):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    _, ids = torch.randn(T, E, device="cuda", generator=gen).softmax(-1).topk(K_TOP, dim=-1)
-    ids = torch.where(ids < E // ep, ids, -1)
-    slots = sort_slots(ids, E)
+    _, ids = torch.randn(T, num_experts, device="cuda", generator=gen).softmax(-1).topk(K_TOP, dim=-1)
+    ids = torch.where(ids < num_experts // ep, ids, -1)
+    slots = sort_slots(ids, num_experts)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
-    return slots, {"x": torch.randn(T, H, **bf), "hw": torch.randn(T * K_TOP, I, **bf),
-                   "dgu": torch.randn(T * K_TOP, 2 * I, **bf), "w_gu": torch.randn(E, 2 * I, H, **bf) * 0.02,
-                   "w_down": torch.randn(E, H, I, **bf) * 0.02, "ia": torch.randn(T * K_TOP, R, **bf),
-                   "B_down": torch.randn(E, H, R, **bf) * 0.02, "A_gu": torch.randn(E, R, H, **bf) * 0.02}
+    return slots, {"x": torch.randn(T, hidden, **bf), "hw": torch.randn(T * K_TOP, I, **bf),
+                   "dgu": torch.randn(T * K_TOP, 2 * I, **bf), "w_gu": torch.randn(num_experts, 2 * I, hidden, **bf) * 0.02,
+                   "w_down": torch.randn(num_experts, hidden, I, **bf) * 0.02, "ia": torch.randn(T * K_TOP, R, **bf),
+                   "B_down": torch.randn(num_experts, hidden, R, **bf) * 0.02, "A_gu": torch.randn(num_experts, R, hidden, **bf) * 0.02}
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, n: int) -> float:
@@ -65,13 +65,13 @@ def test_each_config_on_each_path(config, ep, I, one_config):
     check_each_path(*operands(ep, I))
 
 
-@pytest.mark.parametrize("E_,H_,I", OTHER_SHAPES)
+@pytest.mark.parametrize("num_experts,hidden,I", OTHER_SHAPES)
 @pytest.mark.parametrize("config", PERSISTENT, ids=[str(c) for c in PERSISTENT])
-def test_persistent_configs_at_other_shapes(config, E_, H_, I, one_config):
+def test_persistent_configs_at_other_shapes(config, num_experts, hidden, I, one_config):
     """The flattened tile loop of the persistent configs at other expert counts and widths (K is a constexpr:
     every reduction size is its own compiled kernel)."""
     one_config(config)
-    check_each_path(*operands(1, I, E_, H_))
+    check_each_path(*operands(1, I, num_experts, hidden))
 
 
 def check_each_path(slots, t) -> None:
