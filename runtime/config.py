@@ -60,6 +60,8 @@ class DataConfig(Section):
     shuffle: bool = True
     seed: int = 0
     skip_bad_records: bool = False
+    # Chat records longer than seq_len: drop them (counted at load) or keep their first seq_len tokens.
+    overlong: Literal["drop", "truncate"] = "drop"
 
 
 class LoraConfig(Section):
@@ -80,6 +82,8 @@ class ParallelismConfig(Section):
     ep: int = Field(1, ge=1)
     dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    # A collective that waits longer fails; the watchdog ends every rank once a peer stalls this long.
+    collective_timeout_s: int = Field(600, ge=5)
 
     @model_validator(mode="after")
     def _dp_shard(self):
@@ -127,6 +131,10 @@ class TrainConfig(Section):
     grad_accum_steps: int = Field(1, ge=1)
     seed: int = 0
     output_dir: str = "outputs/run"
+    # A non-finite loss or grad norm: stop (no update, clear error) or skip the update and go on,
+    # stopping once max_nan_skips steps in a row were skipped.
+    nan_policy: Literal["stop", "skip"] = "stop"
+    max_nan_skips: int = Field(3, ge=1)
 
 
 class CheckpointConfig(Section):
