@@ -12,11 +12,26 @@ finding each message's content in the rendered text. `auto` picks chat for recor
 messages field. A bad record raises DataError naming its file and JSONL line (1-based) or
 Parquet/arrow row (0-based, as `ds[row]`), the problem and the fix; with
 `data.skip_bad_records: true` it is skipped, counted (`PackedLoader.num_skipped`) and logged once.
+A chat record with nothing to train (no assistant message, an empty assistant message, or a
+template that marks none of its tokens) is such a bad record: that is a defect of the record or of
+the field mapping, which the user should hear about, not lose silently. JSONL: blank lines are no
+records, a UTF-8 byte order mark at the start of a file is ignored.
+
+Chat records longer than `seq_len` (`data.overlong`): a conversation cut into seq_len chunks would
+make chunks with no assistant token (a long prompt), i.e. rows and, at small batch sizes, whole
+steps with nothing to train. So they are never chunked: `drop` (the default) removes them,
+`truncate` keeps their first seq_len tokens (and drops one whose first seq_len tokens hold no
+assistant token). Both are counted (`PackedLoader.num_overlong_dropped`, `.num_overlong_truncated`)
+and logged once at load; if nothing is left, DataError says which setting to change. Every chat
+document in the corpus therefore fits in one row and has at least one label token.
 
 Packing: documents, shuffled by seed, are concatenated greedily into rows of exactly `seq_len`
-tokens; a document that does not fit in the rest of a row starts the next one, a document longer
-than `seq_len` is cut into `seq_len` chunks that are separate documents. What is left of a row is
-padding, which forms one more document. Each epoch reshuffles with (seed, epoch).
+tokens; a document that does not fit in the rest of a row starts the next one, a text document
+longer than `seq_len` is cut into `seq_len` chunks that are separate documents (every token of a
+text is trained, so a chunk of n tokens has n - 1 labels; only a 1-token tail chunk has none, and
+a row can be label-less only if such a tail is all it holds). What is left of a row is padding,
+which forms one more document. Each epoch reshuffles with (seed, epoch). A batch may hold no label
+token at all (rare, see above): it is handed out like any other; the trainer skips such a step.
 
 Batch contract (`Batch`): input_ids, labels, position_ids are [B, S] long. Labels are pre-shifted:
 labels[b, t] is the token to predict at position t, -100 where nothing is (the last token of each
@@ -56,6 +71,7 @@ ARROW_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 SUFFIXES = {"jsonl": (".jsonl", ".ndjson"), "parquet": (".parquet",)}
 SKIP_HINT = "fix the record or set data.skip_bad_records: true"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's way to write half a UTF-16 pair
 _CHUNK = 1024  # records per tokenizer call and per Arrow batch
 
 
@@ -122,21 +138,42 @@ def _data_files(path: Path, fmt: str) -> list[Path]:
     return files
 
 
+def _parse_json_line(line: str) -> Any:
+    """One JSONL line -> its value, or _BadRecord for anything json would raise on (never a traceback)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise _BadRecord(f"invalid JSON ({err.msg} at column {err.colno})") from None
+    except (ValueError, RecursionError) as err:  # integers over Python's digit limit; absurd nesting
+        problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+        raise _BadRecord(f"invalid JSON ({problem})") from None
+    # "\ud800" alone is valid JSON but no text: the tokenizer would fail on it with a TypeError.
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _BadRecord("a string holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is "
+                             "no Unicode character; write the character itself or a complete surrogate pair"
+                             ) from None
+    return record
+
+
 def _read_jsonl(file: Path, bad: _BadRecords) -> Iterator[tuple[str, Any]]:
     with open(file, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{file}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                # Editors on Windows start files with a byte order mark; it is no part of the first record.
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 bad.report(where, f"not valid UTF-8 ({err.reason} at byte {err.start})")
                 continue
             if not line.strip():  # blank lines (a trailing newline, spacing) are not records
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                bad.report(where, f"invalid JSON ({err.msg} at column {err.colno})")
+                record = _parse_json_line(line)
+            except _BadRecord as err:
+                bad.report(where, str(err))
                 continue
             yield where, record
 
@@ -328,6 +365,7 @@ class Corpus:
 
     @classmethod
     def from_documents(cls, docs: list[tuple[list[int], list[bool]]]) -> Corpus:
+        """Documents as (token ids, trained flags) pairs, in order."""
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         return cls(tokens=np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in docs]),
                    trained=np.concatenate([np.asarray(mask, dtype=np.bool_) for _, mask in docs]),
@@ -346,19 +384,36 @@ class Corpus:
         return self.tokens[base + start: base + end], self.trained[base + start: base + end]
 
 
-def _tokenize_all(items: list[tuple[str, str, Any]], tokenizer, bad: _BadRecords) -> list[tuple[list, list]]:
-    """Documents in record order; texts in batches (fast tokenizers parallelize them), chats one by one."""
-    docs: list[tuple[list, list] | None] = [None] * len(items)
+Document = tuple[list[int], list[bool]]  # token ids, and per token whether it is a prediction target
+
+
+def _has_labels(trained: list[bool]) -> bool:
+    """Whether a document trains anything: labels are shifted, so its first token is never one."""
+    return any(trained[1:])
+
+
+def _tokenize_chat_record(tokenizer, messages: list[dict]) -> Document:
+    """tokenize_chat, and _BadRecord for a conversation the template leaves nothing to train in."""
+    ids, trained = tokenize_chat(tokenizer, messages)
+    if not _has_labels(trained):
+        raise _BadRecord("the chat template marks none of this conversation's tokens as assistant tokens, so "
+                         "nothing would be trained; check the template's {% generation %} blocks")
+    return ids, trained
+
+
+def _tokenize_all(items: list[tuple[str, str, Any]], tokenizer, bad: _BadRecords) -> list[tuple[str, Document]]:
+    """(kind, document) in record order; texts in batches (fast tokenizers parallelize them), chats one by one."""
+    docs: list[tuple[str, Document] | None] = [None] * len(items)
     text_slots = [i for i, (_, kind, _) in enumerate(items) if kind == "text"]
     for lo in range(0, len(text_slots), _CHUNK):
         slots = text_slots[lo: lo + _CHUNK]
         for slot, ids in zip(slots, _tokenize_texts(tokenizer, [items[s][2] for s in slots])):
-            docs[slot] = (ids, [True] * len(ids))
+            docs[slot] = ("text", (ids, [True] * len(ids)))
     for slot, (where, kind, messages) in enumerate(items):
         if kind != "chat":
             continue
         try:
-            docs[slot] = tokenize_chat(tokenizer, messages)
+            docs[slot] = ("chat", _tokenize_chat_record(tokenizer, messages))
         except _BadRecord as err:
             bad.report(where, str(err))
         except jinja2.TemplateError as err:  # templates reject e.g. non-alternating roles this way
@@ -366,8 +421,83 @@ def _tokenize_all(items: list[tuple[str, str, Any]], tokenizer, bad: _BadRecords
     return [d for d in docs if d is not None]
 
 
-def build_corpus(cfg: DataConfig, tokenizer) -> tuple[Corpus, int]:
-    """Read, validate and tokenize the whole source -> (corpus, number of skipped bad records)."""
+@dataclass
+class LoadStats:
+    """What loading left out or changed; PackedLoader exposes the counts, the trainer logs them."""
+
+    num_skipped: int = 0  # bad records skipped (data.skip_bad_records)
+    num_chat_records: int = 0  # chat records tokenized, the overlong ones included
+    num_overlong_dropped: int = 0  # chat records longer than seq_len that were removed
+    num_overlong_truncated: int = 0  # chat records longer than seq_len kept as their first seq_len tokens
+    shortest_dropped: int = 0  # tokens of the shortest dropped overlong record (0: none), for the hint
+
+    @property
+    def num_overlong(self) -> int:
+        return self.num_overlong_dropped + self.num_overlong_truncated
+
+
+def _fit_overlong(doc: Document, seq_len: int, policy: str) -> Document | None:
+    """A chat document longer than seq_len -> its first seq_len tokens (truncate), or None (drop)."""
+    if policy == "drop":
+        return None
+    ids, trained = doc[0][:seq_len], doc[1][:seq_len]
+    # A prompt of seq_len tokens or more leaves no assistant token in the part kept: nothing to train.
+    return (ids, trained) if _has_labels(trained) else None
+
+
+def _apply_overlong(docs: list[tuple[str, Document]], seq_len: int, policy: str, stats: LoadStats) -> list[Document]:
+    """Chat documents made to fit one row (data.overlong), counted in stats; text documents unchanged."""
+    kept = []
+    for kind, doc in docs:
+        # Text stays as it is: packing cuts it into seq_len chunks and every chunk trains every next token.
+        if kind == "chat":
+            stats.num_chat_records += 1
+            length = len(doc[0])
+            if length > seq_len:
+                doc = _fit_overlong(doc, seq_len, policy)
+                if doc is None:
+                    stats.num_overlong_dropped += 1
+                    stats.shortest_dropped = min(stats.shortest_dropped or length, length)
+                    continue
+                stats.num_overlong_truncated += 1
+        kept.append(doc)
+    return kept
+
+
+def _log_overlong(path: Path, seq_len: int, policy: str, stats: LoadStats) -> None:
+    if not stats.num_overlong:
+        return
+    head = (f"data: {stats.num_overlong} of {stats.num_chat_records} chat records in {path} are longer than "
+            f"data.seq_len={seq_len}")
+    if policy == "drop":
+        log.warning("%s and were dropped (data.overlong: drop; set data.overlong: truncate to keep their first %d "
+                    "tokens, or raise data.seq_len)", head, seq_len)
+    else:
+        log.warning("%s: %d were cut to their first %d tokens, %d dropped as those hold no assistant token "
+                    "(data.overlong: truncate; raise data.seq_len to train them whole)",
+                    head, stats.num_overlong_truncated, seq_len, stats.num_overlong_dropped)
+
+
+def _nothing_left(path: Path, seq_len: int, policy: str, stats: LoadStats) -> DataError:
+    """The error for a source with no document left, naming why and what to change."""
+    bad = f" ({stats.num_skipped} more skipped as bad)" if stats.num_skipped else ""
+    if not stats.num_overlong_dropped:
+        return DataError(f"{path}: no usable records ({stats.num_skipped} skipped as bad); check data.path, "
+                         "data.kind and data.text_field / data.messages_field")
+    why = ("data.overlong: drop removed them" if policy == "drop" else
+           f"none has an assistant token in its first {seq_len} tokens, so data.overlong: truncate dropped them")
+    fix = f"raise data.seq_len to at least {stats.shortest_dropped} (the shortest record)"
+    if policy == "drop":
+        fix += f", or set data.overlong: truncate to train their first {seq_len} tokens"
+    return DataError(f"{path}: no record left: all {stats.num_overlong_dropped} chat records are longer than "
+                     f"data.seq_len={seq_len} and {why}{bad}; {fix}")
+
+
+def build_corpus(cfg: DataConfig, tokenizer) -> tuple[Corpus, LoadStats]:
+    """Read, validate and tokenize the whole source -> (corpus, what was skipped, dropped or truncated).
+
+    Raises DataError on a bad record (unless data.skip_bad_records) and when no document is left.
+    """
     path = Path(cfg.path)
     if not path.exists():
         raise DataError(f"data.path {path} does not exist")
@@ -382,14 +512,16 @@ def build_corpus(cfg: DataConfig, tokenizer) -> tuple[Corpus, int]:
             continue
         items.append((where, kind, payload))
     _check_tokenizer(tokenizer, {kind for _, kind, _ in items}, path)
-    docs = _tokenize_all(items, tokenizer, bad)
+    tokenized = _tokenize_all(items, tokenizer, bad)
+    stats = LoadStats(num_skipped=bad.count)
+    docs = _apply_overlong(tokenized, cfg.seq_len, cfg.overlong, stats)
     if bad.count:
         log.warning("skipped %d bad records in %s (data.skip_bad_records); the first: %s",
                     bad.count, path, bad.first)
+    _log_overlong(path, cfg.seq_len, cfg.overlong, stats)
     if not docs:
-        raise DataError(f"{path}: no usable records ({bad.count} skipped as bad); check data.path, "
-                        "data.kind and data.text_field / data.messages_field")
-    return Corpus.from_documents(docs), bad.count
+        raise _nothing_left(path, cfg.seq_len, cfg.overlong, stats)
+    return Corpus.from_documents(docs), stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,13 +598,16 @@ class PackedLoader:
     """Infinite iterator of this rank's Batches over the global packed-row stream; resumable."""
 
     def __init__(self, corpus: Corpus, seq_len: int, micro_batch_size: int, pad_id: int, seed: int,
-                 shuffle: bool, dp_rank: int = 0, dp_world: int = 1, num_skipped: int = 0):
+                 shuffle: bool, dp_rank: int = 0, dp_world: int = 1, num_skipped: int = 0,
+                 num_overlong_dropped: int = 0, num_overlong_truncated: int = 0):
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world={dp_world})")
         self.corpus, self.seq_len, self.pad_id = corpus, seq_len, pad_id
         self.micro_batch_size, self.dp_rank, self.dp_world = micro_batch_size, dp_rank, dp_world
         self.seed, self.shuffle = seed, shuffle
+        # What loading left out or cut (see LoadStats), for the trainer to log.
         self.num_skipped = num_skipped
+        self.num_overlong_dropped, self.num_overlong_truncated = num_overlong_dropped, num_overlong_truncated
         self.epoch, self.row = 0, 0  # the next global row to hand out
         self._packed: tuple[int, list[Row]] | None = None
 
@@ -521,17 +656,20 @@ class PackedLoader:
             then = {k: state.get(k) for k in changed}
             now = {k: mine[k] for k in changed}
             raise DataError(f"cannot resume the data position: {', '.join(changed)} changed since the checkpoint "
-                            f"({then} -> {now}); resume with the same data, tokenizer, data.seq_len and data.seed")
+                            f"({then} -> {now}); resume with the same data, tokenizer, data.seq_len, data.seed and "
+                            "data.overlong")
         self.epoch, self.row = int(state["epoch"]), int(state["row"])
 
 
 def build_dataloader(cfg: DataConfig, tokenizer, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1,
                      seed_offset: int = 0) -> PackedLoader:
     """The loader of data rank `dp_rank` of `dp_world`; `seed_offset` shifts data.seed (e.g. for eval)."""
-    corpus, num_skipped = build_corpus(cfg, tokenizer)
+    corpus, stats = build_corpus(cfg, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     loader = PackedLoader(corpus, cfg.seq_len, micro_batch_size, pad_id, cfg.seed + seed_offset, cfg.shuffle,
-                          dp_rank=dp_rank, dp_world=dp_world, num_skipped=num_skipped)
+                          dp_rank=dp_rank, dp_world=dp_world, num_skipped=stats.num_skipped,
+                          num_overlong_dropped=stats.num_overlong_dropped,
+                          num_overlong_truncated=stats.num_overlong_truncated)
     log.info("%s: %d documents, %d tokens, %d packed rows of %d in epoch 0", cfg.path, corpus.num_documents,
              int(corpus.offsets[-1]), len(loader.epoch_rows(0)), cfg.seq_len)
     return loader
