@@ -9,6 +9,8 @@
    (loaded by state_dict, so the names match exactly): forward and all parameter / input gradients.
 4. torch.compile(fullgraph=True) traces the layer (packed) without graph breaks; `fla` is never
    imported on CPU and is refused there with a clear message.
+5. fp32 gradients of the decay parameters at HF's initial decays vs an fp64 token-by-token recurrence
+   (written here, independent of the op set), 1e-5.
 
 Shapes: x_BSH [B, S, hidden], q/k_BSHK [B, S, Hk, K], v_BSHV [B, S, Hv, V], g/beta_BSH [B, S, Hv].
 Tolerances (norm-relative): forward <= 1e-5, gradients <= 1e-4.
@@ -17,6 +19,7 @@ Tolerances (norm-relative): forward <= 1e-5, gradients <= 1e-4.
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from itertools import pairwise
 
 import pytest
@@ -239,3 +242,52 @@ def test_fla_is_not_imported_and_refused_on_cpu():
         check_gdn_op_set("fla")
     with pytest.raises(ValueError, match="unknown GDN op set"):
         GatedDeltaNet(**TINY, op_set="triton")
+
+
+# ---- 5. fp32 decay gradients at the initial decays -------------------------------------------------
+
+def recurrent_delta_rule_fp64(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS):
+    """Token-by-token gated delta rule in fp64, state zeroed at every document start (the reference):
+    S <- a S + beta k (v - a S^T k)^T, o = S^T q, with a = exp(g), q and k L2-normalized, q * K^-0.5."""
+    q, k, v, g, beta = (t.double() for t in (q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH))
+    B, S, HV, V = v.shape
+    group, K = HV // q.shape[2], q.shape[-1]
+    q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, 2) * K ** -0.5
+    k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, 2)
+    state_BHKV = q.new_zeros(B, HV, K, V)
+    outs = []
+    for t in range(S):
+        keep_B111 = (~starts_BS[:, t]).double()[:, None, None, None]
+        state_BHKV = state_BHKV * g[:, t].exp()[..., None, None] * keep_B111
+        k_BHK, v_BHV = k[:, t], v[:, t]
+        residual_BHV = v_BHV - (state_BHKV * k_BHK[..., None]).sum(-2)
+        state_BHKV = state_BHKV + beta[:, t][..., None, None] * k_BHK[..., None] * residual_BHV[..., None, :]
+        outs.append((state_BHKV * q[:, t][..., None]).sum(-2))
+    return torch.stack(outs, dim=1).to(v_BSHV.dtype)
+
+
+def test_fp32_decay_grads_match_recurrence_at_initial_decays():
+    """At HF's initial decays (A = exp(A_log) up to 16, dt_bias 1) with token-dependent a (in_proj_a
+    spreads softplus(a + dt_bias) over 0..7), the log decay g reaches -100 per token and its cumsum
+    ~-1000 per 64-token chunk, while some pairs of tokens have little decay between them. The fp32
+    gradients of the decay parameters must match an fp64 token-by-token recurrence to 1e-5: their pair
+    decays cannot be differences c_i - c_j of that cumsum (one fp32 ulp there is ~6e-5; that gave
+    2e-5..2e-4 here)."""
+    torch.manual_seed(1)
+    layer = GatedDeltaNet(**TINY, layout="qwen3_5")
+    perturb_(layer)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.tensor([1.0, 4.0, 10.0, 16.0]).log())
+        layer.dt_bias.fill_(1.0)
+        layer.in_proj_a.weight.mul_(10.0)
+    x = torch.randn(2, 150, TINY["hidden"])
+    meta = AttnMeta(cu_seqlens=torch.tensor(CU_SEQLENS, dtype=torch.int32), max_seqlen=85)
+    names = ["dt_bias", "A_log", "in_proj_a.weight"]
+    params = [dict(layer.named_parameters())[n] for n in names]
+    ours, ours_grads = outputs_and_grads(lambda *_: layer(x, meta), params)
+    layer.ops = SimpleNamespace(prepare_docs=prepare_docs, causal_conv1d_silu=causal_conv1d_silu,
+                                chunk_gated_delta_rule=recurrent_delta_rule_fp64)
+    ref, ref_grads = outputs_and_grads(lambda *_: layer(x, meta), params)
+    assert_close(ours, ref, FWD_TOL, "y")
+    for name, a, b in zip(names, ours_grads, ref_grads):
+        assert_close(a, b, 1e-5, name)
