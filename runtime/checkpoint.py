@@ -1,16 +1,20 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP), written atomically, and the final exports.
 
 Layout: <output_dir>/checkpoints/step_00000012/ holds the DCP shards of model + optimizer and one
-`extra_rank{r}.pt` per rank (step, LR schedule, data position, RNG states). A save goes to a
-temporary sibling folder that is renamed only once every rank has finished, so a crash mid-save
-leaves the last good checkpoint intact; only the newest `keep_last` survive.
+`extra_rank{r}.pt` per rank (step, LR schedule, data position, RNG states) and `meta.json` (step, run
+id, world size, ep). A save goes to a temporary sibling folder that is renamed only once every rank has
+finished, so a crash mid-save leaves the last good checkpoint intact. Only finite parameters are
+saved, and a resumed checkpoint is checked finite, so every checkpoint named "last good" is. Pruning
+keeps the newest `keep_last` of this run and never touches another run's checkpoints.
 With LoRA only trainable parameters are saved (the frozen base comes from model.path on resume).
 Under EP every rank holds different experts under the same names, so expert entries are saved
-under names tagged with the EP rank ("....experts.gate_up.ep1of4"); resuming needs the same ep.
+under names tagged with the EP rank ("....experts.gate_up.ep1of4"); resuming needs the same ep and
+world size (checked from meta.json before any collective).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -20,12 +24,28 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from runtime.dist import DistEnv, all_reduce_sum
+from runtime.run_dir import RunDir
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _EP_TAG = re.compile(r"\.ep\d+of\d+$")
 
 
 class ResumeError(ValueError):
     """A checkpoint that does not belong to this run's model; the message lists the mismatches."""
+
+
+class NonFiniteParameters(RuntimeError):
+    """The parameters hold NaN or inf at a save; nothing was written."""
+
+
+def count_nonfinite(model: torch.nn.Module, env: DistEnv) -> int:
+    """Non-finite parameter entries over all ranks (a collective when the run is distributed)."""
+    local = 0
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p  # FSDP / EP DTensors: this rank's shard
+        local += int((~torch.isfinite(t.detach())).sum())
+    return int(all_reduce_sum(local, env))
 
 
 def _barrier() -> None:
@@ -57,11 +77,20 @@ def _rename(model_sd: dict, optim_sd: dict, rename) -> tuple[dict, dict]:
             {"state": {rename(k): v for k, v in optim_sd.get("state", {}).items()}, "param_groups": groups})
 
 
+def read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json; {} for checkpoints written before it existed."""
+    meta = path / "meta.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
 class CheckpointManager:
-    def __init__(self, output_dir: str | Path, keep_last: int, rank: int, ep_rank: int = 0, ep: int = 1):
-        self.root = Path(output_dir) / "checkpoints"
+    def __init__(self, run_dir: RunDir, keep_last: int, env: DistEnv, ep_rank: int = 0, ep: int = 1):
+        self.root = run_dir.checkpoints
+        self.run_id = run_dir.run_id
         self.keep_last = keep_last
-        self.rank = rank
+        self.env = env
+        self.rank = env.rank
+        self.ep = ep
         self.ep_tag = f".ep{ep_rank}of{ep}" if ep > 1 else ""
 
     def _tag(self, key: str) -> str:
@@ -85,6 +114,9 @@ class CheckpointManager:
         return dirs[-1] if dirs else None
 
     def save(self, step: int, model, optimizer, scheduler, loader) -> Path:
+        if bad := count_nonfinite(model, self.env):
+            raise NonFiniteParameters(f"{bad} parameter values are NaN or inf at step {step}; "
+                                      "the checkpoint was not written")
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}"
         if self.rank == 0:
@@ -97,12 +129,31 @@ class CheckpointManager:
         torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
         _barrier()
         if self.rank == 0:
+            meta = {"step": step, "run_id": self.run_id, "world_size": self.env.world_size, "ep": self.ep}
+            (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
-            for old in self.step_dirs()[:-self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune(step)
         _barrier()
         return final
+
+    def _prune(self, step: int) -> None:
+        """Removes this run's checkpoints older than the newest keep_last; other runs' are left alone."""
+        ours = [p for p in self.step_dirs()
+                if read_meta(p).get("run_id") == self.run_id and int(_STEP_DIR.match(p.name)[1]) <= step]
+        for old in ours[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def check_sizes(self, path: Path) -> None:
+        """Resuming needs the world size and ep the checkpoint was written with (read from its files only,
+        so every rank fails alike before any collective)."""
+        meta = read_meta(path)
+        saved_world = meta.get("world_size", len(list(path.glob("extra_rank*.pt"))))
+        saved_ep = meta.get("ep", self.ep)
+        if (saved_world, saved_ep) != (self.env.world_size, self.ep):
+            raise ResumeError(f"checkpoint {path} was written by {saved_world} ranks with parallelism.ep={saved_ep}; "
+                              f"this run has {self.env.world_size} ranks with ep={self.ep}; resume with the same "
+                              "world size and ep (resharding on resume is not supported yet)")
 
     def check_compatible(self, path: Path, model, optimizer) -> None:
         """Compares the checkpoint's keys and shapes with the model's, from metadata only, so a wrong
@@ -127,6 +178,7 @@ class CheckpointManager:
 
     def load(self, path: Path, model, optimizer, scheduler, loader) -> int:
         """Restores everything `save` wrote; returns the step to continue after."""
+        self.check_sizes(path)
         self.check_compatible(path, model, optimizer)
         state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=str(path))
@@ -137,6 +189,9 @@ class CheckpointManager:
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         _set_rng_state(extra["rng"])
+        if bad := count_nonfinite(model, self.env):
+            raise ResumeError(f"checkpoint {path} holds {bad} NaN or inf parameter values; move it out of "
+                              f"{self.root} to resume from the one before it")
         return extra["step"]
 
 

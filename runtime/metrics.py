@@ -1,5 +1,9 @@
 """Step metrics: FLOP count -> MFU, tokens/s, peak memory; a rank-0 progress bar and a JSONL log.
 
+`metrics.jsonl` is strict JSON (NaN and inf written as null); every record carries the run id; a
+resumed run first drops the records of steps after its checkpoint (it trains them again), and a fresh
+run moves an earlier run's file aside rather than appending to it.
+
 MFU counts model FLOPs per trained token as 6 * active matmul parameters (forward + backward) plus
 the causal attention score/value products, against the device's dense bf16 peak.
 """
@@ -8,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import time
 from pathlib import Path
 
@@ -85,9 +91,10 @@ class MetricsLogger:
     """Rank-0 sink for per-step metrics: JSONL file, progress bar, periodic log lines."""
 
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, progress_bar: bool, jsonl: bool,
-                 every_n_steps: int = 1, start_step: int = 0):
+                 every_n_steps: int = 1, start_step: int = 0, run_id: str = ""):
         self.enabled = enabled
         self.every = every_n_steps
+        self.run_id = run_id
         self.file = None
         self.progress = None
         if not enabled:
@@ -95,6 +102,7 @@ class MetricsLogger:
         if jsonl:
             path = Path(output_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
+            _prepare_jsonl(path, start_step)
             self.file = path.open("a")
         if progress_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -108,7 +116,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json_line({"run_id": self.run_id, **record}))
             self.file.flush()
         status = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k in ("loss", "lr", "grad_norm", "tok_s", "mfu"))
         if self.progress is not None:
@@ -121,6 +129,28 @@ class MetricsLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+
+
+def json_line(record: dict) -> str:
+    """One strict-JSON line: non-finite floats become null (json.dumps would write NaN)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def _prepare_jsonl(path: Path, start_step: int) -> None:
+    """Resume (start_step > 0): keep only the records up to start_step, so no step appears twice.
+    Fresh run: an earlier run's file is renamed aside (metrics.<mtime>.jsonl), never appended to."""
+    if not path.is_file():
+        return
+    if start_step == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        os.replace(path, path.with_name(f"metrics.{stamp}.jsonl"))
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= start_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def _fmt(v) -> str:

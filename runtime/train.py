@@ -4,6 +4,11 @@ One optimizer step = `grad_accum_steps` micro-batches per data rank. The loss of
 is its summed token cross-entropy divided by the label-token count of the whole global step (all
 micro-batches of all data ranks), so the distributed loss and gradients equal those of one process
 that sees the whole global batch.
+
+A step is skipped (no update, counted, logged with `"skipped"`) when its global batch holds no label
+token, or when its loss or grad norm is not finite and `train.nan_policy: skip`; with `stop` (the
+default), or after `train.max_nan_skips` non-finite steps in a row, the run ends with TrainingDiverged
+naming the step and the last good (finite) checkpoint. The optimizer never sees a non-finite gradient.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config, OptimConfig
 from runtime.data import build_dataloader, load_tokenizer
 from runtime.dist import DistEnv, all_reduce_sum
@@ -24,6 +29,7 @@ from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_p
 from runtime.models.hf import config_from_hf, load_hf_weights, read_hf_config
 from runtime.models.qwen import QwenForCausalLM, init_weights, label_loss_sum
 from runtime.parallelize import localize_experts, parallelize, seed_lora_A, total_grad_norm
+from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir
 
 log = logging.getLogger("runtime")
 
@@ -31,7 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TrainingDiverged(RuntimeError):
-    """A non-finite loss; the message names the step and the last good checkpoint."""
+    """A non-finite loss or grad norm; the message names the step and the last good checkpoint."""
 
 
 def gdn_op_set(choice: str) -> str:
@@ -116,12 +122,14 @@ class StepResult:
     loss: float
     grad_norm: float
     num_tokens: int
+    skipped: str | None = None  # "no_labels" | "non_finite": the optimizer did not step
 
 
 def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None) -> StepResult:
+    num_tokens = sum(b.input_ids.numel() for b in batches)
     global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env)
-    if global_labels == 0:
-        raise ValueError("a global step has no label tokens: check data.kind and the chat template")
+    if global_labels == 0:  # every rank sees the same sum, so all skip alike
+        return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else nullcontext())
     loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
     for batch in batches:
@@ -135,17 +143,72 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
         loss_total += loss.detach()
     if on_grads is not None:
         on_grads(model)
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, env.world_size)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = float(clip_grad_norm(model, cfg.optim.grad_clip, env.world_size))
     loss_value = all_reduce_sum(loss_total.item(), env)
-    return StepResult(loss_value, float(grad_norm), sum(b.input_ids.numel() for b in batches))
+    # Both numbers are global (all-reduced), so every rank takes the same branch.
+    skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
+    if skipped is None:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, grad_norm, num_tokens, skipped)
+
+
+class StepGuard:
+    """Applies train.nan_policy to step results and counts the skipped steps."""
+
+    def __init__(self, policy: str, max_in_a_row: int):
+        self.policy, self.max_in_a_row = policy, max_in_a_row
+        self.in_a_row = 0
+        self.counts = {"no_labels": 0, "non_finite": 0}
+
+    def check(self, step: int, result: StepResult, last_good: str) -> None:
+        if result.skipped is None:
+            self.in_a_row = 0
+            return
+        self.counts[result.skipped] += 1
+        if result.skipped == "no_labels":
+            log.warning("step %d skipped: its global batch holds no label tokens (%d such steps so far)",
+                        step, self.counts["no_labels"])
+            return
+        self.in_a_row += 1
+        what = f"loss {result.loss:.4g}, grad norm {result.grad_norm:.4g} at step {step}"
+        if self.policy == "stop":
+            raise TrainingDiverged(f"{what}: the update was not applied; last good checkpoint: {last_good}; "
+                                   "lower optim.lr or check the data of this step, or set train.nan_policy: skip")
+        if self.in_a_row >= self.max_in_a_row:
+            raise TrainingDiverged(f"{what}: {self.in_a_row} non-finite steps in a row (train.max_nan_skips="
+                                   f"{self.max_in_a_row}); last good checkpoint: {last_good}; lower optim.lr")
+        log.warning("%s: update skipped (train.nan_policy: skip; %d in a row, %d in all)", what, self.in_a_row,
+                    self.counts["non_finite"])
+
+
+def claim(cfg: Config, env: DistEnv, resume: bool) -> RunDir:
+    """claim_run_dir on every rank; rank 0's lock failure becomes every rank's error, so none goes on
+    into collectives alone."""
+    error = None
+    try:
+        run_dir = claim_run_dir(cfg.train.output_dir, resume, env.rank)
+    except RunDirError as err:
+        error = err
+    if all_reduce_sum(error is not None, env):
+        raise error or RunDirError(f"output dir {cfg.train.output_dir} cannot be claimed (rank 0 says why)")
+    return run_dir
 
 
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
           resume: bool = False, on_grads=None) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
     `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it)."""
+    resume = resume or cfg.checkpoint.resume
+    run_dir = claim(cfg, env, resume)
+    try:
+        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads)
+    finally:
+        release_run_dir(run_dir)
+
+
+def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
+           resume: bool, on_grads) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg)
@@ -156,49 +219,65 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,
                               dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
-    ckpt = CheckpointManager(cfg.train.output_dir, cfg.checkpoint.keep_last, env.rank,
-                             ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
-    start = 0
-    if resume or cfg.checkpoint.resume:
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, env, ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
+    start, last_good = 0, "none (no checkpoint was saved yet)"
+    if resume:
         latest = ckpt.latest()
         if latest is None:
             log.warning("resume requested but %s holds no checkpoint: starting from step 0", ckpt.root)
         else:
             start = ckpt.load(latest, model, optimizer, scheduler, loader)
+            last_good = str(latest)  # load() checked its parameters finite
             log.info("resumed from %s (step %d)", latest, start)
     peak = device_peak_flops(env.device)
     flops_tok = flops_per_token(model.config, cfg.data.seq_len)
     metrics = MetricsLogger(cfg.train.output_dir, cfg.train.max_steps, env.is_main, cfg.logging.progress_bar,
-                            cfg.logging.jsonl, cfg.logging.every_n_steps, start_step=start)
-    records, last_good, timer = [], ckpt.latest(), StepTimer()
+                            cfg.logging.jsonl, cfg.logging.every_n_steps, start_step=start, run_id=run_dir.run_id)
+    guard = StepGuard(cfg.train.nan_policy, cfg.train.max_nan_skips)
+    records, timer = [], StepTimer()
     try:
         for step in range(start + 1, cfg.train.max_steps + 1):
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
             result = train_step(model, batches, optimizer, cfg, env, on_grads)
-            if not math.isfinite(result.loss):
-                raise TrainingDiverged(f"loss is {result.loss} at step {step}; last good checkpoint: "
-                                       f"{last_good or 'none (no checkpoint was saved yet)'}")
+            guard.check(step, result, last_good)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            elapsed = timer.lap()
-            tokens = result.num_tokens * dims.dp_world
-            record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                      "tok_s": tokens / elapsed, "step_s": elapsed}
-            if peak:
-                record["mfu"] = flops_tok * tokens / elapsed / (peak * env.world_size)
-            if (mem := peak_memory_gib(env.device)) is not None:
-                record["peak_mem_gib"] = mem
+            record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
             records.append(record)
             metrics.log(record)
             every = cfg.checkpoint.every_n_steps
             if every and step % every == 0 and step < cfg.train.max_steps:
-                last_good = ckpt.save(step, model, optimizer, scheduler, loader)
+                last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
         if cfg.checkpoint.save_final:
-            ckpt.save(cfg.train.max_steps, model, optimizer, scheduler, loader)
+            save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:
             from runtime.checkpoint import export_final
 
             export_final(model, cfg, env.rank, meshes)
+        if any(guard.counts.values()):
+            log.info("skipped steps: %d without label tokens, %d non-finite", guard.counts["no_labels"],
+                     guard.counts["non_finite"])
     finally:
         metrics.close()
     return records
+
+
+def step_record(step: int, result: StepResult, lr: float, elapsed: float, dims: ParallelDims, env: DistEnv,
+                peak: float | None, flops_tok: float) -> dict:
+    tokens = result.num_tokens * dims.dp_world
+    record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+              "tok_s": tokens / elapsed, "step_s": elapsed}
+    if result.skipped:
+        record["skipped"] = result.skipped
+    if peak:
+        record["mfu"] = flops_tok * tokens / elapsed / (peak * env.world_size)
+    if (mem := peak_memory_gib(env.device)) is not None:
+        record["peak_mem_gib"] = mem
+    return record
+
+
+def save_checkpoint(ckpt: CheckpointManager, step: int, model, optimizer, scheduler, loader, last_good: str):
+    try:
+        return ckpt.save(step, model, optimizer, scheduler, loader)
+    except NonFiniteParameters as err:
+        raise TrainingDiverged(f"{err}; last good checkpoint: {last_good}") from None

@@ -48,7 +48,7 @@ def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
         return real(logits, labels) * (float("nan") if calls["n"] == 4 else 1.0)
 
     monkeypatch.setattr(train_mod, "label_loss_sum", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"at step 4; last good checkpoint: .*step_00000002"):
+    with pytest.raises(TrainingDiverged, match=r"loss nan, grad norm nan at step 4: the update was not applied; last good checkpoint: .*step_00000002"):
         run([str(_config_with(tmp_path, "checkpoint:\n  every_n_steps: 2\n")), "--max-steps", "6",
              "--output-dir", str(tmp_path)])
 

@@ -1,0 +1,104 @@
+"""The run folder (`train.output_dir`) as one run's property: claimed at start, never shared.
+
+Contract of `claim_run_dir(output_dir, resume, rank)`, called on every rank before any model or
+data work:
+- a folder that already holds checkpoints is only entered with `--resume` (or checkpoint.resume);
+  otherwise every rank raises RunDirError alike, naming the folder and the two choices;
+- rank 0 holds an exclusive lock (`<output_dir>/.lock`, flock) for the process lifetime, so a second
+  concurrent run on the same folder fails at start; the kernel drops the lock when the process dies
+  (kill -9 included), so no stale lock survives a crash;
+- the run id lives in `<output_dir>/run.json`: a fresh run writes a new one, a resumed run keeps it.
+  Checkpoints and metrics records carry it, and pruning only touches checkpoints of this run id.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+LOCK_NAME = ".lock"
+RUN_FILE = "run.json"
+
+
+class RunDirError(RuntimeError):
+    """The output dir cannot be used by this run; the message names it and the fix."""
+
+
+@dataclass
+class RunDir:
+    root: Path
+    run_id: str  # rank 0's business (it prunes, writes checkpoint metadata and metrics); "" elsewhere
+    lock_fd: int | None  # rank 0 keeps the locked file open for the whole run
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+
+def existing_checkpoints(root: Path) -> list[Path]:
+    ckpts = root / "checkpoints"
+    if not ckpts.is_dir():
+        return []
+    return sorted(p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step_"))
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _take_lock(root: Path) -> int:
+    path = root / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown process"
+        os.close(fd)
+        raise RunDirError(f"output dir {root} is in use by another run ({holder}, lock file {path}); wait for it "
+                          "to finish or set a new train.output_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+    return fd
+
+
+def _run_id(root: Path, resume: bool) -> str:
+    run_file = root / RUN_FILE
+    if resume and run_file.is_file():
+        return json.loads(run_file.read_text())["run_id"]
+    return uuid.uuid4().hex[:12]
+
+
+def refuse_foreign_checkpoints(root: Path, resume: bool) -> None:
+    found = existing_checkpoints(root)
+    if found and not resume:
+        raise RunDirError(f"output dir {root} already holds checkpoints (newest: {found[-1].name}) of an earlier "
+                          "run; continue that run with --resume, or start a new one with a new train.output_dir")
+
+
+def claim_run_dir(output_dir: str | Path, resume: bool, rank: int) -> RunDir:
+    """Checks and claims the run folder (see the module docstring). Every rank raises alike on a folder
+    with foreign checkpoints; only rank 0 can fail on the lock (the caller makes that failure common)."""
+    root = Path(output_dir)
+    refuse_foreign_checkpoints(root, resume)
+    if rank != 0:
+        return RunDir(root, "", None)
+    root.mkdir(parents=True, exist_ok=True)
+    fd = _take_lock(root)
+    run_id = _run_id(root, resume)
+    if not (root / RUN_FILE).is_file() or not resume:
+        write_json_atomic(root / RUN_FILE, {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return RunDir(root, run_id, fd)
+
+
+def release_run_dir(run_dir: RunDir) -> None:
+    if run_dir.lock_fd is not None:
+        os.close(run_dir.lock_fd)  # closing the descriptor drops the flock
+        run_dir.lock_fd = None
