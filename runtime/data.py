@@ -186,11 +186,22 @@ def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
         batches = pq.ParquetFile(file).iter_batches(batch_size=_CHUNK)
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(f"{file}: not a readable Parquet file ({err}); check data.path / data.format") from None
+    yield from _table_rows(file, batches)
+
+
+def _table_rows(source: Path, batches) -> Iterator[tuple[str, Any]]:
+    """Rows of Arrow record batches; a batch that cannot be decoded (a corrupt page) is a DataError."""
+    import pyarrow as pa
+
     row = 0
-    for batch in batches:
-        for record in batch.to_pylist():
-            yield f"{file}: row {row} (0-based)", record
-            row += 1
+    try:
+        for batch in batches:  # decoding happens here, batch by batch
+            for record in batch.to_pylist():
+                yield f"{source}: row {row} (0-based)", record
+                row += 1
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{source}: the rows from row {row} (0-based) on cannot be read ({str(err).rstrip('.')}); "
+                        "the file is corrupt: write it again (or leave it out of data.path)") from None
 
 
 def _read_arrow(folder: Path) -> Iterator[tuple[str, Any]]:
@@ -206,11 +217,7 @@ def _read_arrow(folder: Path) -> Iterator[tuple[str, Any]]:
             raise DataError(f"{folder}: a DatasetDict with splits {sorted(ds)} and no 'train'; point "
                             "data.path at one split's folder")
         ds = ds["train"]
-    row = 0
-    for table in ds.with_format("arrow").iter(batch_size=_CHUNK):
-        for record in table.to_pylist():
-            yield f"{folder}: row {row} (0-based)", record
-            row += 1
+    yield from _table_rows(folder, ds.with_format("arrow").iter(batch_size=_CHUNK))
 
 
 def read_records(path: Path, fmt: str, bad: _BadRecords) -> Iterator[tuple[str, Any]]:
@@ -401,8 +408,9 @@ def _tokenize_chat_record(tokenizer, messages: list[dict]) -> Document:
     return ids, trained
 
 
-def _tokenize_all(items: list[tuple[str, str, Any]], tokenizer, bad: _BadRecords) -> list[tuple[str, Document]]:
-    """(kind, document) in record order; texts in batches (fast tokenizers parallelize them), chats one by one."""
+def _tokenize_all(items: list[tuple[str, str, Any]], tokenizer,
+                  bad: _BadRecords) -> list[tuple[str, Document]]:
+    """(kind, document) in record order; texts in batches (fast tokenizers parallelize them), chats singly."""
     docs: list[tuple[str, Document] | None] = [None] * len(items)
     text_slots = [i for i, (_, kind, _) in enumerate(items) if kind == "text"]
     for lo in range(0, len(text_slots), _CHUNK):
@@ -445,7 +453,8 @@ def _fit_overlong(doc: Document, seq_len: int, policy: str) -> Document | None:
     return (ids, trained) if _has_labels(trained) else None
 
 
-def _apply_overlong(docs: list[tuple[str, Document]], seq_len: int, policy: str, stats: LoadStats) -> list[Document]:
+def _apply_overlong(docs: list[tuple[str, Document]], seq_len: int, policy: str,
+                    stats: LoadStats) -> list[Document]:
     """Chat documents made to fit one row (data.overlong), counted in stats; text documents unchanged."""
     kept = []
     for kind, doc in docs:
@@ -470,12 +479,12 @@ def _log_overlong(path: Path, seq_len: int, policy: str, stats: LoadStats) -> No
     head = (f"data: {stats.num_overlong} of {stats.num_chat_records} chat records in {path} are longer than "
             f"data.seq_len={seq_len}")
     if policy == "drop":
-        log.warning("%s and were dropped (data.overlong: drop; set data.overlong: truncate to keep their first %d "
-                    "tokens, or raise data.seq_len)", head, seq_len)
+        log.warning("%s and were dropped (data.overlong: drop; set data.overlong: truncate to keep their "
+                    "first %d tokens, or raise data.seq_len)", head, seq_len)
     else:
-        log.warning("%s: %d were cut to their first %d tokens, %d dropped as those hold no assistant token "
-                    "(data.overlong: truncate; raise data.seq_len to train them whole)",
-                    head, stats.num_overlong_truncated, seq_len, stats.num_overlong_dropped)
+        log.warning("%s: data.overlong: truncate kept the first %d tokens of %d and dropped %d whose first "
+                    "%d tokens hold no assistant token (raise data.seq_len to train them whole)",
+                    head, seq_len, stats.num_overlong_truncated, stats.num_overlong_dropped, seq_len)
 
 
 def _nothing_left(path: Path, seq_len: int, policy: str, stats: LoadStats) -> DataError:
@@ -485,7 +494,8 @@ def _nothing_left(path: Path, seq_len: int, policy: str, stats: LoadStats) -> Da
         return DataError(f"{path}: no usable records ({stats.num_skipped} skipped as bad); check data.path, "
                          "data.kind and data.text_field / data.messages_field")
     why = ("data.overlong: drop removed them" if policy == "drop" else
-           f"none has an assistant token in its first {seq_len} tokens, so data.overlong: truncate dropped them")
+           f"none has an assistant token in its first {seq_len} tokens, so data.overlong: truncate "
+           "dropped them")
     fix = f"raise data.seq_len to at least {stats.shortest_dropped} (the shortest record)"
     if policy == "drop":
         fix += f", or set data.overlong: truncate to train their first {seq_len} tokens"
@@ -656,8 +666,8 @@ class PackedLoader:
             then = {k: state.get(k) for k in changed}
             now = {k: mine[k] for k in changed}
             raise DataError(f"cannot resume the data position: {', '.join(changed)} changed since the checkpoint "
-                            f"({then} -> {now}); resume with the same data, tokenizer, data.seq_len, data.seed and "
-                            "data.overlong")
+                            f"({then} -> {now}); resume with the same data, tokenizer, data.seq_len, "
+                            "data.seed and data.overlong")
         self.epoch, self.row = int(state["epoch"]), int(state["row"])
 
 

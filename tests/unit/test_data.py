@@ -1,10 +1,12 @@
-"""runtime/data.py: sources, chat masking, packing invariants, determinism, dp slicing, resume, bad records.
+"""runtime/data.py: sources, chat masking, packing invariants, determinism, dp slicing, resume, bad records,
+chat records longer than seq_len (data.overlong).
 
 All offline, on the tiny example's tokenizer and data (examples/tiny/).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -170,15 +172,17 @@ def test_chat_spans_without_generation_markers_match_the_template_mask(tok):
 
 # --- packing ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("seq_len", [32, 256])  # 32 cuts most conversations into chunks
-def test_packing_invariants_on_the_tiny_dataset(tok, seq_len):
-    loader = build_dataloader(data_cfg(TINY / "data" / "train.jsonl", seq_len=seq_len), tok, 8)
+# At 32 about half the conversations are longer than seq_len: dropped, or truncated to 32 tokens.
+@pytest.mark.parametrize("seq_len,overlong", [(32, "drop"), (32, "truncate"), (256, "drop")])
+def test_packing_invariants_on_the_tiny_dataset(tok, seq_len, overlong):
+    cfg = data_cfg(TINY / "data" / "train.jsonl", seq_len=seq_len, overlong=overlong)
+    loader = build_dataloader(cfg, tok, 8)
     for _ in range(3):
         assert_packing_invariants(next(loader), seq_len, tok.pad_token_id)
-    # One epoch holds every token of every document exactly once, long ones in seq_len chunks.
+    # One epoch holds every token of every document exactly once; a chat is never cut into chunks.
     pieces = sorted(p for row in loader.epoch_rows(0) for p in row)
     assert sum(e - s for _, s, e in pieces) == int(loader.corpus.lengths.sum())
-    assert all(e - s <= seq_len for _, s, e in pieces)
+    assert all(s == 0 and e == loader.corpus.lengths[d] <= seq_len for d, s, e in pieces)
     assert all(sum(e - s for _, s, e in row) <= seq_len for row in loader.epoch_rows(0))
 
 
@@ -256,6 +260,101 @@ def test_resume_with_other_data_is_refused(tok):
         tiny_loader(tok, seed=2).load_state_dict(state)
 
 
+# --- chat records longer than seq_len (data.overlong) ---------------------------------------------
+
+LONG_PROMPT = " ".join(["The cat sat on the mat."] * 40)  # about 240 tokens
+
+
+def chat(user: str, assistant: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+def short_and_overlong(tmp_path, num_long=4) -> Path:
+    """40 tiny conversations (at most 95 tokens each) and num_long whose prompt alone is longer than 96."""
+    lines = (TINY / "data" / "train.jsonl").read_text().splitlines()[:40]
+    records = [json.loads(line) for line in lines]
+    for i in range(num_long):
+        records.insert(7 * i + 3, chat(f"{i}: {LONG_PROMPT}", "ok"))
+    return write_jsonl(tmp_path / "long.jsonl", records)
+
+
+def test_overlong_chats_are_dropped_counted_and_logged_once(tmp_path, tok, caplog):
+    # Chunked, a long prompt made rows of prompt only: at micro_batch_size 1, steps with no label token.
+    path = short_and_overlong(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="runtime.data"):
+        loader = build_dataloader(data_cfg(path, seq_len=96), tok, 1)
+    assert (loader.num_overlong_dropped, loader.num_overlong_truncated, loader.num_documents) == (4, 0, 40)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    expected = (f"data: 4 of 44 chat records in {path} are longer than data.seq_len=96 and were dropped "
+                "(data.overlong: drop; set data.overlong: truncate to keep their first 96 tokens, or raise "
+                "data.seq_len)")
+    assert warnings == [expected]
+    for _ in range(2 * len(loader.epoch_rows(0))):  # two epochs, one row per step
+        batch = next(loader)
+        assert batch.num_label_tokens > 0
+        assert_packing_invariants(batch, 96, tok.pad_token_id)
+
+
+def test_truncate_keeps_the_first_seq_len_tokens(tmp_path, tok, caplog):
+    long_reply = chat("Tell me about the cat.", LONG_PROMPT)  # its first 64 tokens hold assistant tokens
+    long_prompt = chat(LONG_PROMPT, "ok")  # its first 64 tokens are prompt only: dropped, nothing to train
+    path = write_jsonl(tmp_path / "c.jsonl", [long_reply, long_prompt, {"messages": CHATS[0]}])
+    with caplog.at_level(logging.WARNING, logger="runtime.data"):
+        loader = build_dataloader(data_cfg(path, shuffle=False, overlong="truncate"), tok, 1)
+    assert (loader.num_overlong_dropped, loader.num_overlong_truncated, loader.num_documents) == (1, 1, 2)
+    assert "data.overlong: truncate kept the first 64 tokens of 1 and dropped 1" in caplog.text
+    ids, trained = tokenize_chat(tok, long_reply["messages"])
+    assert len(ids) > 64
+    first = next(loader)  # the truncated conversation fills row 0 alone
+    assert first.input_ids[0].tolist() == ids[:64]
+    expected = [i if t else -100 for i, t in zip(ids[1:64], trained[1:64])] + [-100]
+    assert first.labels[0].tolist() == expected and first.num_label_tokens > 0
+    assert_packing_invariants(first, 64, tok.pad_token_id)
+    second = next(loader)
+    assert tok.decode(second.input_ids[0][second.position_ids[0] == torch.arange(64)]).startswith(
+        tok.apply_chat_template(CHATS[0], tokenize=False))
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_a_source_with_every_record_overlong_is_an_error(tmp_path, tok, overlong):
+    path = write_jsonl(tmp_path / "long.jsonl", [chat(LONG_PROMPT, "ok"), chat("x " + LONG_PROMPT, "ok")])
+    n = len(tokenize_chat(tok, chat(LONG_PROMPT, "ok")["messages"])[0])
+    with pytest.raises(DataError, match=rf"long\.jsonl: no record left: all 2 chat records are longer than "
+                                        rf"data\.seq_len=64 .*; raise data\.seq_len to at least {n} "):
+        build_corpus(data_cfg(path, overlong=overlong), tok)
+
+
+def stream_digest(loader, num_batches: int) -> str:
+    digest = hashlib.sha256()
+    for _ in range(num_batches):
+        batch = next(loader)
+        for t in (batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens):
+            digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_a_stream_without_overlong_records_is_unchanged(tmp_path, tok, overlong):
+    """Chats that fit and texts cut into chunks: exactly the stream of the code before data.overlong."""
+    lines = (TINY / "data" / "train.jsonl").read_text().splitlines()[:300]  # at most 95 tokens each
+    records = [json.loads(line) for line in lines] + [{"text": LONG_PROMPT}] * 3
+    loader = build_dataloader(data_cfg(write_jsonl(tmp_path / "d.jsonl", records), seq_len=96,
+                                       overlong=overlong), tok, 2)
+    assert (loader.num_overlong_dropped, loader.num_overlong_truncated, loader.num_skipped) == (0, 0, 0)
+    assert len(loader.epoch_rows(0)) == 157
+    # Recorded with the loader of commit 1c62425 (83 steps: into epoch 1).
+    assert stream_digest(loader, 83) == "327b93776065969da3b1d41f52985eee1567a62623638125589ccdd648506f06"
+    assert (loader.epoch, loader.row) == (1, 9)
+
+
+def test_resume_under_another_overlong_policy_is_refused(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CHATS] + [chat("Go on.", LONG_PROMPT)])
+    state = build_dataloader(data_cfg(path), tok, 1).state_dict()
+    truncating = build_dataloader(data_cfg(path, overlong="truncate"), tok, 1)
+    with pytest.raises(DataError, match=r"num_documents, num_tokens changed .* data\.overlong"):
+        truncating.load_state_dict(state)
+
+
 # --- bad records --------------------------------------------------------------------------------
 
 GOOD = {"messages": CHATS[0]}
@@ -270,6 +369,10 @@ BAD_RECORDS = [
     ({"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      r"messages\[0\] has unknown role 'human'"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "field 'messages' has no assistant message"),
+    # Python's json raises RecursionError / ValueError on these: no traceback, a bad record.
+    ('{"text": "half a pair \\ud800 here"}', "a string holds an unpaired UTF-16 surrogate escape"),
+    ("[" * 100_000, r"invalid JSON \(nested too deeply\)"),
+    ('{"text": "x", "n": ' + "9" * 5000 + "}", r"invalid JSON \(Exceeds the limit \(4300 digits\)"),
 ]
 
 
@@ -289,6 +392,20 @@ def test_a_bad_parquet_row_names_its_row(tmp_path, tok):
         build_corpus(data_cfg(tmp_path / "bad.parquet"), tok)
 
 
+def test_a_corrupt_parquet_page_is_a_data_error(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": f"row {i} " * 20} for i in range(5000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet", compression="snappy", row_group_size=500)
+    data = bytearray((tmp_path / "p.parquet").read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # the footer is intact: the file opens
+    (tmp_path / "bad.parquet").write_bytes(data)
+    with pytest.raises(DataError, match=r"bad\.parquet: the rows from row \d+ \(0-based\) on cannot be read .*"
+                                        r"the file is corrupt"):
+        build_corpus(data_cfg(tmp_path / "bad.parquet"), tok)
+
+
 def test_a_conversation_the_chat_template_rejects_is_a_bad_record(tmp_path):
     strict = load_tokenizer(TINY / "tokenizer")
     strict.chat_template = ("{%- if messages[0].role != 'user' %}{{ raise_exception('start with a user turn') }}"
@@ -298,13 +415,32 @@ def test_a_conversation_the_chat_template_rejects_is_a_bad_record(tmp_path):
         build_corpus(data_cfg(path), strict)
 
 
+def test_a_chat_the_template_marks_nothing_of_is_a_bad_record(tmp_path):
+    untrained = load_tokenizer(TINY / "tokenizer")
+    untrained.chat_template = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+                               "message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+                               "{%- generation %}{%- endgeneration %}")
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}])
+    with pytest.raises(DataError, match=r"c\.jsonl:1: the chat template marks none of this conversation's"):
+        build_corpus(data_cfg(path), untrained)
+
+
+def test_a_byte_order_mark_starts_no_record(tmp_path, tok):
+    path = tmp_path / "bom.jsonl"
+    lines = [json.dumps({"text": TEXTS[0]}), json.dumps({"messages": CHATS[0]})]
+    path.write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
+    corpus, _ = build_corpus(data_cfg(path, shuffle=False), tok)
+    assert corpus.num_documents == 2
+    assert tok.decode(corpus.piece(0, 0, int(corpus.lengths[0]))[0]) == TEXTS[0] + IM_END
+
+
 def test_skip_bad_records_counts_and_warns_once(tmp_path, tok, caplog):
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD] + [bad for bad, _ in BAD_RECORDS] + [{"text": "ok"}])
     with caplog.at_level(logging.WARNING, logger="runtime.data"):
         loader = build_dataloader(data_cfg(path, skip_bad_records=True), tok, 2)
     assert loader.num_skipped == len(BAD_RECORDS) and loader.num_documents == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "skipped 9 bad records" in warnings[0].getMessage()
+    assert len(warnings) == 1 and f"skipped {len(BAD_RECORDS)} bad records" in warnings[0].getMessage()
     assert_packing_invariants(next(loader), 64, tok.pad_token_id)
 
 
