@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
+import stat
 from collections import defaultdict
 from pathlib import Path
 from typing import Self
@@ -78,6 +79,46 @@ def _gdn_config(hf: dict, model_type: str) -> GDNConfig:
                      layout="qwen3_next" if model_type == "qwen3_next" else "qwen3_5")
 
 
+# The HF config keys config_from_hf reads, by the parts a model kind builds. The required ones have no
+# default there: without them a MoE kind would build a dense model or a router picking no expert.
+# runtime.model_config_check names the missing ones before anything runs.
+_BASE_KEYS = {"required": ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
+              "optional": ("num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
+                           "tie_word_embeddings", "attention_bias", "initializer_range", "max_position_embeddings",
+                           "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")}
+_MOE_KEYS = {"required": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+             "optional": ("num_local_experts", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                          "shared_expert_intermediate_size")}
+_HYBRID_KEYS = {"required": ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                             "linear_value_head_dim"),
+                "optional": ("linear_conv_kernel_dim",)}
+
+
+def _key_groups(model_type: str) -> list[dict]:
+    return ([_BASE_KEYS] + ([_MOE_KEYS] if model_type in MOE_MODEL_TYPES else [])
+            + ([_HYBRID_KEYS] if model_type in HYBRID_MODEL_TYPES else []))
+
+
+def keys_read(model_type: str) -> set[str]:
+    """Every key of a text config of `model_type` that config_from_hf reads."""
+    return {k for group in _key_groups(model_type) for part in group.values() for k in part}
+
+
+def missing_keys(hf: dict) -> list[str]:
+    """Keys of a text config that config_from_hf needs, has no default for, and `hf` lacks (or sets to null)."""
+    model_type = hf.get("model_type")
+    required = [k for group in _key_groups(model_type) for k in group["required"]]
+    # Dense MLP blocks: every block of a dense kind; in a MoE kind the mlp_only_layers and the blocks
+    # between sparse steps.
+    if (model_type not in MOE_MODEL_TYPES or hf.get("mlp_only_layers")
+            or (hf.get("decoder_sparse_step") or 1) > 1):
+        required.append("intermediate_size")
+    present = {k for k, v in hf.items() if v is not None}
+    if "num_local_experts" in present:  # transformers' other name for num_experts
+        present.add("num_experts")
+    return [k for k in required if k not in present]
+
+
 def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
     """Our config from a HF config dict; `runtime_options` sets expert_backend, attn_backend, ..."""
     hf = text_config(hf)
@@ -85,14 +126,18 @@ def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     num_layers = runtime_options.pop("num_layers", None) or hf["num_hidden_layers"]
-    moe = model_type in MOE_MODEL_TYPES
-    hybrid = model_type in HYBRID_MODEL_TYPES
+    # Qwen3.5-MoE always renormalizes its top-k weights and has no norm_topk_prob key.
+    moe_fields = {"num_experts": hf.get("num_experts") or hf.get("num_local_experts") or 0,
+                  "num_experts_per_tok": hf.get("num_experts_per_tok", 0),
+                  "moe_intermediate_size": hf.get("moe_intermediate_size", 0),
+                  "norm_topk_prob": hf.get("norm_topk_prob", model_type == "qwen3_5_moe_text"),
+                  "decoder_sparse_step": hf.get("decoder_sparse_step") or 1,
+                  "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+                  "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
+                  } if model_type in MOE_MODEL_TYPES else {}
     hybrid_fields = {"layer_types": tuple(hf["layer_types"][:num_layers]), "gated_attention": True,
                      "norm_unit_offset": True, "gdn": _gdn_config(hf, model_type),
-                     "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0
-                     } if hybrid else {}
-    # Qwen3.5-MoE always renormalizes its top-k weights and has no norm_topk_prob key.
-    norm_topk = hf.get("norm_topk_prob", model_type == "qwen3_5_moe_text")
+                     } if model_type in HYBRID_MODEL_TYPES else {}
     return QwenConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
         num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
@@ -100,11 +145,7 @@ def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:
         intermediate_size=hf.get("intermediate_size") or 0, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope=rope_config_from_hf(hf), tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=hf.get("attention_bias", False), initializer_range=hf.get("initializer_range", 0.02),
-        num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
-        num_experts_per_tok=hf.get("num_experts_per_tok", 0) if moe else 0,
-        moe_intermediate_size=hf.get("moe_intermediate_size", 0) if moe else 0,
-        norm_topk_prob=norm_topk, decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
-        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), hf_config=hf, **hybrid_fields, **runtime_options)
+        hf_config=hf, **moe_fields, **hybrid_fields, **runtime_options)
 
 
 class SafetensorsCheckpoint:
@@ -334,12 +375,16 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard
 
 
 def atomic_dir(out_dir: str | Path):
-    """A temporary sibling folder; `commit(tmp)` renames it over out_dir so readers never see half a save."""
+    """A temporary sibling folder; `commit()` renames it over out_dir so readers never see half a save.
+    The folder and its files get the modes a plain mkdir / open give under the user's umask."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # Not tempfile.mkdtemp: it makes the folder 0700, and the export is meant to be shared.
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
 
     def commit() -> None:
+        _match_umask(tmp)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             out_dir.rename(old)
@@ -348,6 +393,19 @@ def atomic_dir(out_dir: str | Path):
         else:
             tmp.rename(out_dir)
     return tmp, commit
+
+
+def _match_umask(folder: Path) -> None:
+    """Gives the files in `folder` the mode open() gives there. safetensors writes 0600 (a private temp
+    file renamed into place); a probe file shows the mode the umask (and a default ACL) allow, without
+    setting the process-wide umask, which other threads may be creating files under."""
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    for path in folder.rglob("*"):
+        if path.is_file() and stat.S_IMODE(path.stat().st_mode) != mode:
+            path.chmod(mode)
 
 
 def hf_config_dict(cfg: QwenConfig, dtype: torch.dtype) -> dict:
