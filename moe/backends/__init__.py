@@ -21,9 +21,11 @@ class ExpertBackend(Protocol):
 
 
 _BACKENDS: dict[str, ExpertBackend] = {}
-# Backends live in their own modules and register on import; importing lazily keeps Triton optional.
+# Backends live in their own modules and register when imported (at the end of this module).
 _MODULES = {"eager": "moe.backends.eager", "grouped_mm": "moe.backends.grouped_mm",
             "scattermoe": "moe.backends.scattermoe"}
+# name -> why it cannot be imported here (Triton missing, say): reported when it is asked for.
+_UNAVAILABLE: dict[str, str] = {}
 
 
 def register_backend(name: str) -> Callable[[ExpertBackend], ExpertBackend]:
@@ -46,9 +48,27 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def expert_backend(name: str) -> ExpertBackend:
-    if name not in _BACKENDS:
-        if name not in _MODULES:
-            raise ValueError(f"unknown expert backend {name!r}; choose one of {available_backends()} "
-                             "(config key model.expert_backend)")
-        importlib.import_module(_MODULES[name])
-    return _BACKENDS[name]
+    """The backend registered as `name`. A plain dict lookup (every backend is imported with this
+    module), so a first call inside a torch.compile(fullgraph=True) region traces without a break."""
+    backend = _BACKENDS.get(name)
+    if backend is not None:
+        return backend
+    if name in _UNAVAILABLE:
+        raise RuntimeError(f"expert backend {name!r} cannot be used here: {_UNAVAILABLE[name]}")
+    raise ValueError(f"unknown expert backend {name!r}; choose one of {available_backends()} "
+                     "(config key model.expert_backend)")
+
+
+def _import_backends() -> None:
+    """Import every backend now, not lazily: an import inside a compiled region breaks the graph.
+    One whose optional dependency is missing is recorded, not raised (Triton stays optional)."""
+    for name, module in _MODULES.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name is None or err.name.split(".")[0] != "triton":
+                raise
+            _UNAVAILABLE[name] = f"{err} (install triton)"
+
+
+_import_backends()

@@ -3,6 +3,9 @@ and the compiled loss equals eager; compile.inductor_options are validated and a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -111,3 +114,28 @@ def test_fp32_grouped_mm_compile_on_cpu_is_refused_clearly(tiny_moe_ckpt):
     model = from_pretrained(tiny_moe_ckpt, expert_backend="grouped_mm")
     with pytest.raises(ValueError, match="needs model.dtype: bfloat16"):
         apply_compile(model, {})
+
+
+_FIRST_LOOKUP_COMPILED = """
+import torch
+from moe.backends import expert_backend
+
+@torch.compile(backend="eager", fullgraph=True)
+def step(x):
+    backends = [expert_backend(name) for name in ("eager", "grouped_mm", "scattermoe")]
+    return x * len(backends), backends
+
+y, backends = step(torch.ones(3))
+assert torch.equal(y, torch.full((3,), 3.0))
+assert [b.__name__ for b in backends] == ["eager_backend", "grouped_mm_backend", "scattermoe_backend"], backends
+"""
+
+
+def test_first_expert_backend_lookup_inside_fullgraph_compile():
+    """The registry's first lookup happens inside torch.compile(fullgraph=True), in a fresh process
+    (nothing imported a backend before): no graph break (fullgraph raises on one), and the lookups
+    return the registered backends."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], cwd=repo, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
