@@ -1,4 +1,10 @@
-"""Process-group setup: the rank/world/device of this process under torchrun or as a plain process."""
+"""Process-group setup: the rank/world/device of this process under torchrun or as a plain process.
+
+No silent hangs: `init_distributed(timeout_s)` takes parallelism.collective_timeout_s. With more than
+one rank it starts runtime.watchdog, which ends every rank within about timeout_s when one rank stops
+responding, naming it; a collective that waits longer than timeout_s + collective_grace(timeout_s)
+raises, and `collective_error_message` says that in one line naming the key.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from runtime.watchdog import TIMEOUT_KEY, Watchdog, collective_grace
+
+# The timeout the process group was made with, for collective_error_message; None: no group made here.
+_timeout_s: float | None = None
+_watchdog: Watchdog | None = None
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,15 @@ def env_world() -> tuple[int, int, int]:
 
 
 def init_distributed(timeout_s: int = 600) -> DistEnv:
-    """gloo on CPU, NCCL on CUDA; a plain single process gets no process group at all."""
+    """gloo on CPU, NCCL on CUDA; a plain single process gets no process group at all.
+
+    `timeout_s` is parallelism.collective_timeout_s (600 s is its default). When this call creates
+    the process group (world > 1), the watchdog starts: a rank silent for timeout_s ends every rank.
+    Collectives wait timeout_s + collective_grace(timeout_s) before the backend raises: the few
+    heartbeats more let the watchdog, which names the frozen rank, act first; a collective that
+    still times out has live ranks out of step (see collective_error_message).
+    """
+    global _timeout_s, _watchdog
     rank, world, local_rank = env_world()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -42,9 +62,31 @@ def init_distributed(timeout_s: int = 600) -> DistEnv:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s + collective_grace(timeout_s)),
                                 device_id=device if device.type == "cuda" else None)
+        _timeout_s = float(timeout_s)
+        # env:// (the default init above) rendezvoused on this store, so both are set.
+        _watchdog = Watchdog(rank, world, timeout_s, os.environ["MASTER_ADDR"],
+                             int(os.environ["MASTER_PORT"])).start()
     return DistEnv(rank, world, local_rank, device)
+
+
+def collective_error_message(err: BaseException) -> str | None:
+    """One line for a collective that timed out, naming the config key; None for any other error.
+
+    The watchdog has not fired, so every rank still beats: the ranks are out of step rather than
+    frozen (one in a long phase without collectives, or ranks calling different collectives)."""
+    text = str(err)
+    if _timeout_s is None or not isinstance(err, RuntimeError) or "timed out" not in text.lower():
+        return None
+    # gloo's message starts with "[<source path>:<line>] "; keep what follows, first line only.
+    detail = text.strip().splitlines()[0].split("] ", 1)[-1]
+    waited = _timeout_s + collective_grace(_timeout_s)
+    return (f"a collective waited longer than {waited:g} s ({TIMEOUT_KEY}={_timeout_s:g} plus "
+            f"{collective_grace(_timeout_s):g} s of watchdog grace) while every rank still answered its "
+            "heartbeat: the ranks are out of step (one in a long phase without collectives, or ranks calling "
+            f"different collectives); raise {TIMEOUT_KEY} if such a phase legitimately takes longer "
+            f"({detail})")
 
 
 def all_reduce_sum(value: float, env: DistEnv) -> float:
