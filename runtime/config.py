@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from runtime.model_config_check import model_config_problems
+
 
 class ConfigError(ValueError):
     """A config problem found before anything ran; the message names the key and the fix."""
@@ -217,15 +219,33 @@ def _apply_override(raw: dict, dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def config_from_dict(raw: dict, overrides: dict[str, Any] | None = None, source: str = "<dict>") -> Config:
+def config_from_dict(raw: dict, overrides: dict[str, Any] | None = None, source: str = "<dict>",
+                     base_dir: str | Path | None = None) -> Config:
+    """Dict -> validated Config; relative paths that exist under `base_dir` are made absolute first, so the
+    model and tokenizer folders are checked where they will be read."""
     raw = dict(raw)
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _apply_override(raw, dotted, value)
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
+    if base_dir is not None:
+        _resolve_paths(cfg, Path(base_dir))
+    problems = model_config_problems(cfg.model.config, cfg.model.path, cfg.data.tokenizer or cfg.model.path,
+                                     "data.tokenizer" if cfg.data.tokenizer else "model.path")
+    if problems:
+        raise ConfigError("\n".join([f"invalid config {source}:"] + [f"  {p}" for p in problems]))
+    return cfg
+
+
+def _resolve_paths(cfg: Config, base: Path) -> None:
+    for section, key in (("model", "path"), ("data", "path"), ("data", "tokenizer")):
+        sec = getattr(cfg, section)
+        value = getattr(sec, key)
+        if value and not Path(value).is_absolute() and (base / value).exists():
+            setattr(sec, key, str(base / value))
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
@@ -241,12 +261,5 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
         raise ConfigError(f"{where}: YAML syntax error: {getattr(err, 'problem', err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
-    cfg = config_from_dict(raw, overrides, source=str(path))
     # Relative paths in a config are relative to the config file, so examples run from anywhere.
-    base = path.resolve().parent
-    for section, key in (("model", "path"), ("data", "path"), ("data", "tokenizer")):
-        sec = getattr(cfg, section)
-        value = getattr(sec, key)
-        if value and not Path(value).is_absolute() and (base / value).exists():
-            setattr(sec, key, str(base / value))
-    return cfg
+    return config_from_dict(raw, overrides, source=str(path), base_dir=path.resolve().parent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import yaml
 from runtime.config import ConfigError, config_from_dict, load_config
 from runtime.launch import prepare
 from runtime.mesh import MeshError, ParallelDims
+from runtime.model_config_check import model_config_problems
+from tests.conftest import TINY_DENSE, TINY_HYBRID, TINY_MOE, write_hf_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
 
@@ -110,3 +113,193 @@ def test_launch_checks_mesh_against_world_size(monkeypatch):
 def test_real_shape_examples_validate(name):
     cfg = load_config(EXAMPLE.parent / name)
     assert cfg.model.path and (cfg.parallelism.ep > 1 or cfg.compile.enabled)
+
+
+# ----------------------------------------------------------------------------- model.config
+
+TOKENIZER = EXAMPLE.parent / "tiny" / "tokenizer"  # 512 tokens; the example's vocab_size is 520
+
+
+def check(raw: dict):
+    """config_from_dict with the example's relative paths resolved, so the tokenizer is checked too."""
+    return config_from_dict(raw, base_dir=EXAMPLE.parent)
+
+
+def model_cfg(edit) -> dict:
+    return with_(lambda r: edit(r["model"]["config"]))
+
+
+def rename(old: str, new: str):
+    return lambda c: c.update({new: c.pop(old)})
+
+
+def drop(key: str):
+    return lambda c: c.pop(key)
+
+
+def hybrid(model_type: str, **edits) -> dict:
+    """A tiny hybrid text config of `model_type` (Gated DeltaNet + attention every 4th layer)."""
+    cfg = {**TINY_HYBRID, "model_type": model_type, "vocab_size": 520,
+           "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    if model_type == "qwen3_5_moe_text":
+        cfg.pop("intermediate_size")
+    if model_type == "qwen3_5_text":  # dense
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok"):
+            cfg.pop(key)
+    return {**cfg, **edits}
+
+
+MODEL_BAD = {
+    "num_expert typo": (rename("num_experts", "num_expert"),
+                        "model.config.num_expert: unknown key for model_type qwen3_moe; did you mean num_experts?"),
+    "num_experts_per_token typo": (rename("num_experts_per_tok", "num_experts_per_token"),
+                                   ("model.config.num_experts_per_token: unknown key for model_type qwen3_moe; "
+                                    "did you mean num_experts_per_tok?")),
+    "rope_theta typo": (lambda c: c["rope_parameters"].update(rope_thetta=1e6),
+                        ("model.config.rope_parameters.rope_thetta: unknown key for model_type qwen3_moe; "
+                         "did you mean rope_theta?")),
+    "unknown key far from any": (lambda c: c.update(banana=1),
+                                 "model.config.banana: unknown key for model_type qwen3_moe; remove it"),
+    "missing vocab_size": (drop("vocab_size"),
+                           "model.config.vocab_size: required key is missing for model_type qwen3_moe"),
+    "missing moe_intermediate_size": (drop("moe_intermediate_size"),
+                                      "model.config.moe_intermediate_size: required key is missing"),
+    "top-k > experts": (lambda c: c.update(num_experts_per_tok=9),
+                        "model.config.num_experts_per_tok: top-k (9) must be <= num_experts (8)"),
+    "heads not divisible by kv heads": (lambda c: c.update(num_key_value_heads=3),
+                                        ("model.config.num_attention_heads: 4 is not divisible by "
+                                         "num_key_value_heads (3)")),
+    "hidden not divisible by heads without head_dim": (lambda c: (c.pop("head_dim"), c.update(num_attention_heads=3,
+                                                                                             num_key_value_heads=1)),
+                                                       "model.config.head_dim: required when hidden_size (64)"),
+    "zero experts": (lambda c: c.update(num_experts=0), "model.config.num_experts: must be a positive integer (got 0)"),
+    "size as a string": (lambda c: c.update(hidden_size="64"),
+                         "model.config.hidden_size: must be a positive integer (got '64')"),
+    "vocab smaller than the tokenizer": (lambda c: c.update(vocab_size=500),
+                                         "model.config.vocab_size: 500 is smaller than the tokenizer's 512 tokens"),
+    "unknown model_type": (lambda c: c.update(model_type="llama"),
+                           "model.config.model_type: 'llama' is not supported; supported: qwen3, qwen3_moe"),
+    "no model_type": (drop("model_type"), "model.config.model_type: required key is missing; set one of qwen3,"),
+    "dense kind without intermediate_size": (
+        lambda c: (c.clear(), c.update(model_type="qwen3", vocab_size=520, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4)),
+        "model.config.intermediate_size: required key is missing for model_type qwen3"),
+    "MoE key on a dense kind": (lambda c: (c.clear(), c.update(model_type="qwen3", num_experts=8, **TINY_DENSE)),
+                                ("model.config.num_experts: unknown key for model_type qwen3; it configures qwen3_moe, "
+                                 "qwen3_next, qwen3_5_moe_text: change model_type or remove it")),
+    "hybrid without layer_types": (lambda c: (c.clear(), c.update({**hybrid("qwen3_next"), "layer_types": None})),
+                                   "model.config.layer_types: required key is missing for model_type qwen3_next"),
+    "hybrid layer_types too short": (lambda c: (c.clear(), c.update(hybrid("qwen3_next", layer_types=["full_attention"]))),
+                                     "model.config.layer_types: must name each of the 4 layers"),
+    "GDN value heads not divisible by key heads": (
+        lambda c: (c.clear(), c.update(hybrid("qwen3_5_text", linear_num_value_heads=3))),
+        "model.config.linear_num_value_heads: 3 is not divisible by linear_num_key_heads (2)"),
+    "conditional generation without text_config": (lambda c: (c.clear(), c.update(model_type="qwen3_5_moe")),
+                                                   "model.config.text_config: required key is missing"),
+    "text key outside text_config": (
+        lambda c: (c.clear(), c.update(model_type="qwen3_5_moe", text_config=hybrid("qwen3_5_moe_text"), vocab_size=9)),
+        "model.config.vocab_size: unknown key for model_type qwen3_5_moe; it belongs in model.config.text_config"),
+    "typo in the nested text_config": (
+        lambda c: (c.clear(), c.update(model_type="qwen3_5_moe", text_config=hybrid("qwen3_5_moe_text", num_expert=8))),
+        "model.config.text_config.num_expert: unknown key for model_type qwen3_5_moe_text; did you mean num_experts?"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_BAD))
+def test_bad_model_config_names_the_key(name):
+    edit, message = MODEL_BAD[name]
+    with pytest.raises(ConfigError) as err:
+        check(model_cfg(edit))
+    assert message in str(err.value)
+    assert len(str(err.value).splitlines()) == 2, "one problem, one line (after the header)"
+
+
+def test_unknown_keys_are_all_named_at_once():
+    with pytest.raises(ConfigError) as err:
+        check(model_cfg(lambda c: (rename("num_experts", "num_expert")(c), c.update(hiden_size=64))))
+    assert "model.config.num_expert:" in str(err.value) and "model.config.hiden_size:" in str(err.value)
+    assert "required key is missing" not in str(err.value)  # the typos say what is missing
+
+
+def test_known_key_this_runtime_ignores_warns():
+    with pytest.warns(UserWarning, match=r"model.config.hidden_act: 'gelu' has no effect; this runtime does not "
+                                         r"read it and trains as transformers' default \('silu'\)"):
+        check(model_cfg(lambda c: c.update(hidden_act="gelu")))
+    with pytest.warns(UserWarning, match="reads model.router_aux_loss_coef instead"):
+        check(model_cfg(lambda c: c.update(router_aux_loss_coef=0.1)))
+
+
+def test_load_config_checks_the_model_config(tmp_path):
+    raw = model_cfg(rename("num_experts", "num_expert"))
+    raw["data"].update(path=str(EXAMPLE.parent / raw["data"]["path"]), tokenizer=str(TOKENIZER))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=rf"invalid config {path}:\n  model.config.num_expert: unknown key"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("files", [[], ["tokenizer_config.json"], ["chat_template.jinja"]])
+def test_empty_or_incomplete_tokenizer_folder(tmp_path, files):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_bytes((TOKENIZER / name).read_bytes())
+    raw = with_(lambda r: r["data"].update(tokenizer=str(folder)))
+    expected = "is empty" if not files else "holds no loadable tokenizer"
+    with pytest.raises(ConfigError, match=rf"data.tokenizer: tokenizer folder {folder} {expected}.*point data.tokenizer"):
+        check(raw)
+
+
+def _checkpoint_folder(tmp_path, hf: dict):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf))
+    return with_(lambda r: r.update(model={"path": str(folder)}))
+
+
+def test_model_path_config_json_is_checked(tmp_path):
+    hf = {**base()["model"]["config"], "num_experts_per_tok": 9}
+    raw = _checkpoint_folder(tmp_path, hf)
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/hf/config.json num_experts_per_tok: top-k \(9\) must be <="):
+        check(raw)
+
+
+def test_model_path_vocab_smaller_than_tokenizer(tmp_path):
+    raw = _checkpoint_folder(tmp_path, {**base()["model"]["config"], "vocab_size": 320})
+    with pytest.raises(ConfigError, match=r"config.json vocab_size: 320 is smaller than the tokenizer's 512 tokens"):
+        check(raw)
+
+
+def test_model_path_config_json_keeps_keys_of_older_transformers(tmp_path):
+    # Published checkpoints carry keys transformers no longer takes (max_window_layers for Qwen3-MoE).
+    raw = _checkpoint_folder(tmp_path, {**base()["model"]["config"], "max_window_layers": 48, "torch_dtype": "bfloat16"})
+    assert check(raw).model.path == str(tmp_path / "hf")
+
+
+def test_model_path_without_config_json(tmp_path):
+    raw = with_(lambda r: r.update(model={"path": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=rf"model.path: {tmp_path} has no config.json"):
+        check(raw)
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_vl"])
+def test_checkpoints_written_by_transformers_validate(tmp_path, kind):
+    """The test fixtures' models, as model.path and pasted into model.config."""
+    write_hf_checkpoint(tmp_path / "hf", kind, vocab_size=520)
+    assert check(with_(lambda r: r.update(model={"path": str(tmp_path / "hf")}))).model.path
+    pasted = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert check(with_(lambda r: r["model"].update(config=pasted))).model.config == pasted
+
+
+@pytest.mark.parametrize("model_config", [
+    {**TINY_MOE, "model_type": "qwen3_moe"}, {**TINY_DENSE, "model_type": "qwen3"}, hybrid("qwen3_next"),
+    hybrid("qwen3_5_text"), hybrid("qwen3_5_moe_text"),
+    {"model_type": "qwen3_5_moe", "text_config": hybrid("qwen3_5_moe_text")}], ids=lambda c: c["model_type"])
+def test_fixture_configs_validate_as_model_config(model_config):
+    # The model config alone: TINY_* have 320 tokens, fewer than the bundled tokenizer's 512.
+    assert model_config_problems(model_config, None, None, "data.tokenizer") == []
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_validates(path):
+    load_config(path)

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.config import LoraConfig
+from runtime.lora import apply_lora, export_peft
 from runtime.models import from_pretrained, save_pretrained
-from runtime.models.hf import CheckpointError, config_from_hf, load_hf_weights, read_hf_config
+from runtime.models.hf import (
+    CheckpointError,
+    config_from_hf,
+    keys_read,
+    load_hf_weights,
+    missing_keys,
+    read_hf_config,
+)
 from runtime.models.qwen import QwenForCausalLM
+from tests.conftest import write_hf_checkpoint
 
 
 def test_sharded_save_loads_in_transformers(tiny_moe_ckpt, tmp_path):
@@ -79,3 +92,60 @@ def test_unsupported_model_type(tmp_path):
 def test_layer_override_ignores_deeper_layers(tiny_moe_ckpt):
     model = from_pretrained(tiny_moe_ckpt, num_layers=1)
     assert len(model.model.layers) == 1
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _modes(folder) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in [folder, *folder.iterdir()]}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_exports_respect_the_umask(tiny_moe_ckpt, tmp_path, mask):
+    """HF and PEFT exports get the modes a plain mkdir / open give, not mkdtemp's 0700 or safetensors' 0600."""
+    model = from_pretrained(tiny_moe_ckpt, expert_backend="eager")
+    with umask(mask):
+        save_pretrained(model, tmp_path / "hf", max_shard_bytes=200_000)  # sharded: several files and an index
+        save_pretrained(model, tmp_path / "hf")  # over an existing export
+        export_peft(apply_lora(model, LoraConfig(enabled=True, rank=2)), tmp_path / "adapter")
+    for folder in (tmp_path / "hf", tmp_path / "adapter"):
+        modes = _modes(folder)
+        assert modes.pop(folder.name) == 0o777 & ~mask, folder
+        assert set(modes.values()) == {0o666 & ~mask}, (folder, {k: oct(v) for k, v in modes.items()})
+
+
+def test_config_from_hf_reads_only_the_keys_it_declares(tmp_path):
+    """keys_read / missing_keys (what runtime.model_config_check relies on) match what config_from_hf reads."""
+    read = []
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            read.append(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            read.append(key)
+            return super().get(key, default)
+
+        def __contains__(self, key):
+            read.append(key)
+            return super().__contains__(key)
+
+    for kind in ("moe", "dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        write_hf_checkpoint(tmp_path / kind, kind)
+        hf = read_hf_config(tmp_path / kind)
+        read.clear()
+        config_from_hf(Recording(hf))
+        assert set(read) <= keys_read(hf["model_type"]), (kind, set(read) - keys_read(hf["model_type"]))
+        assert missing_keys(hf) == []
+        names = {"vocab_size": {"vocab_size"}, "num_experts": {"num_experts", "num_local_experts"},
+                 "layer_types": {"layer_types"}}  # transformers v5 writes num_experts as num_local_experts
+        for key in names.keys() & keys_read(hf["model_type"]):
+            assert missing_keys({k: v for k, v in hf.items() if k not in names[key]}) == [key]
