@@ -19,6 +19,8 @@ multiplies by (1 + w) in fp32 and casts after; RoPE then runs in the input dtype
 "triton" is the fused kernel (forward and backward are `torch.library.triton_op`s, so torch.compile
 traces them without a graph break); it keeps the whole row in fp32 and rounds once at the store.
 "auto" picks triton for CUDA tensors and the reference otherwise.
+The kernels have no dot products (elementwise math and row sums in fp32), so fp32 inputs are computed in
+IEEE fp32 whatever torch's TF32 setting; nothing there to switch.
 """
 
 from __future__ import annotations

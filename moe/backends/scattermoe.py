@@ -31,6 +31,8 @@ grouped product and its product with B joins the base GEMM's accumulator after t
 base K loop runs with its own registers (on one H200 at Qwen3-30B-A3B shapes the fused gate_up took
 1.29 ms against 0.88 + 0.05 split). Only small experts (out*in < 1M, where launches dominate) fuse it
 into the K loop. lora_dropout > 0 in training raises NotImplementedError (use the eager backend for it).
+fp32 operands: every Triton dot runs in IEEE fp32 unless torch allows TF32 for fp32 matmuls
+(moe/kernels/precision.py); torch._grouped_mm is used for bf16 only (cutlass_ok), never for fp32.
 """
 
 from __future__ import annotations

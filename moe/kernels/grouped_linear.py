@@ -24,6 +24,8 @@ Public launchers:
                                                        -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
+Every tl.dot takes its input precision from the DOT_PRECISION constexpr, set per launch by
+precision.dot_precision (fp32: IEEE unless torch allows TF32).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, faster, m_bucket, prune_gemm
 from quant.triton_launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
@@ -107,7 +110,8 @@ def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.conste
 
 @triton.jit
 def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r,
-            LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+            LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
     """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K. Rows are pre-clamped; weight columns
     and rank rows are masked, never clamped: a clamped index hides the contiguity of a transposed weight
     view (the backward's W^T) and its loads lose vectorization and async pipelining."""
@@ -120,13 +124,13 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K,
             k_in = k_K < K - i * BLOCK_K
             x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_in[:, None] & mask_N[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         if LORA_IN_LOOP:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_R[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=k_in[:, None] & mask_R[None, :], other=0.0)
-            acc_r = tl.dot(x, a, acc_r)
+            acc_r = tl.dot(x, a, acc_r, input_precision=DOT_PRECISION)
             a_ptrs += step_a
         in_ptrs += step_in
         w_ptrs += step_w
@@ -179,7 +183,7 @@ def _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, gu_ptr, s_gu_m,
 
 @triton.jit
 def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += in[row0:row0+BLOCK_M] @ W_e^T[:, n0:n0+BLOCK_N] with both tiles by TMA (out-of-range rows,
     columns and K are zero-filled). W_T: w_desc is over [E, K, N] (a transposed weight view)."""
     for k0 in range(0, K, BLOCK_K):
@@ -188,14 +192,14 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
             w = w_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
         else:
             w = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-        acc = tl.dot(x, w, acc)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     return acc
 
 
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD", "TMA"],
+                                            "GLU_FWD", "TMA", "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
 def _grouped_linear_kernel(
@@ -206,14 +210,16 @@ def _grouped_linear_kernel(
         GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr, GLU_FWD: tl.constexpr,
         TMA: tl.constexpr, W_T: tl.constexpr, BLOCK_E: tl.constexpr,
         BLOCK_R: tl.constexpr, PERSISTENT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr = "tf32"):
     """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
     in the K loop (LORA_IN_LOOP, ia written) or read from ia. TMA: expert-sorted input
     rows and the weight tiles by tensor descriptors (W_T: the weight is a transposed view, its
     descriptor is over the [E, K, N] tensor underneath). PERSISTENT: one program per SM walks the
     tiles (row block major, so the programs running together share input rows and expert weights).
     K is a constexpr (a model has a few reduction sizes) so that the unmasked K loop is chosen at
-    compile time, not by a per-launch heuristic."""
+    compile time, not by a per-launch heuristic. DOT_PRECISION: every tl.dot's input_precision
+    (precision.dot_precision: IEEE for fp32 unless torch allows TF32)."""
     if GLU_FWD:
         num_n = tl.cdiv(N, BLOCK_N // 2)
     else:
@@ -268,18 +274,19 @@ def _grouped_linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if TMA:
-            acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K)
+            acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K,
+                              DOT_PRECISION)
         else:
             acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
                                  BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
-                                 BLOCK_K)
+                                 BLOCK_K, DOT_PRECISION)
         if LORA_IN_LOOP:
             ia = acc_r.to(ia_ptr.dtype.element_ty)
             if pid_n == 0:  # every column block computed the same ia: one writes it
                 tl.store(ia_ptrs, ia, mask=mask_M[:, None] & mask_R[None, :])
             b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
         if HAS_LORA:
-            acc = tl.dot(ia, b, acc)
+            acc = tl.dot(ia, b, acc, input_precision=DOT_PRECISION)
         if GLU_FWD:
             _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, out_ptr, s_out_m, aux_ptr, s_aux_m,
                                      rw_ptr, BLOCK_M, BLOCK_N)
@@ -316,7 +323,7 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
         lora.scaling if lora is not None else 0.0, S, E, N, R, m_bucket(S)), {
         "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora_in_loop,
         "GLU_FWD": glu_fwd, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
-        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R)})
+        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DOT_PRECISION": dot_precision(in_.dtype)})
 
 
 def _tma_ok(in_SK: torch.Tensor, w_ENK: torch.Tensor) -> bool:
@@ -433,7 +440,8 @@ def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> 
 def _swiglu_backward_kernel(g_ptr, s_g_m, gu_ptr, s_gu_m, dgu_ptr, s_dgu_m, gub_ptr, s_gub_e, s_gub_n, s_gub_r,
                             dgub_ptr, s_dgub_m, order_ptr, offsets_ptr, rw_ptr, dw_ptr, S, E, N, R,
                             HAS_GU_B: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr = "tf32"):
     """One expert-sorted row block, all N columns: g -> d(gate, up), the routing weight gradient <g, h>
     of each row (whole, so it is stored straight to its slot) and, for the gate_up LoRA,
     d gate_up @ B_gu_e [BLOCK_M, r]. Programs without an expert zero the -1 slots' dw."""
@@ -473,8 +481,9 @@ def _swiglu_backward_kernel(g_ptr, s_g_m, gu_ptr, s_gu_m, dgu_ptr, s_dgu_m, gub_
         if HAS_GU_B:
             b_NR = gub_ptr + e64 * s_gub_e + n_N[:, None] * s_gub_n + r_R[None, :] * s_gub_r
             mask_NR = mask_N[:, None] & mask_R[None, :]
-            dgub = tl.dot(d_gate, tl.load(b_NR, mask=mask_NR, other=0.0), dgub)
-            dgub = tl.dot(d_up, tl.load(b_NR + N * s_gub_n, mask=mask_NR, other=0.0), dgub)
+            dgub = tl.dot(d_gate, tl.load(b_NR, mask=mask_NR, other=0.0), dgub, input_precision=DOT_PRECISION)
+            dgub = tl.dot(d_up, tl.load(b_NR + N * s_gub_n, mask=mask_NR, other=0.0), dgub,
+                          input_precision=DOT_PRECISION)
     tl.store(dw_ptr + slot_M, dw_M, mask=mask_M)
     if HAS_GU_B:
         tl.store(dgub_ptr + row_M * s_dgub_m + r_R[None, :], dgub.to(dtype), mask=mask_M[:, None] & mask_R[None, :])
@@ -500,6 +509,7 @@ def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, gu_S2I: torch.Tensor, 
         g_SI, g_SI.stride(0), gu_S2I, gu_S2I.stride(0), dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir,
         *_strides(gu_B_E2Ir, 3), dgub_Sr, _strides(dgub_Sr, 2)[0], slots.order_S, slots.offsets_E1,
         weights_Mk.reshape(-1), dw_S, S, E, I, R), {
-        "HAS_GU_B": gu_B_E2Ir is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "BLOCK_M": block_m,
-        "BLOCK_N": block_n, "num_warps": warps})
+        "HAS_GU_B": gu_B_E2Ir is not None, "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R),
+        "DOT_PRECISION": dot_precision(g_SI.dtype), "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "num_warps": warps})
     return dgu_S2I, dgub_Sr, dw_S.view(weights_Mk.shape)

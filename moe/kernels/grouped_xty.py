@@ -19,7 +19,8 @@ small token counts). Each problem is the form above with L_Sr rank-sized and exp
 routing weight; every program owns one [BLOCK_P >= r, BLOCK_Q] tile of one problem and one expert (the
 grid's first axis runs over the problems' column tiles back to back). A transposed problem writes
 through swapped strides into a contiguous [E, Q, r] tensor, a LoRA B's [out, r] layout, without a copy.
-All operands share one dtype; outputs take it, accumulation is fp32.
+All operands share one dtype; outputs take it, accumulation is fp32; the dots' input precision is
+precision.dot_precision's (fp32: IEEE unless torch allows TF32).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import (
     FACTOR_GRAD_CONFIGS,
@@ -43,13 +45,15 @@ from moe.kernels.tuning import (
 from quant.triton_launch import cdiv, launch, next_power_of_2
 
 
-@triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L"],
+@triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L",
+                                          "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": prune_xty}, do_bench=bench)
 @triton.jit
 def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, offsets_ptr, rw_ptr, TOPK,
                         out_ptr, s_o_e, s_o_p, s_o_q, scaling, P, Q, M_BUCKET,
                         GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, SCALE_L: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr = "tf32"):
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -81,7 +85,7 @@ def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, off
             lt = (lt * tl.load(rw_ptr + slot_K).to(tl.float32)[:, None]).to(l_ptr.dtype.element_ty)
         rt = tl.load(r_ptr + rows_r[:, None] * s_r_m + j_Q[None, :] * s_r_c,
                      mask=mask_K[:, None] & mask_Q[None, :], other=0.0)
-        acc = tl.dot(tl.trans(lt), rt, acc)
+        acc = tl.dot(tl.trans(lt), rt, acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + e.to(tl.int64) * s_o_e + i_P[:, None] * s_o_p + j_Q[None, :] * s_o_q
     tl.store(out_ptrs, (acc * scaling).to(out_ptr.dtype.element_ty), mask=mask_P[:, None] & mask_Q[None, :])
 
@@ -99,7 +103,8 @@ def grouped_xty(L: torch.Tensor, R: torch.Tensor, slots: SlotOrder, *, gather_l:
     launch(_grouped_xty_kernel, grid, (
         L, L.stride(0), L.stride(1), R, R.stride(0), R.stride(1), slots.order_S, slots.offsets_E1, rw_S,
         slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.num_slots)),
-        {"GATHER_L": gather_l, "GATHER_R": gather_r, "SCALE_L": rw_S is not None})
+        {"GATHER_L": gather_l, "GATHER_R": gather_r, "SCALE_L": rw_S is not None,
+         "DOT_PRECISION": dot_precision(L.dtype)})
     return out_EPQ
 
 
@@ -121,13 +126,13 @@ class FactorGrad(NamedTuple):
 
 _MAX_PROBLEMS = 4
 _FACTOR_KEY = ["M_BUCKET", "Q0", "Q1", "Q2", "Q3", "NUM", "GATHER_0", "GATHER_1", "GATHER_2", "GATHER_3",
-               "BLOCK_P"]
+               "BLOCK_P", "DOT_PRECISION"]
 
 
 @triton.jit
 def _factor_tile(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, out_ptr, s_o_e, s_o_p, s_o_q, P, Q, tile, e,
-                 rows_ptr, row0, row_end, scaling, GATHER_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+                 rows_ptr, row0, row_end, scaling, GATHER_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[e, :, tile's columns] = scaling * sum over the positions [row0, row_end) of L[p]^T R[row(p)];
     nothing unless 0 <= tile < cdiv(Q, BLOCK_Q) (else the program's tile belongs to another problem)."""
     if (tile >= 0) & (tile < tl.cdiv(Q, BLOCK_Q)):
@@ -149,7 +154,7 @@ def _factor_tile(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, out_ptr, s_o_e, s_o_p
                          mask=mask_K[:, None] & mask_P[None, :], other=0.0)
             rt = tl.load(r_ptr + rows_K[:, None] * s_r_m + j_Q[None, :] * s_r_c,
                          mask=mask_K[:, None] & mask_Q[None, :], other=0.0)
-            acc = tl.dot(tl.trans(lt), rt, acc)
+            acc = tl.dot(tl.trans(lt), rt, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + e.to(tl.int64) * s_o_e + i_P[:, None] * s_o_p + j_Q[None, :] * s_o_q
         tl.store(out_ptrs, (acc * scaling).to(out_ptr.dtype.element_ty),
                  mask=mask_P[:, None] & mask_Q[None, :])
@@ -169,7 +174,7 @@ def _factor_grads_kernel(l0_ptr, s_l0_m, s_l0_c, r0_ptr, s_r0_m, s_r0_c,
                          rows_ptr, offsets_ptr, scaling, M_BUCKET, NUM: tl.constexpr,
                          GATHER_0: tl.constexpr, GATHER_1: tl.constexpr, GATHER_2: tl.constexpr,
                          GATHER_3: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr = "tf32"):
     """Problem i (i < NUM) owns the column tiles [start_i, start_i + cdiv(Q_i, BLOCK_Q)) of axis 0."""
     t = tl.program_id(0)
     e = tl.program_id(1)
@@ -179,17 +184,20 @@ def _factor_grads_kernel(l0_ptr, s_l0_m, s_l0_c, r0_ptr, s_r0_m, s_r0_c,
     start2 = start1 + tl.cdiv(Q1, BLOCK_Q)
     start3 = start2 + tl.cdiv(Q2, BLOCK_Q)
     _factor_tile(l0_ptr, s_l0_m, s_l0_c, r0_ptr, s_r0_m, s_r0_c, out0_ptr, s_o0_e, s_o0_p, s_o0_q, P0, Q0,
-                 t, e, rows_ptr, row0, row_end, scaling, GATHER_0, BLOCK_P, BLOCK_Q, BLOCK_K)
+                 t, e, rows_ptr, row0, row_end, scaling, GATHER_0, DOT_PRECISION, BLOCK_P, BLOCK_Q, BLOCK_K)
     # Absent problems have null pointers: their calls must not be traced at all.
     if NUM > 1:
         _factor_tile(l1_ptr, s_l1_m, s_l1_c, r1_ptr, s_r1_m, s_r1_c, out1_ptr, s_o1_e, s_o1_p, s_o1_q, P1, Q1,
-                     t - start1, e, rows_ptr, row0, row_end, scaling, GATHER_1, BLOCK_P, BLOCK_Q, BLOCK_K)
+                     t - start1, e, rows_ptr, row0, row_end, scaling, GATHER_1, DOT_PRECISION, BLOCK_P,
+                     BLOCK_Q, BLOCK_K)
     if NUM > 2:
         _factor_tile(l2_ptr, s_l2_m, s_l2_c, r2_ptr, s_r2_m, s_r2_c, out2_ptr, s_o2_e, s_o2_p, s_o2_q, P2, Q2,
-                     t - start2, e, rows_ptr, row0, row_end, scaling, GATHER_2, BLOCK_P, BLOCK_Q, BLOCK_K)
+                     t - start2, e, rows_ptr, row0, row_end, scaling, GATHER_2, DOT_PRECISION, BLOCK_P,
+                     BLOCK_Q, BLOCK_K)
     if NUM > 3:
         _factor_tile(l3_ptr, s_l3_m, s_l3_c, r3_ptr, s_r3_m, s_r3_c, out3_ptr, s_o3_e, s_o3_p, s_o3_q, P3, Q3,
-                     t - start3, e, rows_ptr, row0, row_end, scaling, GATHER_3, BLOCK_P, BLOCK_Q, BLOCK_K)
+                     t - start3, e, rows_ptr, row0, row_end, scaling, GATHER_3, DOT_PRECISION, BLOCK_P,
+                     BLOCK_Q, BLOCK_K)
 
 
 _ABSENT_ARGS = (None, 0, 0, None, 0, 0, None, 0, 0, 0, 0, 0)
@@ -240,4 +248,5 @@ def _launch_factor_grads(present: list[FactorGrad], outs_ErQ: list[torch.Tensor]
 
     launch(_factor_grads_kernel, grid, (
         *args, slots.rows_S, slots.offsets_E1, scaling, m_bucket(slots.num_slots)),
-        {"NUM": len(present), **{f"GATHER_{i}": g for i, g in enumerate(gathers)}, "BLOCK_P": block_p})
+        {"NUM": len(present), **{f"GATHER_{i}": g for i, g in enumerate(gathers)}, "BLOCK_P": block_p,
+         "DOT_PRECISION": dot_precision(present[0].L_Sr.dtype)})

@@ -7,7 +7,8 @@ Contract:
     prune_gemm / prune_xty / prune_factor_grads
                                  `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
-                                 exceed a per-thread register budget
+                                 exceed a per-thread register budget; IEEE fp32 dots (FMA, no tensor
+                                 cores) get the smallest remaining tile alone
     m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
                                  token count re-tunes only when it crosses a power of two
     bench                        a shorter do_bench for the autotuner (the kernels run for ~0.1-2 ms)
@@ -109,7 +110,20 @@ def _fits(c: triton.Config, stage_elems: int, elem_bytes: int, acc_fp32: int, ac
     return smem_ok and acc_fp32 <= acc_budget * 32 * c.num_warps
 
 
-def _dedupe_or_smallest(kept: dict, configs: list[triton.Config]) -> list[triton.Config]:
+def _tile_size(c: triton.Config) -> tuple[int, int]:
+    blocks = 1
+    for name, value in c.kwargs.items():
+        if name.startswith("BLOCK_"):
+            blocks *= value
+    return blocks, c.num_stages
+
+
+def _dedupe_or_smallest(kept: dict, configs: list[triton.Config], args: dict) -> list[triton.Config]:
+    """The kept configs (or the smallest of all when none fits). IEEE fp32 dots run on the FMA units,
+    not the tensor cores: there only the smallest kept tile, since each FMA variant compiles slowly
+    (the dot is unrolled per thread) and fp32 runs are for exact parity, not speed."""
+    if args.get("DOT_PRECISION") == "ieee":
+        return [min(list(kept.values()) or configs, key=_tile_size)]
     if kept:
         return list(kept.values())
     return [min(configs, key=lambda c: c.num_stages * sum(c.kwargs.values()))]
@@ -134,7 +148,7 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
             persistent = c.kwargs["PERSISTENT"]
             kept[(bm, bn, bk, c.num_warps, c.num_stages, persistent)] = _gemm_config(
                 bm, bn, bk, c.num_warps, c.num_stages, persistent)
-    return _dedupe_or_smallest(kept, configs)
+    return _dedupe_or_smallest(kept, configs, args)
 
 
 def prune_xty(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -148,7 +162,7 @@ def prune_xty(configs: list[triton.Config], named_args: dict, **kwargs) -> list[
         if _fits(c, bk * (bp + bq), args["l_ptr"].element_size(), bp * bq, _ACC_REGS, device):
             kept[(bp, bq, bk, c.num_warps, c.num_stages)] = _config(bp, bq, bk, c.num_warps, c.num_stages,
                                                                     _XTY_NAMES)
-    return _dedupe_or_smallest(kept, configs)
+    return _dedupe_or_smallest(kept, configs, args)
 
 
 def prune_factor_grads(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -161,7 +175,7 @@ def prune_factor_grads(configs: list[triton.Config], named_args: dict, **kwargs)
         bk = c.kwargs["BLOCK_K"]
         if _fits(c, bk * (bp + bq), args["l0_ptr"].element_size(), bp * bq, _ACC_REGS, device):
             kept[(bq, bk, c.num_warps, c.num_stages)] = _factor_config(bq, bk, c.num_warps, c.num_stages)
-    return _dedupe_or_smallest(kept, configs)
+    return _dedupe_or_smallest(kept, configs, args)
 
 
 def bench(kernel_call, quantiles):
