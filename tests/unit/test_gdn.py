@@ -18,6 +18,7 @@ Tolerances (norm-relative): forward <= 1e-5, gradients <= 1e-4.
 
 from __future__ import annotations
 
+import copy
 import sys
 from types import SimpleNamespace
 from itertools import pairwise
@@ -275,19 +276,41 @@ def test_fp32_decay_grads_match_recurrence_at_initial_decays():
     2e-5..2e-4 here)."""
     torch.manual_seed(1)
     layer = GatedDeltaNet(**TINY, layout="qwen3_5")
+    initial_decays_(layer)
+    x = torch.randn(2, 150, TINY["hidden"])
+    meta = AttnMeta(cu_seqlens=torch.tensor(CU_SEQLENS, dtype=torch.int32), max_seqlen=85)
+    ours, *ours_grads = decay_grads(layer, x, meta)
+    ref, *ref_grads = decay_grads(with_recurrence(layer), x, meta)
+    assert_close(ours, ref, FWD_TOL, "y")
+    for name, a, b in zip(DECAY_PARAMS, ours_grads, ref_grads):
+        assert_close(a, b, 1e-5, name)
+
+
+DECAY_PARAMS = ("dt_bias", "A_log", "in_proj_a.weight")
+
+
+def initial_decays_(layer: GatedDeltaNet) -> None:
+    """perturb_, then HF-initial decays (A = 1, 4, 10, 16 per value head, dt_bias = 1) and a token-dependent
+    a (in_proj_a x10); the layer must have 4 value heads (qwen3_5 layout)."""
     perturb_(layer)
     with torch.no_grad():
         layer.A_log.copy_(torch.tensor([1.0, 4.0, 10.0, 16.0]).log())
         layer.dt_bias.fill_(1.0)
         layer.in_proj_a.weight.mul_(10.0)
-    x = torch.randn(2, 150, TINY["hidden"])
-    meta = AttnMeta(cu_seqlens=torch.tensor(CU_SEQLENS, dtype=torch.int32), max_seqlen=85)
-    names = ["dt_bias", "A_log", "in_proj_a.weight"]
-    params = [dict(layer.named_parameters())[n] for n in names]
-    ours, ours_grads = outputs_and_grads(lambda *_: layer(x, meta), params)
-    layer.ops = SimpleNamespace(prepare_docs=prepare_docs, causal_conv1d_silu=causal_conv1d_silu,
-                                chunk_gated_delta_rule=recurrent_delta_rule_fp64)
-    ref, ref_grads = outputs_and_grads(lambda *_: layer(x, meta), params)
-    assert_close(ours, ref, FWD_TOL, "y")
-    for name, a, b in zip(names, ours_grads, ref_grads):
-        assert_close(a, b, 1e-5, name)
+
+
+def with_recurrence(layer: GatedDeltaNet) -> GatedDeltaNet:
+    """The same layer (shared parameters) with the delta rule replaced by the fp64 token-by-token
+    recurrence and the torch op set's conv and document masks."""
+    ref = copy.copy(layer)
+    ref.ops = SimpleNamespace(prepare_docs=prepare_docs, causal_conv1d_silu=causal_conv1d_silu,
+                              chunk_gated_delta_rule=recurrent_delta_rule_fp64)
+    return ref
+
+
+def decay_grads(layer: GatedDeltaNet, x_BSH: torch.Tensor, meta) -> tuple[torch.Tensor, ...]:
+    """(y, grads of DECAY_PARAMS) after one backward of <y, fixed random dy>."""
+    params = [dict(layer.named_parameters())[n] for n in DECAY_PARAMS]
+    y = layer(x_BSH, meta)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device)
+    return (y, *torch.autograd.grad(y, params, dy))
