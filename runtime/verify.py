@@ -14,8 +14,6 @@ scattermoe alike reached 5.4e-2 / 6.1e-2 on an expert weight at step 3; docs/val
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import tempfile
 
@@ -99,37 +97,41 @@ def compare(dist_steps: list[dict], ref_steps: list[dict], dtype: str) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.dist import init_distributed
-    from runtime.launch import prepare, report_failure, setup_logging
+    """The CLI; failures end as in runtime.launch (one line from rank 0, --debug for the traceback)."""
+    from runtime.launch import RunContext, guarded_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argparse.ArgumentParser(add_help=False)
+    # Nothing to resume: verification writes no checkpoint.
+    return guarded_main(lambda _context: verify(argv), RunContext(argv, module="runtime.verify", resumable=False))
+
+
+def verify(argv: list[str]) -> int:
+    """Runs the comparison; 0 when every step is within tolerance, else 1."""
+    from runtime.dist import init_distributed
+    from runtime.launch import CliParser, prepare
+
+    extra = CliParser(prog="python -m runtime.verify", add_help=False)
     extra.add_argument("--steps", type=int, default=3)
     known, rest = extra.parse_known_args(argv)
     _, cfg, dims = prepare(rest)
     env = init_distributed()
-    setup_logging(env.rank)
-    try:
-        meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None
-        with tempfile.TemporaryDirectory() as out:
-            dist_steps = record_run(_verification_config(cfg, known.steps, out), env, dims, meshes)
-        ok = True
-        if env.is_main:
-            ref_steps = reference_run(cfg, dims, known.steps, env.device)
-            dtype = "bfloat16" if env.device.type == "cuda" else "float32"
-            ok, lines = compare(dist_steps, ref_steps, dtype)
-            print(f"verify: {dims} vs one process, {known.steps} steps, {dtype}, tolerances {TOLERANCES[dtype]}")
-            print("\n".join(lines))
-            print("PASS" if ok else "FAIL")
-        if env.world_size > 1:
-            flag = torch.tensor([int(ok)], device=env.device)
-            dist.broadcast(flag, 0)
-            ok = bool(flag.item())
-            dist.destroy_process_group()
-        return 0 if ok else 1
-    except Exception as err:
-        report_failure(err, env.rank)
-        os._exit(1)  # as runtime.launch: no teardown that a peer stuck in a collective could hang
+    meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None
+    with tempfile.TemporaryDirectory() as out:
+        dist_steps = record_run(_verification_config(cfg, known.steps, out), env, dims, meshes)
+    ok = True
+    if env.is_main:
+        ref_steps = reference_run(cfg, dims, known.steps, env.device)
+        dtype = "bfloat16" if env.device.type == "cuda" else "float32"
+        ok, lines = compare(dist_steps, ref_steps, dtype)
+        print(f"verify: {dims} vs one process, {known.steps} steps, {dtype}, tolerances {TOLERANCES[dtype]}")
+        print("\n".join(lines))
+        print("PASS" if ok else "FAIL")
+    if env.world_size > 1:
+        flag = torch.tensor([int(ok)], device=env.device)
+        dist.broadcast(flag, 0)
+        ok = bool(flag.item())
+        dist.destroy_process_group()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,291 @@
+"""How a run ends when it fails, as a user sees it (runtime.launch's guarded_main, runtime.preflight).
+
+Subprocesses on real files: every user error ends in exactly one `error:` line from rank 0, no traceback
+unless --debug, exit 1; Ctrl-C says where to resume; a corrupted DCP checkpoint names the checkpoint; a
+bug keeps its traceback under one summary line; under torchrun the line is printed once. In process (fast):
+describe() on errors hard to cause for real (a full disk), the PeerBoard protocol on a shared store,
+the preflight checks and the checkpoint-size estimate.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from runtime import preflight as preflight_mod
+from runtime.config import load_config
+from runtime.launch import (
+    EXIT_INTERNAL_ERROR,
+    Failure,
+    PeerBoard,
+    RunContext,
+    debug_requested,
+    describe,
+    report_as_peer,
+    report_as_rank0,
+)
+from runtime.preflight import PreflightError, estimate_checkpoints, preflight
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+# Two steps, no warmup (warmup must be < max_steps), no progress bar in captured output.
+FAST = ["--max-steps", "2", "--set", "optim.warmup_steps=0", "--set", "logging.progress_bar=false"]
+ERROR_LINE = re.compile(r"^(\[ranks? [\d,.]+\] )?error: ")
+
+
+def launch(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime.launch", str(EXAMPLE), *FAST, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
+
+
+def assert_one_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit 1, exactly one `error:` line holding every fragment, no traceback; returns the line."""
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# --- output dir: preflight, before any model or data work -----------------------------------------------
+
+def test_output_dir_under_a_file_fails_before_step_1(tmp_path):
+    """Works as root too: no permission bit stops root, a file in the path does."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = launch("--output-dir", str(blocker / "run"))
+    assert_one_clean_error(proc, "train.output_dir cannot be created", str(blocker / "run"), "Not a directory",
+                           "set train.output_dir")
+    assert "packed rows" not in proc.stderr  # failed before loading data
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
+def test_read_only_output_dir(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        proc = launch("--output-dir", str(parent / "run"))
+    finally:
+        parent.chmod(0o700)
+    assert_one_clean_error(proc, "train.output_dir cannot be created", "Permission denied")
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = launch("--output-dir", str(blocker / "run"), "--debug")
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "PreflightError" in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: train.output_dir cannot be created")
+
+
+def test_debug_env_var():
+    assert debug_requested([], {"RUNTIME_DEBUG": "1"})
+    assert debug_requested(["cfg.yaml", "--debug"], {})
+    assert not debug_requested(["cfg.yaml"], {"RUNTIME_DEBUG": "0"})
+    assert not debug_requested(["cfg.yaml"], {})
+
+
+# --- an interrupted run, then its newest checkpoint corrupted ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output dir)."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
+    log = out.parent / "stderr.txt"
+    cmd = [sys.executable, "-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(out), "--max-steps", "500",
+           "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false"]
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "step_00000002").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    return proc, log.read_text(), out
+
+
+def test_sigint_says_where_to_resume(interrupted_run):
+    proc, stderr, out = interrupted_run
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert "Traceback" not in stderr and not error_lines(stderr), stderr
+    hints = [line for line in stderr.splitlines() if line.startswith("interrupted")]
+    assert len(hints) == 1, stderr
+    m = re.fullmatch(r"interrupted at step (\d+) \(SIGINT\); the last checkpoint is (\S+); continue with: (.+)", hints[0])
+    assert m, hints[0]
+    newest = max((out / "checkpoints").glob("step_*"))
+    assert m[2] == str(newest) and int(m[1]) >= int(newest.name.removeprefix("step_"))
+    assert m[3].startswith("python -m runtime.launch ") and m[3].endswith(f"--output-dir {out} --max-steps 500 "
+                                                                            "--set checkpoint.every_n_steps=1 "
+                                                                            "--set logging.progress_bar=false --resume")
+
+
+def test_corrupted_checkpoint_is_one_error_line(interrupted_run):
+    """The interrupt's own hint, run as printed, after a shard of the newest checkpoint was truncated."""
+    _, stderr, out = interrupted_run
+    command = re.search(r"continue with: (.+)", stderr)[1]
+    checkpoints = sorted((out / "checkpoints").glob("step_*"))
+    newest, older = checkpoints[-1], checkpoints[-2]
+    shard = next(newest.glob("*.distcp"))
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size // 3)
+    argv = shlex.split(command)
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert_one_clean_error(proc, f"checkpoint {newest} is unreadable (", f"to resume from {older.name}")
+
+
+# --- a bug ------------------------------------------------------------------------------------------------
+
+def test_internal_error_keeps_its_traceback(tmp_path):
+    script = ("import runtime.train\n"
+              "def broken(*args, **kwargs):\n"
+              "    raise RuntimeError('boom')\n"
+              "runtime.train.train = broken\n"
+              "from runtime.launch import main\n"
+              f"main({[str(EXAMPLE), *FAST, '--output-dir', str(tmp_path / 'run')]!r})\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == EXIT_INTERNAL_ERROR, proc.stderr
+    assert "Traceback" in proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert error_lines(proc.stderr) == [last]
+    assert re.fullmatch(r"error: internal error \(RuntimeError: boom, at <string>:3\); this is a bug: .*", last), last
+
+
+# --- torchrun: printed once ----------------------------------------------------------------------------------
+
+def test_torchrun_two_ranks_print_the_error_once(tmp_path):
+    """Both ranks raise the same DataError after the process group exists; rank 0 prints it, rank 1 learns
+    so through the PeerBoard and stays silent. (torchrun's agent prints its own ChildFailedError report.)"""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "runtime.launch", str(EXAMPLE),
+                           *FAST, "--set", f"data.path={empty}", "--output-dir", str(tmp_path / "run")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode != 0
+    expected = (f"error: {empty}: no usable records (0 skipped as bad); check data.path, data.kind and "
+                "data.text_field / data.messages_field")
+    assert error_lines(proc.stderr) == [expected], proc.stderr
+    assert str(ROOT / "runtime") not in proc.stderr, proc.stderr  # no worker traceback
+
+
+# --- describe(): errors that are hard to cause for real --------------------------------------------------------
+
+def test_full_disk_and_permission_errors_are_one_line(tmp_path):
+    context = RunContext(["cfg.yaml"], output_dir=str(tmp_path))
+    full = describe(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "checkpoints" / "x")), context)
+    assert (full.kind, full.exit_code) == ("user", 1)
+    assert full.line.startswith(f"error: no space left on device ({tmp_path / 'checkpoints' / 'x'}); free space")
+    assert "train.output_dir" in full.line
+    denied = describe(PermissionError(errno.EACCES, "Permission denied", "/data/train.jsonl"), context)
+    assert denied.line == "error: permission denied (/data/train.jsonl); give this user access to it"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_exception_is_unwrapped(tmp_path):
+    """A real CheckpointException (a BaseException) from torch.distributed.checkpoint reading a torn shard."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "checkpoints" / "step_00000003"
+    dcp.save({"w": torch.ones(1000)}, checkpoint_id=str(folder))
+    (tmp_path / "checkpoints" / "step_00000002").mkdir()
+    for shard in folder.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(1000)}, checkpoint_id=str(folder))
+    failure = describe(info.value, RunContext([]))
+    assert type(info.value).__name__ == "CheckpointException"
+    assert failure.kind == "user"
+    assert failure.line.startswith(f"error: checkpoint {folder} is unreadable (")
+    assert failure.line.endswith(f"); delete it (or move it out of {folder.parent}) to resume from step_00000002")
+
+
+# --- PeerBoard: who prints what ----------------------------------------------------------------------------------
+
+def _boards(world: int) -> list[PeerBoard]:
+    store = dist.HashStore()
+    boards = [PeerBoard(store, rank, world) for rank in range(world)]
+    for b in boards:
+        b.GATHER_S, b.VERDICT_S = 0.2, 0.2
+    return boards
+
+
+def test_error_every_rank_raises_is_printed_once(capsys):
+    boards = _boards(3)
+    same = Failure("user", "error: bad data (x.jsonl); fix it")
+    boards[1].post(same)
+    boards[2].post(same)
+    report_as_rank0(same, boards[0], debug=False)
+    report_as_peer(same, boards[1], debug=False, rank=1)
+    report_as_peer(same, boards[2], debug=False, rank=2)
+    assert capsys.readouterr().err == "error: bad data (x.jsonl); fix it\n"
+
+
+def test_error_of_one_rank_only(capsys):
+    boards = _boards(2)
+    own = Failure("user", "error: cannot read shard (s.safetensors); fix it")
+    report_as_peer(own, boards[1], debug=False, rank=1)  # rank 0 is busy in a collective: no verdict comes
+    assert capsys.readouterr().err == "[rank 1] error: cannot read shard (s.safetensors); fix it\n"
+    # rank 0 then fails on the broken collective: an echo of rank 1's error, already printed
+    report_as_rank0(Failure("internal", "error: internal error (RuntimeError: connection closed)", "Traceback..."),
+                    boards[0], debug=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_rank0_prints_a_different_peer_error_for_it(capsys):
+    boards = _boards(2)
+    boards[1].post(Failure("user", "error: other (b); fix b"))
+    report_as_rank0(Failure("user", "error: mine (a); fix a"), boards[0], debug=False)
+    report_as_peer(Failure("user", "error: other (b); fix b"), boards[1], debug=False, rank=1)
+    assert capsys.readouterr().err == "error: mine (a); fix a\n[rank 1] error: other (b); fix b\n"
+
+
+# --- preflight ---------------------------------------------------------------------------------------------------
+
+def test_preflight_names_missing_inputs(tmp_path):
+    cfg = load_config(EXAMPLE, {"train.output_dir": str(tmp_path / "run"), "data.path": str(tmp_path / "nope.jsonl")})
+    with pytest.raises(PreflightError, match=r"^data.path does not exist \(.*nope.jsonl\); set it to "):
+        preflight(cfg, rank=0)
+    cfg = load_config(EXAMPLE, {"train.output_dir": str(tmp_path / "run"), "data.tokenizer": str(tmp_path / "tok")})
+    with pytest.raises(PreflightError, match=r"^data.tokenizer does not exist"):
+        preflight(cfg, rank=0)
+
+
+def test_preflight_leaves_writable_dirs_clean(tmp_path):
+    cfg = load_config(EXAMPLE, {"train.output_dir": str(tmp_path / "run")})
+    preflight(cfg, rank=0)
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == ["checkpoints"]
+
+
+def test_checkpoint_estimate_and_disk_warning(tmp_path, monkeypatch, caplog):
+    full = load_config(EXAMPLE, {"train.output_dir": str(tmp_path)})
+    lora = load_config(EXAMPLE, {"train.output_dir": str(tmp_path), "lora.enabled": True})
+    n_full, n_lora = estimate_checkpoints(full), estimate_checkpoints(lora)
+    assert n_full.bytes_each == 190_848 * 4 * 3 and n_full.copies == 2  # every 20 of 40 steps: 20, then 40
+    assert 0 < n_lora.bytes_each < n_full.bytes_each
+    monkeypatch.setattr(preflight_mod.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000))
+    preflight(full, rank=0)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"low disk space for checkpoints ({tmp_path / 'checkpoints'}: 0.0 MiB free, ~4.4 MiB "
+                              "needed for 2 checkpoint(s) of ~2.2 MiB: 190,848 parameters x 4 B x 3")
