@@ -65,10 +65,21 @@ def init_distributed(timeout_s: int = 600) -> DistEnv:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s + collective_grace(timeout_s)),
                                 device_id=device if device.type == "cuda" else None)
         _timeout_s = float(timeout_s)
-        # env:// (the default init above) rendezvoused on this store, so both are set.
-        _watchdog = Watchdog(rank, world, timeout_s, os.environ["MASTER_ADDR"],
-                             int(os.environ["MASTER_PORT"])).start()
+        if _watchdog is None:  # one per process: a second would beat under the same key
+            # env:// (the default init above) rendezvoused on this store, so both are set.
+            _watchdog = Watchdog(rank, world, timeout_s, os.environ["MASTER_ADDR"],
+                                 int(os.environ["MASTER_PORT"])).start()
     return DistEnv(rank, world, local_rank, device)
+
+
+def defer_to_watchdog(wait_s: float = 1.0) -> None:
+    """For a failure handler, before it reports anything: when the watchdog of some rank has already
+    named a stalled rank, the error being handled is that stall's echo (a collective broken by the
+    exit of the rank that found it), and this process ends inside this call with the watchdog's exit
+    code, quietly (rank 0 repeats the line). Otherwise it returns within wait_s (a store round takes
+    milliseconds) and the error is this process's to report. A no-op without a watchdog."""
+    if _watchdog is not None:
+        _watchdog.check_now(wait_s)
 
 
 def collective_error_message(err: BaseException) -> str | None:

@@ -8,11 +8,14 @@ Contract
       to death, host gone): the rank watching it prints ONE line to stderr,
           error: rank R (host H, pid P) stopped responding for T s (parallelism.collective_timeout_s=N);
           every rank stops now. <what to check>
-      posts it to the store, and exits with EXIT_CODE; the other ranks read it there and exit too
-      (quietly, except rank 0, which repeats the line for the log users read). Every rank that is
-      still running has exited within timeout_s + 3 * interval_s of the stall.
-    - The store itself silent or failing for `timeout_s` (its host, torchrun's agent on the first
-      node, is gone or frozen): each rank prints one line naming the store and exits with EXIT_CODE.
+      posts it to the store, and exits with EXIT_CODE; the other ranks read it there and exit too,
+      quietly (rank 0 repeats the line when the rank that found the stall is on another host, whose
+      log may not be the one users read). Every rank still running has exited within
+      timeout_s + 3 * interval_s of the stall.
+    - The store itself failing (its process, torchrun's agent on the first node, has ended: at once)
+      or silent for `timeout_s` (frozen, or its host gone): each rank prints one line naming the
+      store and exits with EXIT_CODE. Ranks on other nodes learn of a stall found on the first node
+      this way when that node's torchrun ends before they read the verdict.
     - Normal end: at interpreter exit (atexit) the rank marks itself done, so peers still finishing
       (an export on rank 0, say) never take it for stalled; nothing is printed and nothing waits for
       longer than one store write.
@@ -95,9 +98,10 @@ class Watchdog:
         self.prefix = f"runtime/watchdog/{run}/{attempt}"
         self.pid, self.host = os.getpid(), socket.gethostname()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # cuts the wait before the next store round short
         self._failing = threading.Event()
+        self._started = 0  # store rounds begun
         self._rounds = 0  # store rounds completed; the guard watches it advance
-        self._store_error: str | None = None
         self._threads: list[threading.Thread] = []
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -115,11 +119,23 @@ class Watchdog:
         if os.getpid() != self.pid or self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         if not self._threads:
             return
         # The store thread writes "done" and returns; bounded, since a store that stopped answering
         # would hold it forever.
         self._threads[0].join(timeout=min(self.interval_s, 2.0) + 1.0)
+
+    def check_now(self, wait_s: float) -> None:
+        """Runs a store round now and waits up to wait_s for it: if a peer has posted a stall, this
+        process ends inside the round (see _Watch.round); otherwise this returns."""
+        if not self._threads or self._stop.is_set():
+            return
+        fresh = self._started + 1  # the first round to begin after this call (one may be under way)
+        self._wake.set()
+        deadline = time.monotonic() + wait_s
+        while self._rounds < fresh and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     # -- the store thread -------------------------------------------------------------------------
 
@@ -132,13 +148,18 @@ class Watchdog:
                                   timeout=timedelta(seconds=max(self.interval_s, 1.0)))
             watch = _Watch(self)
             while not self._stop.is_set():
+                self._started += 1
                 watch.round(store, time.monotonic())
                 self._rounds += 1
-                self._stop.wait(self.interval_s)
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
             store.set(self._key(self.rank), f"done {self.pid} {self.host}")
         except (RuntimeError, OSError) as err:  # c10d's errors are RuntimeErrors
-            # The store failed: the guard reports it once no round has completed for timeout_s.
-            self._store_error = _short(err)
+            # An answer that is an error (connection reset, refused) means the store's process is gone,
+            # and with it the run's torchrun: no point in waiting. (A frozen store gives no answer at
+            # all: the guard reports that after timeout_s.)
+            if not self._stop.is_set():
+                self.fail(self._store_line(f"({_short(err)})"))
 
     # -- the guard thread -------------------------------------------------------------------------
 
@@ -153,12 +174,18 @@ class Watchdog:
             if self._rounds != seen_rounds:
                 seen_rounds, seen_at = self._rounds, now
             elif now - seen_at >= self.timeout_s and not self._stop.is_set():
-                host, port = self.store_addr
-                why = f" ({self._store_error})" if self._store_error else ""
-                self.fail(f"error: rank {self.rank} lost the rendezvous store at {host}:{port} for "
-                          f"{now - seen_at:.0f} s{why} ({TIMEOUT_KEY}={self.timeout_s:g}); every rank stops "
-                          f"now. The store lives in torchrun on the first node (MASTER_ADDR={host}): check "
-                          "that node and that its torchrun is still running.")
+                self.fail(self._store_line(f"(no answer for {now - seen_at:.0f} s, {TIMEOUT_KEY}="
+                                           f"{self.timeout_s:g})"))
+
+    def _store_line(self, why: str) -> str:
+        host, port = self.store_addr
+        # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); without it, rank 0's process does.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            owner = f"torchrun on the first node ({host}): its log says whether it ended, or check that node"
+        else:
+            owner = f"rank 0's process ({host}): check that process and its host"
+        return (f"error: rank {self.rank} lost the rendezvous store at {host}:{port} {why}; every rank stops "
+                f"now. The store lives in {owner}.")
 
     def fail(self, line: str, store=None) -> None:
         """Prints `line` once, posts it for the other ranks, ends this process."""
@@ -169,7 +196,7 @@ class Watchdog:
         if store is not None:
             # A set is not acknowledged: it does not wait on a store that stopped answering.
             with contextlib.suppress(RuntimeError, OSError):
-                store.set(f"{self.prefix}/abort", line)
+                store.set(f"{self.prefix}/abort", f"{self.host}\t{line}")
         sys.stdout.flush()
         os._exit(EXIT_CODE)
 
@@ -206,8 +233,11 @@ class _Watch:
         abort = f"{self.wd.prefix}/abort"
         if not store.check([abort]):
             return
-        if self.wd.rank == 0:  # the log users read gets the line even when another node found the stall
-            print(store.get(abort).decode(), file=sys.stderr, flush=True)
+        host, line = store.get(abort).decode().split("\t", 1)
+        # Rank 0 repeats the line when a rank of another host found the stall: that host's log may not
+        # be the one users read.
+        if self.wd.rank == 0 and host != self.wd.host:
+            print(line, file=sys.stderr, flush=True)
         self.wd._failing.set()
         os._exit(EXIT_CODE)
 

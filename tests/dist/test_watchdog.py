@@ -1,0 +1,276 @@
+"""No silent hangs (issue 15, item 7): real torchrun runs on gloo, frozen and ended as a user would see.
+
+A rank frozen with SIGSTOP ends every other rank within parallelism.collective_timeout_s + a margin,
+with one line naming it; the rendezvous store frozen ends every rank too; a normal run, ranks slow
+outside collectives and a rank finishing later than its peers raise nothing; a collective that
+times out on live ranks is explained in one line naming the key.
+
+Worker pids are read from /proc (the children of torchrun and their RANK), so this is Linux-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.dist,
+              pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads worker pids from /proc")]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+# Beyond the timeout: the watchdog's own delay (2 heartbeats: 2 s at timeout 10, 1 s at 5), process
+# exit, and a loaded 2-core CI machine.
+MARGIN_S = 20
+STALL_LINE = "stopped responding for"
+
+# Several modes of a small job around init_distributed, run by torchrun like runtime.launch.
+SCRIPT = '''
+import os, sys, time
+import torch
+import torch.distributed as dist
+from runtime.dist import collective_error_message, init_distributed
+
+mode, timeout_s = sys.argv[1], int(sys.argv[2])
+env = init_distributed(timeout_s=timeout_s)
+t = torch.ones(1)
+
+
+def busy(seconds):  # pure Python: the heartbeat thread gets the GIL only at switch intervals
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+
+
+try:
+    if mode == "slow":  # longer than the timeout outside collectives, then rank 0 outlives rank 1
+        busy(1.2 * timeout_s) if env.rank == 1 else time.sleep(1.2 * timeout_s)
+        dist.all_reduce(t)
+        if env.rank == 0:
+            busy(1.2 * timeout_s)
+    elif mode == "out_of_step":  # rank 0 waits in a collective that rank 1, alive, never joins
+        if env.rank == 0:
+            dist.all_reduce(t)
+        else:
+            time.sleep(4 * timeout_s)
+    elif mode == "loop":
+        print("ready", flush=True)
+        while True:
+            dist.all_reduce(t)
+            time.sleep(0.01)
+    dist.destroy_process_group()
+except RuntimeError as err:
+    print(collective_error_message(err) or f"unexplained: {err}", file=sys.stderr, flush=True)
+    os._exit(1)
+'''
+
+
+class Torchrun:
+    """`torchrun --standalone --nproc_per_node 2 ...` in the background, its output in files."""
+
+    def __init__(self, tmp_path: Path, args: list[str]):
+        self.out, self.err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
+                cwd=ROOT, env=env, stdout=out, stderr=err)
+
+    def workers(self, timeout_s: float = 60) -> dict[int, int]:
+        """{rank: pid} of torchrun's two workers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = {}
+            for pid in _children(self.proc.pid):
+                rank = _environ(pid).get("RANK")
+                if rank is not None:
+                    found[int(rank)] = pid
+            if len(found) == 2:
+                return found
+            time.sleep(0.2)
+        raise TimeoutError(f"torchrun did not start 2 workers in {timeout_s} s\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill_all(self, pids) -> None:
+        """Cleanup whatever the test left: workers first (a stopped one only dies of SIGKILL)."""
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        _signal(self.proc.pid, signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: its parent may be the frozen torchrun)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(pids: list[int], since: float, timeout_s: float) -> dict[int, float]:
+    """{pid: seconds from `since` until it exited}; raises if one is still running after timeout_s."""
+    exited: dict[int, float] = {}
+    while len(exited) < len(pids):
+        now = time.monotonic()
+        for pid in pids:
+            if pid not in exited and _gone(pid):
+                exited[pid] = now - since
+        if now - since > timeout_s:
+            raise AssertionError(f"still running {timeout_s:.0f} s later: {set(pids) - set(exited)}")
+        time.sleep(0.1)
+    return exited
+
+
+def _wait_for(condition, what: str, proc: Torchrun, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.proc.poll() is not None:
+            raise AssertionError(f"torchrun ended before {what}\n{proc.stderr()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} in {timeout_s} s\n{proc.stderr()}")
+        time.sleep(0.2)
+
+
+def _launch_args(tmp_path: Path, timeout_s: int, max_steps: int) -> list[str]:
+    return ["-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(tmp_path / "run"),
+            "--set", f"parallelism.collective_timeout_s={timeout_s}", "--set", f"train.max_steps={max_steps}",
+            "--set", "optim.warmup_steps=1", "--set", "logging.progress_bar=false"]
+
+
+def _script_args(tmp_path: Path, mode: str, timeout_s: int) -> list[str]:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    return [str(script), mode, str(timeout_s)]
+
+
+def _metrics_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
+    timeout_s = 10
+    run = Torchrun(tmp_path, _launch_args(tmp_path, timeout_s, max_steps=200))
+    pids = {}
+    try:
+        pids = run.workers()
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        _wait_for(lambda: _metrics_lines(metrics) >= 1, "training step in metrics.jsonl", run)
+        _signal(pids[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        exited = _wait_gone([pids[0]], frozen_at, timeout_s + MARGIN_S)
+        # Not before rank 1 was silent for about the timeout (one heartbeat of slack, 1 s here).
+        assert exited[pids[0]] >= timeout_s - 2, exited
+        steps_before = _metrics_lines(metrics)
+        _signal(pids[1], signal.SIGKILL)  # torchrun's SIGTERM waits while it is stopped; 30 s, then SIGKILL
+        assert run.wait(60) != 0
+    finally:
+        run.kill_all(pids.values())
+    err = run.stderr()
+    stall = [line for line in err.splitlines() if STALL_LINE in line]
+    assert len(stall) == 1, err
+    assert stall[0].startswith(f"error: rank 1 (host {socket.gethostname()}, pid {pids[1]}) stopped responding")
+    assert f"(parallelism.collective_timeout_s={timeout_s}); every rank stops now" in stall[0]
+    assert steps_before < 200  # it stopped the run, not the end of training
+
+
+def test_a_normal_run_ends_cleanly(tmp_path):
+    run = Torchrun(tmp_path, _launch_args(tmp_path, timeout_s=10, max_steps=2))
+    try:
+        assert run.wait(300) == 0, run.stderr()
+    finally:
+        run.kill_all([])
+    err = run.stderr()
+    assert STALL_LINE not in err and "error:" not in err and "Traceback" not in err, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+
+
+def test_slow_ranks_and_a_late_finisher_are_not_stalls(tmp_path):
+    """Rank 1 busy in Python and rank 0 asleep, both longer than the timeout, then rank 0 works on
+    alone for longer than the timeout after rank 1 has ended: no watchdog line, exit 0."""
+    timeout_s = 5
+    run = Torchrun(tmp_path, _script_args(tmp_path, "slow", timeout_s))
+    started = time.monotonic()
+    try:
+        assert run.wait(120) == 0, run.stderr()
+    finally:
+        run.kill_all([])
+    assert time.monotonic() - started > 2.4 * timeout_s
+    err = run.stderr()
+    assert STALL_LINE not in err and "error" not in err.lower(), err
+
+
+def test_a_frozen_store_ends_every_rank(tmp_path):
+    """torchrun hosts the store: frozen, no heartbeat can be read, and each rank says so and exits."""
+    timeout_s = 5
+    run = Torchrun(tmp_path, _script_args(tmp_path, "loop", timeout_s))
+    pids = {}
+    try:
+        pids = run.workers()
+        _wait_for(lambda: run.out.read_text().count("ready") == 2, "ready workers", run)
+        _signal(run.proc.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        exited = _wait_gone(list(pids.values()), frozen_at, timeout_s + MARGIN_S)
+        _signal(run.proc.pid, signal.SIGCONT)
+        assert run.wait(60) != 0
+    finally:
+        run.kill_all(pids.values())
+    assert min(exited.values()) >= timeout_s - 1, exited
+    lost = [line for line in run.stderr().splitlines() if "lost the rendezvous store at" in line]
+    assert sorted(line.split()[2] for line in lost) == ["0", "1"], run.stderr()
+    assert all(f", parallelism.collective_timeout_s={timeout_s}); every rank stops now" in line for line in lost)
+
+
+def test_a_collective_timeout_on_live_ranks_names_the_key(tmp_path):
+    """Both ranks beat, rank 0 waits in a collective rank 1 never joins: gloo raises after the timeout
+    plus the watchdog's grace, and collective_error_message turns it into one line naming the key."""
+    timeout_s = 5
+    run = Torchrun(tmp_path, _script_args(tmp_path, "out_of_step", timeout_s))
+    try:
+        assert run.wait(120) != 0
+    finally:
+        run.kill_all([])
+    err = run.stderr()
+    assert STALL_LINE not in err, err
+    assert (f"a collective waited longer than 7.5 s (parallelism.collective_timeout_s={timeout_s} plus 2.5 s "
+            "of watchdog grace)") in err, err
