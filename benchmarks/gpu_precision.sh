@@ -28,7 +28,6 @@ else
 fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1
-  git log -1 --format='commit %h %s' 2>/dev/null || true
   python - <<'EOF'
 import importlib.util
 import torch, triton
