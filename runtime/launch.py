@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -311,8 +312,7 @@ def user_error_line(err: BaseException, context: RunContext) -> str | None:
     corrupt = all(isinstance(e, _CORRUPT_DATA) or _is_torn_zip(e) for e in causes)
     if ckpt and ckpt[0] == "save":
         if all(_is_write_failure(e) for e in causes):
-            return (f"error: writing checkpoint {ckpt[1]} failed ({_cause(causes[0])}{_step_note(err)}); "
-                    "usually a full disk: free space there or set train.output_dir to a larger disk")
+            return write_failure_line(ckpt[1], causes[0], err)
         return None  # anything else going wrong in a save is ours
     if (ckpt and (failures or corrupt)) or (failures and corrupt):
         return unreadable_checkpoint_line(ckpt[1] if ckpt else None, failures or [(0, err)])
@@ -328,11 +328,34 @@ def os_error_line(err: OSError, fallback: Path | None, top: BaseException, conte
     return f"error: {what} ({where}{_step_note(top)}); {fix.format(or_key=or_key)}"
 
 
+def write_failure_line(folder: Path, cause: BaseException, top: BaseException) -> str:
+    """A checkpoint write that failed in torch.save (whose zip writer reports a full disk without an errno,
+    e.g. "unexpected pos 704 vs 598"): the free space left says whether the disk is the cause."""
+    try:
+        free = shutil.disk_usage(_existing_parent(folder)).free
+    except OSError:
+        free = None
+    if free is not None and free < 64 * 2**20:
+        fix = (f"the disk holding it has {free / 2**20:.1f} MiB free: free space there or set train.output_dir "
+               "to a larger disk (checkpoint.keep_last bounds the checkpoints kept)")
+    else:
+        fix = "check the disk and the permissions of train.output_dir"
+    return f"error: writing checkpoint {folder} failed ({_cause(cause)}{_step_note(top)}); {fix}"
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def unreadable_checkpoint_line(folder: Path | None, failures: list) -> str:
     """The one line for a checkpoint that cannot be read back, with the older checkpoint to fall back to."""
-    causes = sorted({_cause(e) for _, e in failures})
-    if len(causes) > 1:  # ranks disagree: say which saw what
-        causes = [f"rank {rank}: {_cause(e)}" for rank, e in failures[:4]]
+    by_cause: dict[str, set[int]] = {}
+    for rank, e in failures:
+        by_cause.setdefault(_cause(e), set()).add(rank)
+    # With several ranks, which of them failed to read says which shard is torn.
+    causes = sorted(by_cause) if env_world()[1] == 1 else [f"{_ranks_text(r)}: {c}" for c, r in sorted(by_cause.items())]
     if folder is None:  # not found in the traceback
         return (f"error: a checkpoint is unreadable ({'; '.join(causes)}); delete the newest one under "
                 "<train.output_dir>/checkpoints to resume from the one before it")
@@ -356,7 +379,9 @@ def _cause(err: BaseException) -> str:
 
 def _is_write_failure(err: BaseException) -> bool:
     # torch.save reports a failed write (ENOSPC included) as a RuntimeError from its zip writer.
-    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and "file write failed" in str(err))
+    text = str(err)
+    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and (
+        "file write failed" in text or "inline_container" in text or "PytorchStreamWriter" in text))
 
 
 def _is_torn_zip(err: BaseException) -> bool:
@@ -493,8 +518,13 @@ class PeerBoard:
         self.store.set("verdict", json.dumps({"seen": sorted(seen), "covered": sorted(covered)}))
 
     def verdict(self, wait_s: float) -> dict:
-        """Rank 0's verdict; raises when none comes within wait_s."""
-        self.store.wait(["verdict"], timedelta(seconds=wait_s))
+        """Rank 0's verdict; TimeoutError when none comes within wait_s. Polled with check(): a timed-out
+        store.wait() has c10d log two warning lines into the user's output."""
+        deadline = time.monotonic() + wait_s
+        while not self.store.check(["verdict"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no verdict from rank 0")
+            time.sleep(0.05)
         return json.loads(self.store.get("verdict"))
 
 
@@ -519,10 +549,10 @@ def _write(failure: Failure, debug: bool, prefix: str = "") -> None:
     sys.stderr.write(prefix + failure.line + "\n")
 
 
-def report_as_rank0(failure: Failure, board: PeerBoard | None, debug: bool) -> None:
+def report_as_rank0(failure: Failure, board: PeerBoard | None, debug: bool) -> int:
     """Prints this run's failure once: rank 0's own, and the other ranks' lines that differ from it. Rank 0's
     internal error or interrupt that follows a peer's user error is that error's echo (a collective broken
-    by the peer's exit, torchrun's SIGTERM): then the peer's line is the story."""
+    by the peer's exit, torchrun's SIGTERM): then the peer's line is the story. Returns the exit code."""
     posts = {}
     if board is not None:
         wait = 0.0 if failure.kind == "interrupt" else board.GATHER_S  # peers get the same signal: no posts
@@ -544,6 +574,7 @@ def report_as_rank0(failure: Failure, board: PeerBoard | None, debug: bool) -> N
             covered |= unprinted
     if board is not None:
         _bounded(lambda: board.conclude(set(posts), covered), 2.0)
+    return EXIT_USER_ERROR if echo else failure.exit_code
 
 
 def report_as_peer(failure: Failure, board: PeerBoard | None, debug: bool, rank: int) -> None:
@@ -599,21 +630,24 @@ def guarded_main(body: Callable[[RunContext], int], context: RunContext) -> int:
     except BaseException as err:  # CheckpointException and KeyboardInterrupt are no Exception
         if isinstance(err, SystemExit):
             raise
-        # From here on a second Ctrl-C or torchrun's SIGTERM ends the process at once: nothing below may
-        # be turned into another exception half-way through a report.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        # No signal may turn into another exception half-way through the report. A second Ctrl-C ends the
+        # process at once. torchrun's SIGTERM (sent once any rank has exited, or right after a Ctrl-C that
+        # reached rank 0 too) must not cut rank 0's report, which is bounded (PeerBoard; torchrun sends
+        # SIGKILL after its grace period anyway); another rank then has nothing left to say.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if rank == 0 else signal.SIG_DFL)
         failure = _describe_safely(err, context)
         board = _bounded(lambda: PeerBoard.connect(rank, world), 5.0)
+        exit_code = failure.exit_code
         if rank == 0:
-            report_as_rank0(failure, board, debug)
+            exit_code = report_as_rank0(failure, board, debug)
         else:
             report_as_peer(failure, board, debug, rank)
         sys.stdout.flush()
         sys.stderr.flush()
         # Skip the process-group teardown: a peer stuck in a collective would make it hang; torchrun sees
         # the exit and stops the other ranks.
-        os._exit(failure.exit_code)
+        os._exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,19 @@ def test_dcp_checkpoint_exception_is_unwrapped(tmp_path):
     assert failure.line.endswith(f"); delete it (or move it out of {folder.parent}) to resume from step_00000002")
 
 
+def test_interrupt_inside_a_checkpoint_save_is_an_interrupt():
+    """DCP catches BaseException per rank and re-raises them wrapped: a Ctrl-C during a save arrives so."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as err:
+        wrapped = CheckpointException("write", {0: _wrap_exception(err)})
+    failure = describe(wrapped, RunContext([], output_dir=None))
+    assert (failure.kind, failure.exit_code) == ("interrupt", 128 + signal.SIGINT)
+    assert failure.line == "interrupted before training started (SIGINT)"
+
+
 # --- PeerBoard: who prints what ----------------------------------------------------------------------------------
 
 def _boards(world: int) -> list[PeerBoard]:
@@ -248,9 +261,10 @@ def test_error_of_one_rank_only(capsys):
     report_as_peer(own, boards[1], debug=False, rank=1)  # rank 0 is busy in a collective: no verdict comes
     assert capsys.readouterr().err == "[rank 1] error: cannot read shard (s.safetensors); fix it\n"
     # rank 0 then fails on the broken collective: an echo of rank 1's error, already printed
-    report_as_rank0(Failure("internal", "error: internal error (RuntimeError: connection closed)", "Traceback..."),
-                    boards[0], debug=False)
+    code = report_as_rank0(Failure("internal", "error: internal error (RuntimeError: connection closed)",
+                                   "Traceback...", EXIT_INTERNAL_ERROR), boards[0], debug=False)
     assert capsys.readouterr().err == ""
+    assert code == 1  # the run failed on a user error, not on a bug
 
 
 def test_rank0_prints_a_different_peer_error_for_it(capsys):
