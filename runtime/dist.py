@@ -3,7 +3,8 @@
 No silent hangs: `init_distributed(timeout_s)` takes parallelism.collective_timeout_s. With more than
 one rank it starts runtime.watchdog, which ends every rank within about timeout_s when one rank stops
 responding, naming it; a collective that waits longer than timeout_s + collective_grace(timeout_s)
-raises, and `collective_error_message` says that in one line naming the key.
+raises, and `collective_error_message` says that in one line naming the key. A failure handler calls
+`defer_to_watchdog()` first: an error that is the echo of a stall already named ends there, quietly.
 """
 
 from __future__ import annotations

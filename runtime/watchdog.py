@@ -21,6 +21,8 @@ Contract
       longer than one store write.
     - Its own slowness is not a peer's stall: a rank whose watchdog threads were themselves frozen
       (SIGSTOP then SIGCONT) measures silence afresh instead of blaming its peer.
+    - wd.check_now(wait_s), for a failure handler (runtime.dist.defer_to_watchdog): one store round
+      at once; when a stall was posted, the process ends inside it, else it returns within wait_s.
 
 Design, and why
     - Heartbeats come from a thread, not from the training loop: a rank legitimately busy in a long
