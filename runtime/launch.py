@@ -499,7 +499,9 @@ class PeerBoard:
             store = dist.distributed_c10d._get_default_store()
         else:
             return None
-        return cls(dist.PrefixStore("runtime/failures/", store), rank, world)
+        # Per torchrun restart: an agent store may outlive a failed attempt, and its posts.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(dist.PrefixStore(f"runtime/failures/{attempt}/", store), rank, world)
 
     def post(self, failure: Failure, printed: bool = False) -> None:
         self.store.set(f"rank{self.rank}", json.dumps({"line": failure.line, "kind": failure.kind, "printed": printed}))
@@ -514,8 +516,9 @@ class PeerBoard:
         return {r: json.loads(self.store.get(f"rank{r}")) for r in range(1, self.world)
                 if self.store.check([f"rank{r}"])}
 
-    def conclude(self, seen: set[int], covered: set[int]) -> None:
-        self.store.set("verdict", json.dumps({"seen": sorted(seen), "covered": sorted(covered)}))
+    def conclude(self, seen: set[int], covered: set[int], exit_code: int) -> None:
+        self.store.set("verdict", json.dumps({"seen": sorted(seen), "covered": sorted(covered),
+                                              "exit_code": exit_code}))
 
     def verdict(self, wait_s: float) -> dict:
         """Rank 0's verdict; TimeoutError when none comes within wait_s. Polled with check(): a timed-out
@@ -572,20 +575,22 @@ def report_as_rank0(failure: Failure, board: PeerBoard | None, debug: bool) -> i
         if unprinted and posts[min(unprinted)]["kind"] == "user" and not debug:
             sys.stderr.write(f"[{_ranks_text(unprinted)}] {line}\n")
             covered |= unprinted
+    exit_code = EXIT_USER_ERROR if echo else failure.exit_code
     if board is not None:
-        _bounded(lambda: board.conclude(set(posts), covered), 2.0)
-    return EXIT_USER_ERROR if echo else failure.exit_code
+        _bounded(lambda: board.conclude(set(posts), covered, exit_code), 2.0)
+    return exit_code
 
 
-def report_as_peer(failure: Failure, board: PeerBoard | None, debug: bool, rank: int) -> None:
-    """A rank other than 0: silent when rank 0 speaks for it (see PeerBoard); interrupts are rank 0's."""
+def report_as_peer(failure: Failure, board: PeerBoard | None, debug: bool, rank: int) -> int:
+    """A rank other than 0: silent when rank 0 speaks for it (see PeerBoard); interrupts are rank 0's.
+    Returns the exit code: rank 0's when this rank's error is covered by or an echo of rank 0's report."""
     if failure.kind == "interrupt":
-        return
+        return failure.exit_code
     if board is None:
         # Nobody to ask: config and mesh errors come from the same YAML and world size on every rank.
         if not failure.alike:
             _write(failure, debug, prefix=f"[rank {rank}] ")
-        return
+        return failure.exit_code
 
     def exchange() -> dict:
         board.post(failure)
@@ -593,10 +598,11 @@ def report_as_peer(failure: Failure, board: PeerBoard | None, debug: bool, rank:
 
     verdict = _bounded(exchange, board.VERDICT_S + 2.0)
     if verdict is not None and (rank in verdict["covered"] or (rank not in verdict["seen"] and not debug)):
-        return
+        return verdict["exit_code"]
     _write(failure, debug, prefix=f"[rank {rank}] ")
     if verdict is None:  # so that rank 0, failing later as this error's echo, does not print it again
         _bounded(lambda: board.post(failure, printed=True), 2.0)
+    return failure.exit_code
 
 
 def _group_by_line(posts: dict[int, dict]) -> dict[str, set[int]]:
@@ -642,7 +648,7 @@ def guarded_main(body: Callable[[RunContext], int], context: RunContext) -> int:
         if rank == 0:
             exit_code = report_as_rank0(failure, board, debug)
         else:
-            report_as_peer(failure, board, debug, rank)
+            exit_code = report_as_peer(failure, board, debug, rank)
         sys.stdout.flush()
         sys.stderr.flush()
         # Skip the process-group teardown: a peer stuck in a collective would make it hang; torchrun sees
