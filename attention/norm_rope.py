@@ -34,8 +34,8 @@ try:
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
 
-    from quant import triton_launch
-    from quant.triton_launch import cdiv
+    from gpu import launch as gpu_launch
+    from gpu.launch import cdiv
 except ImportError:  # the reference stays usable where triton is missing (e.g. macOS, CPU-only wheels)
     triton = None
 
@@ -207,13 +207,13 @@ def _is_interpreted(fn) -> bool:
 def _launch(kernel, grid: tuple[int, int, int], tensors: tuple, ints: tuple, floats: tuple, meta: dict,
             wrap: bool) -> None:
     """kernel[grid](*tensors, *ints, *floats, **meta): through wrap_triton on the op path (what tracing
-    needs), else by quant.triton_launch's cheap eager route. Interpreted kernels (CPU tests) are never
+    needs), else by gpu.launch's cheap eager route. Interpreted kernels (CPU tests) are never
     wrapped: nothing traces them there, and not every torch release's wrap_triton accepts them."""
     args = (*tensors, *ints, *floats)
     if wrap and not _is_interpreted(kernel):
         wrap_triton(kernel)[grid](*args, **meta)
     else:
-        triton_launch.launch(kernel, grid, args, meta)
+        gpu_launch.launch(kernel, grid, args, meta)
 
 
 # ----------------------------------------------------------------------------- host side of the ops

@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention import norm_rope
 from attention.norm_rope import qk_norm_rope, qk_norm_rope_reference, rope_reference
 from benchmarks.cuda_graphs import capture_graph
-from quant import triton_launch
+from gpu import launch as gpu_launch
 
 HEADS_Q, HEADS_K, HEAD_DIM, BATCH = 40, 8, 128, 1
 EPS = 1e-6
@@ -419,12 +419,12 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
     inputs, grads = make_inputs(seq, timer.device, dtype)
     leaves = inputs[:4]
     raw_fwd, raw_bwd = _raw_launches(seq, timer.device, dtype)
-    default, default_direct = norm_rope.EAGER_AUTOGRAD_FUNCTION, triton_launch.DIRECT_LAUNCH
+    default, default_direct = norm_rope.EAGER_AUTOGRAD_FUNCTION, gpu_launch.DIRECT_LAUNCH
     out = {}
     log(f"\nhost ms per call of ours at seq {seq} (CPU time, GPU synced between reps; median) / GPU ms:")
     try:
         for path, direct in ((True, True), (True, False), (False, True)):
-            norm_rope.EAGER_AUTOGRAD_FUNCTION, triton_launch.DIRECT_LAUNCH = path, direct
+            norm_rope.EAGER_AUTOGRAD_FUNCTION, gpu_launch.DIRECT_LAUNCH = path, direct
             name = ("fast path" if direct else "fast+JIT") if path else "op path"
             for what, fn in (("fwd", lambda: ours(*inputs)),
                              ("f+b", lambda: torch.autograd.grad(ours(*inputs), leaves, grads))):
@@ -435,13 +435,13 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
         log(f"  autograd floor (autograd.grad of q * 2: one native fwd + bwd kernel): host {out['autograd floor']:.4f}")
         norm_rope.EAGER_AUTOGRAD_FUNCTION = default
         for direct in (True, False):
-            triton_launch.DIRECT_LAUNCH = direct
+            gpu_launch.DIRECT_LAUNCH = direct
             for what, fn in (("raw fwd launch", raw_fwd), ("raw bwd launch", raw_bwd)):
                 what += "" if direct else " (JIT)"
                 out[what] = timer.host(fn)
                 out[what + " gpu"] = timer.gpu(fn)
                 log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
-        triton_launch.DIRECT_LAUNCH = default_direct
+        gpu_launch.DIRECT_LAUNCH = default_direct
         profiler = cProfile.Profile()
         n_calls = 200 if timer.device.type == "cuda" else 2
         profiler.enable()
@@ -456,7 +456,7 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
             if line.strip():
                 log("  " + line[:150])
     finally:
-        norm_rope.EAGER_AUTOGRAD_FUNCTION, triton_launch.DIRECT_LAUNCH = default, default_direct
+        norm_rope.EAGER_AUTOGRAD_FUNCTION, gpu_launch.DIRECT_LAUNCH = default, default_direct
     return out
 
 

@@ -206,7 +206,7 @@ def host_costs() -> None:
     import time
 
     from moe.kernels.routing import _combine_kernel, combine
-    from quant.triton_launch import current_device, launch
+    from gpu.launch import current_device, launch
 
     def us(fn, n=300) -> float:
         for _ in range(20):
@@ -328,7 +328,7 @@ def host_gaps(steps: int = 40) -> None:
     """Host us between consecutive direct Triton launches of the layer's fwd+bwd (section 8)."""
     import time
 
-    import quant.triton_launch as tl_launch
+    import gpu.launch as tl_launch
 
     direct = tl_launch._launch_compiled
     stamps = []

@@ -28,7 +28,7 @@ from benchmarks.probe_expert_gemms import K_TOP, E, H, I, T, ms, routings
 from moe.kernels import grouped_linear as gl
 from moe.kernels.grouped_linear import _expert_block
 from moe.kernels.routing import sort_slots
-from quant.triton_launch import ensure_scratch_allocator
+from gpu.launch import ensure_scratch_allocator
 
 
 @triton.jit

@@ -37,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, faster, m_bucket, prune_gemm
-from quant.triton_launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
 
 # Segment search vector width; a floor keeps one compiled variant for every E up to 256.
 _MIN_BLOCK_E = 256

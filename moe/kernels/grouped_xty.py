@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.launch import cdiv, launch, next_power_of_2
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import (
@@ -42,7 +43,6 @@ from moe.kernels.tuning import (
     prune_factor_grads,
     prune_xty,
 )
-from quant.triton_launch import cdiv, launch, next_power_of_2
 
 
 @triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L",

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quant.triton_launch import cdiv, launch, next_power_of_2
+from gpu.launch import cdiv, launch, next_power_of_2
 
 
 @dataclass(frozen=True)

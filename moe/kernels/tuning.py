@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.testing
 
-from quant.triton_launch import next_power_of_2
+from gpu.launch import next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

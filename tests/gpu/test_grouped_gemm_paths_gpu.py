@@ -19,7 +19,7 @@ import torch
 from moe.kernels import grouped_linear as gl
 from moe.kernels.routing import sort_slots
 from moe.kernels.tuning import GEMM_CONFIGS
-from quant import triton_launch
+from gpu import launch as gpu_launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -38,7 +38,7 @@ def one_config(monkeypatch):
     def use(config):
         monkeypatch.setattr(tuner, "configs", [config])
         monkeypatch.setattr(tuner, "cache", {})
-        monkeypatch.setattr(triton_launch, "_COMPILED", {})
+        monkeypatch.setattr(gpu_launch, "_COMPILED", {})
     return use
 
 

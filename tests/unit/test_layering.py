@@ -1,4 +1,4 @@
-"""Dependencies point one way: runtime -> moe, attention -> quant (ARCHITECTURE.md)."""
+"""Dependencies point one way: runtime -> moe, attention -> quant -> gpu (ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = {"moe": {"runtime"}, "attention": {"runtime", "moe"}, "quant": {"runtime", "moe", "attention"}}
+FORBIDDEN = {"moe": {"runtime"}, "attention": {"runtime", "moe"}, "quant": {"runtime", "moe", "attention"},
+             "gpu": {"runtime", "moe", "attention", "quant"}}
 
 
 def imported_packages(path: Path) -> set[str]:

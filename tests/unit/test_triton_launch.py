@@ -1,4 +1,4 @@
-"""The direct-launch cache of quant/triton_launch.py, on real (uncompiled) Triton JIT / heuristics /
+"""The direct-launch cache of gpu/launch.py, on real (uncompiled) Triton JIT / heuristics /
 autotune objects whose GPU side is replaced: JITFunction.run records the call and returns a stand-in
 compiled kernel, as it would after compiling (there is no GPU here)."""
 
@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction
 
-from quant import triton_launch
+from gpu import launch as gpu_launch
 
 
 def _kernel_source(x_ptr, n, eps, BLOCK, EVEN):  # the signature is what the launcher reads
@@ -41,11 +41,11 @@ def _jit(calls):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr(triton_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(triton_launch, "current_stream", lambda device: 1234)
-    monkeypatch.setattr(triton_launch, "launch_hooks_active", lambda: False)
-    monkeypatch.setattr(triton_launch, "_COMPILED", {})
-    monkeypatch.setattr(triton_launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(gpu_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(gpu_launch, "current_stream", lambda device: 1234)
+    monkeypatch.setattr(gpu_launch, "launch_hooks_active", lambda: False)
+    monkeypatch.setattr(gpu_launch, "_COMPILED", {})
+    monkeypatch.setattr(gpu_launch, "DIRECT_LAUNCH", True)
 
 
 def test_plain_kernel_reuses_the_compiled_kernel_per_specialization(fake_gpu, monkeypatch):
@@ -55,7 +55,7 @@ def test_plain_kernel_reuses_the_compiled_kernel_per_specialization(fake_gpu, mo
 
     def launch(grid, tensor, n, meta):
         calls.clear()
-        triton_launch.launch(kernel, grid, (tensor, n, 1e-6), meta)
+        gpu_launch.launch(kernel, grid, (tensor, n, 1e-6), meta)
         return calls
 
     meta = {"BLOCK": 32, "EVEN": True, "num_warps": 4}
@@ -75,10 +75,10 @@ def test_plain_kernel_reuses_the_compiled_kernel_per_specialization(fake_gpu, mo
     assert launch((5,), x, 128, {**meta, "BLOCK": 64})[0][0] == "jit"
     assert launch((5,), x, 128, {**meta, "num_warps": 8})[0][0] == "jit"
     # Launch hooks installed (a profiler) or DIRECT_LAUNCH off: always Triton's path.
-    monkeypatch.setattr(triton_launch, "launch_hooks_active", lambda: True)
+    monkeypatch.setattr(gpu_launch, "launch_hooks_active", lambda: True)
     assert launch((5,), x, 128, meta)[0][0] == "jit"
-    monkeypatch.setattr(triton_launch, "launch_hooks_active", lambda: False)
-    monkeypatch.setattr(triton_launch, "DIRECT_LAUNCH", False)
+    monkeypatch.setattr(gpu_launch, "launch_hooks_active", lambda: False)
+    monkeypatch.setattr(gpu_launch, "DIRECT_LAUNCH", False)
     assert launch((5,), x, 128, meta)[0][0] == "jit"
 
 
@@ -94,7 +94,7 @@ def test_autotuned_kernel_gets_its_config_heuristics_and_grid(fake_gpu):
 
     def launch(n):
         calls.clear()
-        triton_launch.launch(kernel, grid, (x, n, 0.5), {})
+        gpu_launch.launch(kernel, grid, (x, n, 0.5), {})
         return calls
 
     (kind, _, args, kwargs), = launch(64)
@@ -119,7 +119,7 @@ def test_heuristic_reading_an_argument_outside_the_key_falls_back_to_triton(fake
 
     def launch(eps):
         calls.clear()
-        triton_launch.launch(kernel, (1,), (x, 64, eps), {"BLOCK": 16})
+        gpu_launch.launch(kernel, (1,), (x, 64, eps), {"BLOCK": 16})
         return calls
 
     assert launch(0.5)[0][0] == "jit"
@@ -138,24 +138,81 @@ def test_interpreted_kernels_take_tritons_path(monkeypatch):
 
     Interpreted.__name__ = "InterpretedFunction"
     kernel = Interpreted()
-    triton_launch.launch(kernel, (2,), (1, 2), {"BLOCK": 4})
-    triton_launch.launch(kernel, (2,), (1, 2), {"BLOCK": 4})
+    gpu_launch.launch(kernel, (2,), (1, 2), {"BLOCK": 4})
+    gpu_launch.launch(kernel, (2,), (1, 2), {"BLOCK": 4})
     assert calls == [((2,), (1, 2), {"BLOCK": 4})] * 2
 
 
 def test_launch_hooks_detected():
     """No hooks by default; an installed enter hook sends launches to Triton's path."""
-    knobs = triton_launch._triton_knobs
+    knobs = gpu_launch._triton_knobs
     if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
         pytest.skip("this Triton keeps launch hooks differently")
-    assert not triton_launch.launch_hooks_active()
+    assert not gpu_launch.launch_hooks_active()
 
     def hook(metadata):
         return None
 
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        assert triton_launch.launch_hooks_active()
+        assert gpu_launch.launch_hooks_active()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert not triton_launch.launch_hooks_active()
+    assert not gpu_launch.launch_hooks_active()
+
+
+def test_version_parsing():
+    assert gpu_launch.triton_version("3.6.0") == (3, 6)
+    assert gpu_launch.triton_version("3.5.0+git1a2b3c") == (3, 5)
+    assert gpu_launch.triton_version("nightly") is None
+
+
+def _computing_jit(calls):
+    """A JITFunction whose Triton path and whose compiled launcher both compute out = x * a + BLOCK from
+    the arguments they receive, as a compiled kernel would: the two paths give comparable results."""
+    def kernel_source(x_ptr, out_ptr, a, BLOCK):
+        pass
+
+    class Compiled:
+        function, packed_metadata = "function-handle", "packed-metadata"
+
+        def run(self, *args):
+            calls.append("direct")
+            x, out, a, block = args[9:]
+            out.copy_(x * a + block)
+
+    jit = JITFunction(kernel_source)
+
+    def run(x, out, a, *, grid, warmup, BLOCK, **options):
+        calls.append("jit")
+        out.copy_(x * a + BLOCK)
+        return Compiled()
+
+    jit.run = run
+    return jit
+
+
+@pytest.mark.parametrize("version", [(3, 99), (4, 0), None])
+def test_unknown_triton_version_takes_tritons_path(fake_gpu, monkeypatch, version):
+    """On a Triton release the direct path was not written for (or an unreadable version) every launch
+    goes through kernel[grid](...), with the same results as the direct path on a known release."""
+    x = torch.arange(8.0)
+
+    def run_launches(calls):
+        kernel = _computing_jit(calls)
+        outs = []
+        for a, block in ((2.0, 16), (3.0, 16), (0.5, 16), (2.0, 32), (-1.0, 32)):
+            out = torch.empty(8)
+            gpu_launch.launch(kernel, (1,), (x, out, a), {"BLOCK": block})
+            outs.append(out)
+        return outs
+
+    known_calls, unknown_calls = [], []
+    known = run_launches(known_calls)
+    assert "direct" in known_calls
+    monkeypatch.setattr(gpu_launch, "_COMPILED", {})
+    monkeypatch.setattr(gpu_launch, "TRITON_VERSION", version)
+    unknown = run_launches(unknown_calls)
+    assert unknown_calls == ["jit"] * 5 and not gpu_launch._COMPILED
+    for got, want in zip(unknown, known):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,5 +1,4 @@
-"""Cheap eager launches of Triton kernels, shared by the moe and attention kernels (quant is the bottom
-of the package graph, so both may import it).
+"""Cheap eager launches of Triton kernels, shared by the moe and attention kernels.
 
     launch(kernel, grid, args, constexprs)    # == kernel[grid](*args, **constexprs)
 
@@ -8,8 +7,9 @@ The first launch of each specialization goes through Triton (compiling, autotuni
 compiled kernel); later launches call that compiled kernel's launcher directly. Triton's own per-call
 work (binding and specializing every argument, the autotuner's key, the heuristics, the cache key,
 launch-hook metadata) costs several times the launcher on the host, and an expert layer makes ~15
-launches per step per layer. The direct call passes exactly what JITFunction.run passes (Triton >= 3.3:
-grid, stream, function, packed metadata, no hooks, then every parameter including constexprs).
+launches per step per layer. The direct call passes exactly what JITFunction.run passes (grid, stream,
+function, packed metadata, no hooks, then every parameter including constexprs): a Triton internal, so
+it is taken only on the Triton releases in DIRECT_LAUNCH_TRITON_VERSIONS.
 
 Contract:
 - `args` are the leading kernel parameters, positionally; `constexprs` the rest by name (plus launch
@@ -20,8 +20,8 @@ Contract:
   alignment; int == 1, divisibility by 16 and 32-bit range; None). Heuristics are re-evaluated per call;
   when one yields another value than the cached kernel was compiled with (it read an argument outside
   the key), that call takes Triton's path.
-- Launch hooks installed (profilers, proton), interpreted kernels (TRITON_INTERPRET=1) or
-  DIRECT_LAUNCH = False: always Triton's own path.
+- Launch hooks installed (profilers, proton), interpreted kernels (TRITON_INTERPRET=1), a Triton release
+  outside DIRECT_LAUNCH_TRITON_VERSIONS or DIRECT_LAUNCH = False: always Triton's own path.
 """
 
 from __future__ import annotations
@@ -43,6 +43,22 @@ except ImportError:  # no triton (CPU-only wheels): nothing here is called
     triton = None
 
 DIRECT_LAUNCH = True
+
+# (major, minor) releases whose JITFunction.run calls the compiled launcher as _launch_compiled does (from
+# 3.3; run on GPUs with 3.6, 3.9 checked by its source). Any other release: Triton's own path, slower.
+DIRECT_LAUNCH_TRITON_VERSIONS = frozenset((3, minor) for minor in range(3, 10))
+
+
+def triton_version(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a Triton version string ("3.6.0", "3.5.0+git1a2b"); None if unreadable."""
+    try:
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+TRITON_VERSION = triton_version(triton.__version__) if triton is not None else None
 
 
 @dataclass(frozen=True)
@@ -167,7 +183,7 @@ def _meta(layers: _Layers, args: tuple, constexprs: dict, config_kwargs: dict) -
 def launch(kernel, grid, args: tuple, constexprs: dict) -> None:
     """kernel[grid](*args, **constexprs) by the cheapest route allowed here (see the module docstring)."""
     layers = _layers(kernel)
-    if layers.interpreted or not DIRECT_LAUNCH:
+    if layers.interpreted or not DIRECT_LAUNCH or TRITON_VERSION not in DIRECT_LAUNCH_TRITON_VERSIONS:
         kernel[grid](*args, **constexprs)
         return
     device = current_device()
