@@ -1,44 +1,65 @@
-"""Expert-parallel MoE layer benchmark (run under torchrun on 2 or 4 GPUs):
+"""Expert-parallel MoE layer: sentinel-skip vs compute-and-mask, and dispatch+combine vs NCCL all_to_all.
 
-    torchrun --nproc_per_node 4 benchmarks/bench_ep.py [--tokens 8192] [--out DIR]
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep [--shape qwen3-30b-a3b] [--tokens 8192] [--out DIR]
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_ep --dry   # gloo on the CPU, tiny shape
 
-At Qwen3-30B-A3B dims (E=128, H=2048, I=768, k=8), T tokens per rank, bf16: one MoE layer
-(all_to_all dispatch -> grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask
-(-1 slots sent to local expert 0 with weight 0, so every slot is computed), for every ep that divides
-the world; time and peak memory; and dispatch+combine alone vs the NCCL all_to_all bus bandwidth
-measured in the same run.
+At one MoE shape (harness.SHAPES), T tokens per rank, bf16: one MoE layer (all_to_all dispatch ->
+grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask (-1 slots sent to local
+expert 0 with weight 0, so every slot is computed), for every ep that divides the world; time (median
+over ranks' medians: the slowest rank) and peak memory; and dispatch+combine alone vs the NCCL
+all_to_all bus bandwidth measured in the same run. `--dry` runs the same code on gloo CPU ranks in
+fp32 (eager experts): a smoke test, its numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness import SHAPES, Column, Report, median_ms
 from moe.dispatch import AllToAllDispatcher
 from moe.experts import GroupedExperts
 
-E, H, I, K = 128, 2048, 768, 8
+
+@dataclass
+class Row:
+    ep: int
+    tokens_per_rank: int
+    skip_ms: float | None = None
+    mask_ms: float | None = None
+    skip_over_mask: float | None = None
+    skip_peak_gib: float | None = None
+    mask_peak_gib: float | None = None
+    dispatch_combine_ms: float | None = None
+    rows_received: int | None = None
+    dispatch_combine_GBps: float | None = None
+    a2a_busbw_GBps: float | None = None  # all_to_all of the same bytes per rank
+    a2a_busbw_128MiB_GBps: float | None = None
+    note: str = ""
 
 
-def timed(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of fn() over iters, after warmup, synchronized across ranks."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor(sorted(times)[len(times) // 2], device="cuda")
+COLUMNS = [Column("ep", "ep", "d"), Column("skip_ms", "skip ms", ".2f"), Column("mask_ms", "mask ms", ".2f"),
+           Column("skip_over_mask", "skip/mask", ".2f"), Column("skip_peak_gib", "skip GiB", ".2f"),
+           Column("mask_peak_gib", "mask GiB", ".2f"), Column("dispatch_combine_ms", "d+c ms", ".2f"),
+           Column("dispatch_combine_GBps", "d+c GB/s", ".1f"), Column("a2a_busbw_GBps", "a2a busbw", ".1f"),
+           Column("a2a_busbw_128MiB_GBps", "@128MiB", ".1f")]
+
+
+@dataclass
+class Run:
+    device: str
+    dtype: torch.dtype
+    backend: str
+
+
+def timed(fn, run: Run) -> float:
+    """ms of fn(): each rank's median over 10 calls (after a barrier each), the slowest rank's."""
+    ms = median_ms(fn, iters=10, warmup=3, before=dist.barrier)
+    t = torch.tensor(ms, device=run.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
@@ -60,12 +81,12 @@ def mask_to_compute(ids_Mk: torch.Tensor, w_Mk: torch.Tensor):
     return ids_Mk.masked_fill(invalid, 0), w_Mk.masked_fill(invalid, 0)
 
 
-def layer_step(dispatcher, experts, x_TH, ids_Tk, w_Tk, mask: bool):
+def layer_step(dispatcher, experts, x_TH, ids_Tk, w_Tk, mask: bool, backend: str):
     routed = dispatcher.dispatch(x_TH, ids_Tk, w_Tk)
     ids, w = routed.expert_ids_Mk, routed.weights_Mk
     if mask:
         ids, w = mask_to_compute(ids, w)
-    y = experts(routed.x_MH, ids, w, backend="grouped_mm")
+    y = experts(routed.x_MH, ids, w, backend=backend)
     out = dispatcher.combine(y, routed)
     out.float().square().mean().backward()
 
@@ -77,62 +98,78 @@ def dispatch_combine_step(dispatcher, x_TH, ids_Tk, w_Tk):
     dispatcher.combine(y, routed).float().square().mean().backward()
 
 
-def all_to_all_busbw(nbytes_per_rank: int, group) -> float:
+def all_to_all_busbw(nbytes_per_rank: int, group, run: Run) -> float:
     """GB/s of all_to_all_single with equal splits (nccl-tests' busbw: algbw * (n-1)/n)."""
     n = dist.get_world_size(group)
-    buf = torch.empty(nbytes_per_rank // 2, dtype=torch.bfloat16, device="cuda")
+    buf = torch.empty(nbytes_per_rank // 2, dtype=torch.bfloat16, device=run.device)
     out = torch.empty_like(buf)
-    ms = timed(lambda: dist.all_to_all_single(out, buf, group=group))
+    ms = timed(lambda: dist.all_to_all_single(out, buf, group=group), run)
     return nbytes_per_rank / (ms / 1e3) / 1e9 * (n - 1) / n
 
 
-def bench(ep: int, tokens: int) -> dict:
+def peak_gib(run: Run) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if run.device == "cuda" else None
+
+
+def bench(ep: int, shape: str, tokens: int, run: Run) -> Row:
+    s = SHAPES[shape]
+    E, H, I, K = s.experts, s.hidden, s.intermediate, s.top_k
     group = ep_group(ep)
     rank_in_group = dist.get_rank(group)
     torch.manual_seed(1234 + dist.get_rank())
-    experts = GroupedExperts(E // ep, H, I, device="cuda", dtype=torch.bfloat16,
-                             expert_offset=rank_in_group * E // ep)
+    experts = GroupedExperts(E // ep, H, I, device=run.device, dtype=run.dtype, expert_offset=rank_in_group * E // ep)
     dispatcher = AllToAllDispatcher(group, E)
-    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    logits = torch.randn(tokens, E, device="cuda")
+    x = torch.randn(tokens, H, device=run.device, dtype=run.dtype, requires_grad=True)
+    logits = torch.randn(tokens, E, device=run.device)
     w, ids = torch.topk(torch.softmax(logits, -1), K)
-    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16).requires_grad_()
-    row = {"ep": ep, "tokens_per_rank": tokens}
+    w = (w / w.sum(-1, keepdim=True)).to(run.dtype).requires_grad_()
+    row = Row(ep, tokens)
     for name, mask in (("skip", False), ("mask", True)):
-        torch.cuda.reset_peak_memory_stats()
-        row[f"{name}_ms"] = timed(lambda mask=mask: layer_step(dispatcher, experts, x, ids, w, mask))
-        row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    row["dispatch_combine_ms"] = timed(lambda: dispatch_combine_step(dispatcher, x, ids, w))
+        if run.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ms = timed(lambda mask=mask: layer_step(dispatcher, experts, x, ids, w, mask, run.backend), run)
+        setattr(row, f"{name}_ms", ms)
+        setattr(row, f"{name}_peak_gib", peak_gib(run))
+    row.skip_over_mask = row.skip_ms / row.mask_ms
+    row.dispatch_combine_ms = timed(lambda: dispatch_combine_step(dispatcher, x, ids, w), run)
     routed = dispatcher.dispatch(x.detach(), ids, w.detach())
-    row["rows_received"] = routed.x_MH.shape[0]
-    sent_bytes = routed.x_MH.shape[0] * H * 2  # about what this rank sends, too (balanced routing)
+    row.rows_received = routed.x_MH.shape[0]
+    # About what each rank sends, too (balanced routing); all ranks must agree on one size for the
+    # equal-split all_to_all below, so the largest, rounded to a whole bf16 element per peer.
+    sent = torch.tensor(routed.x_MH.shape[0] * H * 2, device=run.device)
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
+    sent_bytes = -(-int(sent) // (2 * ep)) * 2 * ep
     # fwd + bwd move the rows four times (dispatch, combine, and their backward)
-    row["dispatch_combine_GBps"] = 4 * sent_bytes / (row["dispatch_combine_ms"] / 1e3) / 1e9
-    row["a2a_busbw_GBps"] = all_to_all_busbw(sent_bytes, group)
-    row["a2a_busbw_128MiB_GBps"] = all_to_all_busbw(128 * 2**20, group)
+    row.dispatch_combine_GBps = 4 * sent_bytes / (row.dispatch_combine_ms / 1e3) / 1e9
+    row.a2a_busbw_GBps = all_to_all_busbw(sent_bytes, group, run)
+    row.a2a_busbw_128MiB_GBps = all_to_all_busbw((1 if run.device == "cpu" else 128) * 2**20, group, run)
     return row
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=8192)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-30b-a3b", help="a MoE shape in benchmarks.harness.SHAPES")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    p.add_argument("--backend", default="grouped_mm", help="expert backend of the layer")
+    p.add_argument("--dry", action="store_true", help="gloo on the CPU, tiny shape, fp32, eager experts")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    world = dist.get_world_size()
-    rows = [bench(ep, args.tokens) for ep in (2, 4, 8) if ep <= world and world % ep == 0]
-    if dist.get_rank() == 0:
-        print(f"{torch.cuda.get_device_name()} x{world}, E={E} H={H} I={I} k={K}, bf16, fwd+bwd of one MoE layer")
-        print(f"{'ep':>3} {'skip ms':>8} {'mask ms':>8} {'skip/mask':>9} {'skip GiB':>8} {'mask GiB':>8} "
-              f"{'d+c ms':>7} {'d+c GB/s':>9} {'a2a busbw':>9} {'@128MiB':>8}")
-        for r in rows:
-            print(f"{r['ep']:>3} {r['skip_ms']:>8.2f} {r['mask_ms']:>8.2f} {r['skip_ms'] / r['mask_ms']:>9.2f} "
-                  f"{r['skip_peak_gib']:>8.2f} {r['mask_peak_gib']:>8.2f} {r['dispatch_combine_ms']:>7.2f} "
-                  f"{r['dispatch_combine_GBps']:>9.1f} {r['a2a_busbw_GBps']:>9.1f} {r['a2a_busbw_128MiB_GBps']:>8.1f}")
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "bench_ep.json").write_text(json.dumps(rows, indent=2))
+    if args.dry:
+        run, shape, tokens = Run("cpu", torch.float32, "eager"), "tiny", 32
+        dist.init_process_group("gloo")
+    else:
+        run, shape, tokens = Run("cuda", torch.bfloat16, args.backend), args.shape, args.tokens
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    report = Report("bench_ep", COLUMNS, args.out if rank == 0 else None, printing=rank == 0)
+    report.meta.update(world=world, shape=shape, backend=run.backend, dtype=str(run.dtype))
+    s = SHAPES[shape]
+    report.header(f"EP MoE layer fwd+bwd, x{world}, {shape} (E={s.experts} H={s.hidden} I={s.intermediate} "
+                  f"k={s.top_k}), {tokens} tokens per rank, {run.backend} experts,")
+    for ep in (2, 4, 8):
+        if ep <= world and world % ep == 0:
+            report.add(bench(ep, shape, tokens, run))
     dist.destroy_process_group()
 
 

@@ -1,55 +1,72 @@
-"""Whole expert layer (gate_up + SwiGLU + down + routing-weighted combine), forward and forward+backward.
+"""Expert layer (gate_up + SwiGLU + down + routing-weighted combine), forward and forward+backward.
 
-    python benchmarks/bench_experts.py [--quick] [--out DIR] [--backends eager,transformers,grouped_mm,scattermoe]
+    python -m benchmarks.bench_experts [--quick] [--out DIR] [--backends eager,transformers,grouped_mm,scattermoe]
+    python -m benchmarks.bench_experts --dry          # CPU smoke run at a tiny shape; its numbers mean nothing
 
-Per real MoE shape (T=8192 tokens; --quick: T=2048 and two shapes), backend and mode it reports the
-median time over CUDA events after warmup (autotuning happens in the warmup; each call starts on an idle
-GPU), the fwd+bwd time of calls issued back to back ("steady": the host runs ahead, as in a training
-step; also for the forward alone), the peak memory above the resident tensors, and achieved TFLOP/s
-(valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base weights
-trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1) and in
-the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts, every other
-slot is -1). Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`) and `transformers`
-(its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead; the issue's 10.7 ms
-reference); `scattermoe-fused` forces scattermoe's fused-LoRA path (chosen automatically only for
-small experts) for comparison. MHz is the SM clock after the steady timing. Then it checks the targets
-(set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1 ratio once more with the ep1
-and ep4 cases in turns, at the same clocks: for one layer, and per layer of 4 layers under one backward
-call (as in a model; `--modes` restricts the modes). A variant that fails prints its error and the
+Per MoE shape (harness.SHAPES; T=8192 tokens, --quick: T=2048 and two shapes), backend and mode it reports
+the median time over CUDA events after warmup (autotuning happens in the warmup; each call starts on an
+idle GPU), the fwd+bwd time of calls issued back to back ("steady": the host runs ahead, as in a
+training step; also for the forward alone), the peak memory above the resident tensors, and achieved
+TFLOP/s (valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base
+weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1)
+and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts,
+every other slot is -1). Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
+`transformers` (its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead;
+benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path
+forced; it picks it by itself only for small experts). MHz is the SM clock after the steady timing.
+Then it checks the targets (set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1
+ratio once more with the ep1 and ep4 cases in turns, at the same clocks: for one layer, and per layer
+of 4 layers under one backward call (as in a model). A variant that fails prints its error and the
 table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every row).
-`--profile` prints the per-kernel CUDA times of fwd+bwd steps instead (to see which kernel to work on);
-`--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times, and a
-cProfile of where the host time goes.
+
+Instead of the table: `--profile` prints the per-kernel CUDA times of fwd+bwd steps (which kernel to work
+on), `--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times
+and a cProfile of the host time, `--graphs` the steady fwd+bwd eager and under
+torch.compile(mode="reduce-overhead") (CUDA graphs take the host out of the step).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.cuda_graphs import capture_graph
-from benchmarks.hf_experts import transformers_layer
+from benchmarks.baselines.transformers_experts import transformers_layer
+from benchmarks.harness import (
+    MOE_SHAPES,
+    SHAPES,
+    Column,
+    Report,
+    capture_graph,
+    event_times_ms,
+    kernel_sum_and_span,
+    matmul_tflops,
+    print_cprofile,
+    profiled_kernels,
+    sm_clock_mhz,
+    steady_ms,
+)
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 
-SHAPES = {  # E, H, I, k
-    "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "qwen3.5-35b-a3b": (256, 2048, 512, 8),
-    "olmoe": (64, 2048, 1024, 8),
-    "mixtral-8x7b": (8, 4096, 14336, 2),
-}
 MODES = {"full": 0, "lora16": 16}  # LoRA rank; a LoRA mode freezes the base weights
 EAGER_MAX_SECONDS = 5.0  # an eager fwd+bwd slower than this is reported from its one timed call
+TRANSFORMERS = "transformers"  # the baseline's row name
+
+
+@dataclass
+class Case:
+    """Where and in what precision the layers are built: the GPU in bf16, or the CPU for --dry."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+
+
+CASE = Case()
 
 
 @dataclass
@@ -62,12 +79,20 @@ class Row:
     fwd_ms: float | None = None
     fwd_steady_ms: float | None = None  # forward calls back to back
     fwd_bwd_ms: float | None = None
-    steady_ms: float | None = None  # fwd+bwd, calls back to back (see steady_time_ms)
+    steady_ms: float | None = None  # fwd+bwd, calls back to back (harness.steady_ms)
     clock_mhz: int | None = None  # SM clock right after the steady fwd+bwd (the clocks it ran at)
     peak_gib: float | None = None
     tflops: float | None = None
     pct_matmul: float | None = None
     note: str = ""
+
+
+COLUMNS = [Column("shape", "shape", width=15), Column("tokens", "T", "d", width=5), Column("mode", "mode", width=6),
+           Column("ep", "ep", "d"), Column("backend", "backend", width=16), Column("fwd_ms", "fwd ms", ".3f"),
+           Column("fwd_steady_ms", "fwd st", ".3f"), Column("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+           Column("steady_ms", "steady ms", ".3f"), Column("clock_mhz", "MHz", "d"),
+           Column("peak_gib", "peak GiB", ".2f"), Column("tflops", "TFLOP/s", ".0f"),
+           Column("pct_matmul", "%mm", ".0f")]
 
 
 def layer_flops(valid_slots: int, H: int, I: int, rank: int, train_base: bool) -> float:
@@ -78,92 +103,44 @@ def layer_flops(valid_slots: int, H: int, I: int, rank: int, train_base: bool) -
     return base * (3 if train_base else 2) + lora * 3
 
 
-def cuda_time_ms(fn, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
-
-
-def steady_time_ms(fn, iters: int, warmup: int) -> float:
-    """Mean ms per call of `iters` calls issued back to back, one sync at the end. The per-call timing
-    above starts each call on an idle GPU, so the host time before its first kernel is exposed; in a
-    training step the layer's launches queue behind the previous layers' kernels, as here."""
-    for _ in range(warmup):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / iters
-
-
-def sm_clock_mhz() -> int | None:
-    """The SM clock now (NVML); the GPU clocks down under sustained load, so every timing depends on it."""
-    try:
-        return torch.cuda.clock_rate()
-    except Exception:  # noqa: BLE001 - no NVML here: the column stays empty
-        return None
-
-
-def stacked_step(shape: str, T: int, mode: str, ep: int, layers: int):
-    """scattermoe fwd+bwd of `layers` expert layers (each its own weights) under one backward call: the
-    autograd engine's fixed cost per backward call is shared by the layers, as in a model."""
-    cases = [make_case(shape, T, mode, ep) for _ in range(layers)]
-    _, x, ids, w, _ = cases[0]
-    return fwd_bwd_step("scattermoe", [case[0] for case in cases], x, ids, w)
-
-
-def alternated_ratio(shape: str, T: int, mode: str, ep: int, layers: int, rounds: int = 3,
-                     iters: int = 10) -> str:
-    """Steady fwd+bwd per layer at `ep` over the all-valid (ep1) case, the two timed in turns so both
-    run at the same clocks (in the table the ep4 rows come last, on a GPU hot from the rows before)."""
-    steps = {e: stacked_step(shape, T, mode, e, layers) for e in (1, ep)}
-    times = {1: [], ep: []}
-    for step in steps.values():
-        steady_time_ms(step, 3, warmup=2)
-    for _ in range(rounds):
-        for e, step in steps.items():
-            times[e].append(steady_time_ms(step, iters, warmup=1) / layers)
-    one, sparse = statistics.median(times[1]), statistics.median(times[ep])
-    return (f"{mode} ep{ep} / ep1, {layers} layer(s) per backward, timed in turns: {sparse:.3f} / {one:.3f} "
-            f"ms per layer = {sparse / one:.3f} (SM clock after {sm_clock_mhz()} MHz)")
-
-
-def matmul_tflops() -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = statistics.median(cuda_time_ms(lambda: a @ b, iters=20, warmup=5))
-    return 2 * n**3 / ms / 1e9
-
-
 def make_case(shape: str, T: int, mode: str, ep: int):
-    E, H, I, k = SHAPES[shape]
+    """(experts, x, ids, weights, flops): the layer an EP rank of `ep` sees, owning the first E/ep experts."""
+    s = SHAPES[shape]
     rank = MODES[mode]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w, ids = torch.randn(T, E, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
-    E_local = E // ep
+    gen = torch.Generator(device=CASE.device).manual_seed(0)
+    w, ids = torch.randn(T, s.experts, device=CASE.device, generator=gen).softmax(-1).topk(s.top_k, dim=-1)
+    E_local = s.experts // ep
     ids = torch.where(ids < E_local, ids, -1)
-    ex = GroupedExperts(E_local, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None,
-                        device="cuda", dtype=torch.bfloat16)
+    ex = GroupedExperts(E_local, s.hidden, s.intermediate, lora_rank=rank, lora_alpha=2 * rank if rank else None,
+                        device=CASE.device, dtype=CASE.dtype)
     if rank:
         ex.gate_up.requires_grad_(False)
         ex.down.requires_grad_(False)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w.requires_grad_(True)
-    flops = layer_flops(int((ids >= 0).sum()), H, I, rank, train_base=not rank)
+    x = torch.randn(T, s.hidden, device=CASE.device, dtype=CASE.dtype, requires_grad=True)
+    w = w.to(CASE.dtype).requires_grad_(True)
+    flops = layer_flops(int((ids >= 0).sum()), s.hidden, s.intermediate, rank, train_base=not rank)
     return ex, x, ids, w, flops
+
+
+def fwd_bwd_step(backend, ex, x, ids, w, dy=None):
+    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd;
+    it returns the output. `backend`: a registered name or a callable with the backend signature. `ex`
+    may also be a list of experts: that many layers in a row (x -> layer 1 -> layer 2 ...) under one
+    backward call, as in a model. dy: the output gradient (random when not given)."""
+    layers = ex if isinstance(ex, list) else [ex]
+    backend = expert_backend(backend) if isinstance(backend, str) else backend
+    dy = torch.randn_like(x) if dy is None else dy
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad] + [x, w]
+
+    def fwd_bwd():
+        for p in params:
+            p.grad = None
+        h = x
+        for layer in layers:
+            h = backend(h, ids, w, layer)
+        h.backward(dy)
+        return h
+    return fwd_bwd
 
 
 @contextlib.contextmanager
@@ -179,15 +156,6 @@ def forced_fused_lora():
 
 
 VARIANTS = {"scattermoe-fused": forced_fused_lora}
-# transformers' Qwen3MoeExperts with its grouped_mm implementation (HF+PEFT for LoRA): the baseline users
-# would run instead; benchmarks/hf_experts.py.
-TRANSFORMERS = "transformers"
-
-
-def bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
-    variant = VARIANTS.get(row.backend)
-    with variant() if variant else contextlib.nullcontext():
-        return _bench_variant(row, iters, warmup, matmul)
 
 
 def layer_case(row: Row):
@@ -200,77 +168,68 @@ def layer_case(row: Row):
     return ex, backend, x, ids, w, flops
 
 
-def _bench_variant(row: Row, iters: int, warmup: int, matmul: float) -> Row:
-    ex, backend, x, ids, w, flops = layer_case(row)
-    fwd_bwd = fwd_bwd_step(backend, ex, x, ids, w)
-
-    def fwd():
-        with torch.no_grad():
-            backend(x, ids, w, ex)
-
-    if row.backend == "eager":  # per-expert loop with host syncs: time one call, cap the repetitions
-        t0 = time.perf_counter()
-        fwd_bwd()
+def sync() -> None:
+    if CASE.device == "cuda":
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        if seconds > EAGER_MAX_SECONDS:
-            row.fwd_bwd_ms, row.note = 1e3 * seconds, "eager: one wall-clock fwd+bwd, no repeats"
-            return row
-        iters, warmup = min(iters, 2), 0
-    row.fwd_ms = statistics.median(cuda_time_ms(fwd, iters, warmup))
-    if row.backend != "eager":
-        row.fwd_steady_ms = steady_time_ms(fwd, iters, warmup=1)
-    fwd_bwd()  # grads allocated before the memory baseline, as in a training step
-    torch.cuda.synchronize()
-    base_bytes = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    row.fwd_bwd_ms = statistics.median(cuda_time_ms(fwd_bwd, iters, warmup))
-    row.peak_gib = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
-    if row.backend != "eager":
-        row.steady_ms = steady_time_ms(fwd_bwd, iters, warmup=1)
-        row.clock_mhz = sm_clock_mhz()
-    row.tflops = flops / row.fwd_bwd_ms / 1e9
-    row.pct_matmul = 100 * row.tflops / matmul
+
+
+def bench_row(row: Row, iters: int, warmup: int, matmul: float | None) -> Row:
+    variant = VARIANTS.get(row.backend)
+    with variant() if variant else contextlib.nullcontext():
+        ex, backend, x, ids, w, flops = layer_case(row)
+        fwd_bwd = fwd_bwd_step(backend, ex, x, ids, w)
+
+        def fwd():
+            with torch.no_grad():
+                backend(x, ids, w, ex)
+
+        if row.backend == "eager":  # per-expert loop with host syncs: time one call, cap the repetitions
+            t0 = time.perf_counter()
+            fwd_bwd()
+            sync()
+            seconds = time.perf_counter() - t0
+            if seconds > EAGER_MAX_SECONDS:
+                row.fwd_bwd_ms, row.note = 1e3 * seconds, "eager: one wall-clock fwd+bwd, no repeats"
+                return row
+            iters, warmup = min(iters, 2), 0
+        row.fwd_ms = statistics.median(event_times_ms(fwd, iters, warmup))
+        if row.backend != "eager":
+            row.fwd_steady_ms = steady_ms(fwd, iters)
+        fwd_bwd()  # grads allocated before the memory baseline, as in a training step
+        sync()
+        on_gpu = CASE.device == "cuda"
+        if on_gpu:
+            base_bytes = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        row.fwd_bwd_ms = statistics.median(event_times_ms(fwd_bwd, iters, warmup))
+        if on_gpu:
+            row.peak_gib = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
+        if row.backend != "eager":
+            row.steady_ms = steady_ms(fwd_bwd, iters)
+            row.clock_mhz = sm_clock_mhz()
+        row.tflops = flops / row.fwd_bwd_ms / 1e9
+        row.pct_matmul = 100 * row.tflops / matmul if matmul else None
     return row
 
 
-def run_all(shapes: list[str], T: int, backends: list[str], iters: int, warmup: int, matmul: float,
-            on_row, modes: list[str]) -> list[Row]:
+def run_shape(shape: str, T: int, backends: list[str], modes: list[str], iters: int, matmul: float | None,
+              report: Report) -> list[Row]:
     rows = []
-    for shape in shapes:
-        for mode in modes:
-            rank = MODES[mode]
-            for ep in (1, 2, 4):
-                extra = ["scattermoe-fused"] if "scattermoe" in backends and rank and ep == 1 else []
-                for name in backends + extra:
-                    row = Row(shape, T, mode, ep, name)
-                    try:
-                        bench_variant(row, iters, warmup, matmul)
-                    except Exception as exc:
-                        first_line = str(exc).splitlines()[0][:90] if str(exc) else ""
-                        row.note = f"n/a: {type(exc).__name__}: {first_line}"
+    for mode in modes:
+        for ep in (1, 2, 4):
+            extra = ["scattermoe-fused"] if "scattermoe" in backends and MODES[mode] and ep == 1 else []
+            for name in backends + extra:
+                row = Row(shape, T, mode, ep, name)
+                try:
+                    bench_row(row, iters, warmup=3, matmul=matmul)
+                except Exception as exc:
+                    first_line = str(exc).splitlines()[0][:90] if str(exc) else ""
+                    row.note = f"n/a: {type(exc).__name__}: {first_line}"
+                if CASE.device == "cuda":
                     torch.cuda.empty_cache()
-                    rows.append(row)
-                    print_row(row)
-                    on_row(rows)
+                rows.append(row)
+                report.add(row)
     return rows
-
-
-def fmt(v, spec: str) -> str:
-    return format(v, spec) if v is not None else "-"
-
-
-def print_header(matmul: float) -> None:
-    print(f"device: {torch.cuda.get_device_name()}  bf16 matmul 8192^3: {matmul:.0f} TFLOP/s")
-    print(f"{'shape':16} {'T':>5} {'mode':6} {'ep':>2} {'backend':16} {'fwd ms':>8} {'fwd st':>7} {'fwd+bwd ms':>10} "
-          f"{'steady ms':>9} {'MHz':>4} {'peak GiB':>8} {'TFLOP/s':>7} {'%mm':>4}  note")
-
-
-def print_row(r: Row) -> None:
-    print(f"{r.shape:16} {r.tokens:5d} {r.mode:6} {r.ep:2d} {r.backend:16} {fmt(r.fwd_ms, '8.3f')} "
-          f"{fmt(r.fwd_steady_ms, '7.3f')} {fmt(r.fwd_bwd_ms, '10.3f')} {fmt(r.steady_ms, '9.3f')} "
-          f"{fmt(r.clock_mhz, '4d')} {fmt(r.peak_gib, '8.2f')} {fmt(r.tflops, '7.0f')} "
-          f"{fmt(r.pct_matmul, '4.0f')}  {r.note}", flush=True)
 
 
 def targets(rows: list[Row]) -> list[dict]:
@@ -307,10 +266,9 @@ def targets(rows: list[Row]) -> list[dict]:
     print("\ntargets (scattermoe, qwen3-30b-a3b; set for one H200, T=8192):")
     for name, value, limit in checks:
         verdict = "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
-        print(f"  {name:36} {fmt(value, '7.3f')}  <= {limit:<5} {verdict}")
+        print(f"  {name:36} {'-' if value is None else format(value, '7.3f')}  <= {limit:<5} {verdict}")
         out.append({"target": name, "value": value, "limit": limit, "verdict": verdict})
-    # The issue's reference: transformers' grouped_mm experts, 10.7 ms full fwd+bwd on its H200.
-    for mode in MODES:
+    for mode in MODES:  # the users' alternative: transformers' grouped_mm experts (+ PEFT)
         for field in ("fwd_bwd_ms", "steady_ms"):
             theirs, ours = get(mode, 1, field, TRANSFORMERS), get(mode, 1, field)
             if theirs and ours:
@@ -318,22 +276,28 @@ def targets(rows: list[Row]) -> list[dict]:
     return out
 
 
-def profiled_kernels(fn, calls: int) -> list:
-    """The CUDA kernel events (torch.profiler) of `calls` calls of fn issued back to back, by start time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+def stacked_step(shape: str, T: int, mode: str, ep: int, layers: int):
+    """scattermoe fwd+bwd of `layers` expert layers (each its own weights) under one backward call: the
+    autograd engine's fixed cost per backward call is shared by the layers, as in a model."""
+    cases = [make_case(shape, T, mode, ep) for _ in range(layers)]
+    _, x, ids, w, _ = cases[0]
+    return fwd_bwd_step("scattermoe", [case[0] for case in cases], x, ids, w)
 
 
-def kernel_sum_and_span(kernels: list) -> tuple[float, float]:
-    """(sum of the kernels' times, first start to last end) in ms, of profiled kernels by start time."""
-    total = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
-    return total, (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1e3
+def alternated_ratio(shape: str, T: int, mode: str, ep: int, layers: int, rounds: int = 3,
+                     iters: int = 10) -> str:
+    """Steady fwd+bwd per layer at `ep` over the all-valid (ep1) case, the two timed in turns so both
+    run at the same clocks (in the table the ep4 rows come last, on a GPU hot from the rows before)."""
+    steps = {e: stacked_step(shape, T, mode, e, layers) for e in (1, ep)}
+    times = {1: [], ep: []}
+    for step in steps.values():
+        steady_ms(step, 3, warmup=2)
+    for _ in range(rounds):
+        for e, step in steps.items():
+            times[e].append(steady_ms(step, iters) / layers)
+    one, sparse = statistics.median(times[1]), statistics.median(times[ep])
+    return (f"{mode} ep{ep} / ep1, {layers} layer(s) per backward, timed in turns: {sparse:.3f} / {one:.3f} "
+            f"ms per layer = {sparse / one:.3f} (SM clock after {sm_clock_mhz()} MHz)")
 
 
 def profile_kernels(shapes: list[str], T: int, backends: list[str], modes: list[str], ep: int = 1,
@@ -394,49 +358,9 @@ def graph_ms(fn) -> str:
         graph = capture_graph(fn)
     except RuntimeError as exc:  # a host sync inside: no graph, say why
         return f"n/a ({str(exc)[:60]})"
-    ms = statistics.median(cuda_time_ms(graph.replay, 20, 2))
+    ms = statistics.median(event_times_ms(graph.replay, 20, 2))
     del graph
     return f"{ms:.3f} ms"
-
-
-def fwd_bwd_step(backend, ex, x, ids, w, dy=None):
-    """One training step of the layer alone: grads set to None (as after an optimizer step), fwd, bwd;
-    it returns the output. `backend`: a registered name or a callable with the backend signature. `ex`
-    may also be a list of experts: that many layers in a row (x -> layer 1 -> layer 2 ...) under one
-    backward call, as in a model. dy: the output gradient (random when not given)."""
-    layers = ex if isinstance(ex, list) else [ex]
-    backend = expert_backend(backend) if isinstance(backend, str) else backend
-    dy = torch.randn_like(x) if dy is None else dy
-    params = [p for layer in layers for p in layer.parameters() if p.requires_grad] + [x, w]
-
-    def fwd_bwd():
-        for p in params:
-            p.grad = None
-        h = x
-        for layer in layers:
-            h = backend(h, ids, w, layer)
-        h.backward(dy)
-        return h
-    return fwd_bwd
-
-
-def print_cprofile(fn, calls: int, sort: str, lines: int, prefix: str = "  ") -> None:
-    """cProfile of `calls` calls of fn, the top `lines` functions by `sort`."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(lines)
-    for line in out.getvalue().splitlines()[6:]:
-        if line.strip():
-            print(prefix + line[:170])
 
 
 def host_time(shapes: list[str], T: int, backends: list[str], modes: list[str]) -> None:
@@ -457,7 +381,7 @@ def host_time(shapes: list[str], T: int, backends: list[str], modes: list[str]) 
                         t0 = time.perf_counter()
                         fwd_bwd()
                         host.append(1e3 * (time.perf_counter() - t0))
-                    gpu = statistics.median(cuda_time_ms(fwd_bwd, 10, 0))
+                    gpu = statistics.median(event_times_ms(fwd_bwd, 10, 0))
                     t0 = time.perf_counter()
                     for _ in range(30):  # back to back: does the host keep up with the GPU?
                         fwd_bwd()
@@ -474,58 +398,93 @@ def host_time(shapes: list[str], T: int, backends: list[str], modes: list[str]) 
                     torch.cuda.empty_cache()
 
 
+def cuda_graphs(shapes: list[str], T: int, modes: list[str], rounds: int = 3, iters: int = 10) -> None:
+    """scattermoe steady fwd+bwd eager and under torch.compile(mode="reduce-overhead") (inductor's CUDA
+    graphs: the moert::scattermoe_* ops hold no host sync and take every size from the shapes, so the
+    graphs replay), at ep1 and ep4 timed in turns, and the compiled output and gradients against eager."""
+    backend = expert_backend("scattermoe")
+    for shape in shapes:
+        for mode in modes:
+            times, worst = {}, 0.0
+            steps = {}
+            for ep in (1, 4):
+                ex, x, ids, w, _ = make_case(shape, T, mode, ep)
+                compiled = torch.compile(lambda *a: backend(*a), mode="reduce-overhead", fullgraph=True)
+                dy = torch.randn_like(x)
+                params = [p for p in ex.parameters() if p.requires_grad] + [x, w]
+                results = []
+                for kind, fn in (("eager", backend), ("graphs", compiled)):
+                    steps[kind, ep] = step = fwd_bwd_step(fn, ex, x, ids, w, dy)
+                    steady_ms(step, 3, warmup=3)
+                    y = step()
+                    torch.cuda.synchronize()
+                    results.append([y.detach().clone()] + [p.grad.detach().clone() for p in params])
+                worst = max([worst] + [float((a.float() - b.float()).abs().max())
+                                       for a, b in zip(*results)])
+            for _ in range(rounds):
+                for key, step in steps.items():
+                    times.setdefault(key, []).append(steady_ms(step, iters))
+            med = {key: statistics.median(t) for key, t in times.items()}
+            for kind in ("eager", "graphs"):
+                print(f"== graphs {shape} {mode} {kind}: ep1 {med[kind, 1]:.3f} / ep4 {med[kind, 4]:.3f} ms "
+                      f"= {med[kind, 4] / med[kind, 1]:.3f}")
+            print(f"== graphs {shape} {mode}: compiled vs eager max abs difference {worst:.3g} "
+                  f"(SM clock after {sm_clock_mhz()} MHz)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
+    ap.add_argument("--dry", action="store_true",
+                    help="CPU smoke run: tiny shape, T=64, fp32, eager/grouped_mm/transformers")
     ap.add_argument("--out", help="directory for bench_experts.json")
     ap.add_argument("--backends", default="eager,transformers,grouped_mm,scattermoe")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(MOE_SHAPES), help="names in benchmarks.harness.SHAPES")
+    ap.add_argument("--tokens", type=int, help="T (default 8192; --quick 2048)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     ap.add_argument("--profile", action="store_true",
-                    help="instead of the table: per-kernel CUDA times of one fwd+bwd (torch.profiler)")
+                    help="instead of the table: per-kernel CUDA times of fwd+bwd steps (torch.profiler)")
     ap.add_argument("--ep", type=int, default=1, help="with --profile: the -1 slot layout of this ep")
     ap.add_argument("--host", action="store_true",
                     help="instead of the table: host time of one fwd+bwd and a cProfile of it")
+    ap.add_argument("--graphs", action="store_true",
+                    help="instead of the table: scattermoe eager vs torch.compile(mode='reduce-overhead')")
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
-    T = 2048 if args.quick else 8192
-    modes = args.modes.split(",")
+    T = args.tokens or (2048 if args.quick else 8192)
+    backends, modes = args.backends.split(","), args.modes.split(",")
+    if args.dry:
+        CASE.device, CASE.dtype = "cpu", torch.float32
+        shapes, T, args.iters = ["tiny"], args.tokens or 64, 2
+        backends = [b for b in backends if b in ("eager", "grouped_mm", TRANSFORMERS)]
     if args.profile:
-        profile_kernels(shapes, T, args.backends.split(","), modes, args.ep)
+        profile_kernels(shapes, T, backends, modes, args.ep)
         return
     if args.host:
-        host_time(shapes, T, args.backends.split(","), modes)
+        host_time(shapes, T, backends, modes)
         return
-    matmul = matmul_tflops()
-
-    def save(rows: list[Row], checks: list[dict] | None = None) -> None:
-        """Rewritten after every row, so a run cut short still leaves its log."""
-        if not args.out:
-            return
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_experts.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                       "command": " ".join(sys.argv), "matmul_tflops": matmul,
-                       "rows": [asdict(r) for r in rows], "targets": checks}, f, indent=1)
-
-    print_header(matmul)
-    rows, checks = [], None
+    if args.graphs:
+        cuda_graphs(shapes, T, modes)
+        return
+    report = Report("bench_experts", COLUMNS, args.out)
+    matmul = None if args.dry else matmul_tflops()
+    report.meta["matmul_tflops"] = matmul
+    report.header(f"expert layer, fwd and fwd+bwd{'' if matmul is None else f', bf16 matmul {matmul:.0f} TFLOP/s'}")
+    rows = []
     for shape in shapes:
-        rows += run_all([shape], T, args.backends.split(","), args.iters, warmup=3, matmul=matmul,
-                        on_row=lambda new, done=rows: save(done + new), modes=modes)
+        rows += run_shape(shape, T, backends, modes, args.iters, matmul, report)
         if shape == "qwen3-30b-a3b":  # the targets' shape: report them before the remaining shapes run
-            checks = targets(rows)
-            if "scattermoe" in args.backends.split(","):
+            report.meta["targets"] = targets(rows)
+            report.save()
+            if "scattermoe" in backends:
                 for mode in modes:
                     for layers in (1, 4):
-                        ratio = alternated_ratio(shape, T, mode, 4, layers)
-                        print("  steady 75% -1 ratio, " + ratio, flush=True)
-    save(rows, checks if checks is not None else targets(rows))
-    from moe.kernels.tuning import _FASTER
-    for key, winner in _FASTER.items():  # the measured choices between implementations (CUTLASS or ours)
-        name, _, _, rows, w_shape, w_layout = key
-        print(f"== faster: {name} W{tuple(w_shape)} {'' if w_layout else '(transposed view) '}S~{rows}: {winner}")
+                        print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, 4, layers), flush=True)
+    from moe.kernels.tuning import _FASTER  # the measured choices between CUTLASS and our kernels
+    for key, winner in _FASTER.items():
+        name, _, _, n_rows, w_shape, w_layout = key
+        print(f"== faster: {name} W{tuple(w_shape)} {'' if w_layout else '(transposed view) '}S~{n_rows}: {winner}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The benchmark's transformers baseline computes the same expert layer as ours, so the comparison is fair.
 
-benchmarks/hf_experts.py wraps transformers' own Qwen3MoeExperts (its grouped_mm implementation; HF+PEFT
+benchmarks/baselines/transformers_experts.py wraps transformers' own Qwen3MoeExperts (its grouped_mm implementation; HF+PEFT
 for LoRA). Its output and input gradient must equal our eager per-expert reference for the same weights,
 including an EP rank's -1 slots, and its PEFT adapters must have the size of ours.
 """
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from benchmarks.hf_experts import transformers_layer
+from benchmarks.baselines.transformers_experts import transformers_layer
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 

@@ -1,4 +1,4 @@
-"""transformers' own MoE experts (its grouped_mm implementation), with HF+PEFT LoRA, as a benchmark baseline.
+"""transformers' own MoE experts (its grouped_mm implementation), with PEFT LoRA: the experts baseline.
 
     layer, backend, ids_Mk = transformers_layer(ex, ids_Mk)
 
@@ -8,6 +8,8 @@ holding a copy of `ex`'s base weights. With a LoRA rank on `ex`: PEFT's `target_
 gate_up_proj and down_proj (same r and alpha, frozen base). `backend(x, ids, w, layer)` has our
 expert-backend signature, so the benchmark times it exactly as it times ours. -1 slots (an EP rank's
 view) become transformers' EP sentinel (the local expert count), which its grouped_mm path skips.
+tests/unit/test_bench_baseline.py checks on the CPU that it computes our layer; keep this module free of
+benchmark code so that test stays small.
 """
 
 from __future__ import annotations

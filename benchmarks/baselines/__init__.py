@@ -1,0 +1,1 @@
+"""What users would run instead of our kernels (transformers, PEFT, Liger), behind our call signatures."""
