@@ -25,7 +25,7 @@ from torch import nn
 
 from attention.rope import RopeConfig
 from moe.experts import GroupedExperts
-from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM, init_weights
+from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
@@ -258,7 +258,7 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path, dtype: torch.dtype
     missing keys, unexpected keys and shape mismatches before touching the model."""
     with SafetensorsCheckpoint(path) as ckpt:
         _load(model, ckpt, path, dtype, device)
-    _finish_meta_init(model, device)
+    finish_materialize(model, device)
 
 
 def _load(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint, path, dtype: torch.dtype, device) -> None:
@@ -294,32 +294,17 @@ def _key_report(path, missing: list[str], unexpected: list[str], limit: int = 20
     return "\n".join(lines)
 
 
-def _finish_meta_init(model: QwenForCausalLM, device) -> None:
-    """Re-ties lm_head and recomputes the rope buffers (checkpoints hold neither). LoRA is applied
-    after loading (runtime.lora.apply_lora), so every parameter must have come from the checkpoint."""
+def finish_materialize(model: QwenForCausalLM, device) -> None:
+    """Re-ties lm_head and recomputes the rope buffers (checkpoints hold neither; materializing a meta
+    model unties and leaves buffers empty), then checks no parameter is left on the meta device.
+    LoRA is applied after loading (runtime.lora.apply_lora), so every parameter must have come from
+    the checkpoint."""
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_parameters(model.config.rope, model.config.head_dim, device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise CheckpointError(f"parameters left uninitialized after loading: {leftover[:10]}")
-
-
-def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-                    **runtime_options) -> QwenForCausalLM:
-    """Our model with the HF checkpoint's weights. `runtime_options`: expert_backend, attn_backend,
-    norm_rope_impl, router_aux_loss_coef, num_layers."""
-    cfg = config_from_hf(read_hf_config(path), **runtime_options)
-    with torch.device("meta"):
-        model = QwenForCausalLM(cfg, dtype=dtype)
-    load_hf_weights(model, path, dtype, device)
-    return model
-
-
-def random_init(cfg: QwenConfig, dtype: torch.dtype = torch.float32, device="cpu") -> QwenForCausalLM:
-    model = QwenForCausalLM(cfg, device=device, dtype=dtype)
-    init_weights(model)
-    return model
 
 
 # ----------------------------------------------------------------------------- saving

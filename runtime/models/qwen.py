@@ -12,6 +12,8 @@ position_ids restart at 0 at every packed document start; no token attends acros
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta, cu_seqlens_from_position_ids
-from attention.gdn import GatedDeltaNet
+from attention.gdn import GatedDeltaNet, GatedRMSNorm
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
 from moe.experts import GroupedExperts
@@ -190,19 +192,53 @@ def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.T
                            reduction="sum")
 
 
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed for one named tensor (crc32 would collide among ~10^4 expert tensors)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 @torch.no_grad()
-def init_weights(model: QwenForCausalLM) -> None:
-    """Random init as transformers does it: normal(0, initializer_range) for matrices, ones for norms."""
+def init_weights(model: QwenForCausalLM, seed: int = 0) -> None:
+    """Random init as transformers does it (normal(0, initializer_range) for matrices, ones for norms,
+    the GDN decay init), each tensor drawn from a generator keyed by (seed, its name) on its own
+    device, each expert from one keyed by (seed, name, global expert index). So the values do not
+    depend on init order or on the EP split: an EP rank's experts equal the single-process model's
+    experts at those indices, and no rank draws experts it does not hold. (CPU and CUDA generators
+    differ: the values depend on the device type.)"""
     std = model.config.initializer_range
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, SoftmaxTopKRouter):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, GroupedExperts):
-            nn.init.normal_(module.gate_up, std=std)
-            nn.init.normal_(module.down, std=std)
-        elif isinstance(module, (RMSNorm, GatedDeltaNet)):
-            module.reset_parameters()
+    gen = None
+    for fqn, param in model.named_parameters():
+        owner_name, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if gen is None:
+            gen = torch.Generator(param.device)
+        if isinstance(owner, GroupedExperts):
+            for j in range(param.shape[0]):
+                gen.manual_seed(param_seed(seed, f"{fqn}/{owner.expert_offset + j}"))
+                _init_param(owner, name, param[j], gen, std)
+        else:
+            gen.manual_seed(param_seed(seed, fqn))
+            _init_param(owner, name, param, gen, std)
+
+
+def _init_param(owner: nn.Module, name: str, t: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    if isinstance(owner, (nn.Linear, nn.Embedding, SoftmaxTopKRouter)) and name == "weight" or isinstance(owner, GroupedExperts) and name in ("gate_up", "down"):
+        t.normal_(0.0, std, generator=gen)
+    elif name == "bias" and isinstance(owner, nn.Linear):
+        t.zero_()
+    elif isinstance(owner, RMSNorm):
+        t.fill_(0.0 if owner.unit_offset else 1.0)  # (1 + w) norms start at w = 0
+    elif isinstance(owner, GatedRMSNorm):
+        t.fill_(1.0)
+    elif isinstance(owner, nn.Conv1d):
+        # nn.Conv1d's own default (kaiming-uniform, a=sqrt(5)): U(+-1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(owner.in_channels // owner.groups * owner.kernel_size[0])
+        t.uniform_(-bound, bound, generator=gen)
+    elif isinstance(owner, GatedDeltaNet) and name == "dt_bias":
+        t.fill_(1.0)
+    elif isinstance(owner, GatedDeltaNet) and name == "A_log":
+        # HF: A = exp(A_log) ~ U(0.01, 16), drawn in fp32.
+        t.copy_(torch.empty(t.shape, device=t.device).uniform_(0.01, 16, generator=gen).log())
+    else:
+        raise TypeError(f"init_weights has no rule for {type(owner).__name__}.{name}")
