@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 3 on 2-4 GPUs: NCCL bf16 parity (runtime.verify) at ep=2 and ep=4, then the EP layer benchmark.
+# Expert parallelism on 2-4 GPUs: NCCL bf16 parity (runtime.verify) at ep=2 and ep=4, then the EP layer benchmark.
 source benchmarks/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
 for ep in 2 4; do
@@ -7,4 +7,4 @@ for ep in 2 4; do
   torchrun --standalone --nproc_per_node "$N" -m runtime.verify --ep "$ep" examples/tiny-qwen3-moe.yaml --steps 3 \
     2>&1 | tee "$OUT/verify_ep$ep.log" | grep -vE "^\s*$|Warning|warn" | tail -n 8
 done
-torchrun --standalone --nproc_per_node "$N" benchmarks/bench_ep.py --out "$OUT" 2>&1 | tee "$OUT/bench_ep.log" | tail -n 6
+torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --out "$OUT" 2>&1 | tee "$OUT/bench_ep.log" | tail -n 6

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 4 on one GPU: routing + scattermoe kernel tests at real shapes (bf16 vs fp32 eager), the
+# Experts on one GPU: routing + scattermoe kernel tests at real shapes (bf16 vs fp32 eager), the
 # expert-layer benchmark (with the SM clock per row), then where the time goes (host time +
-# cProfile, per-kernel GPU times), and the layer under torch.compile's CUDA graphs. Parts:
+# cProfile, per-kernel GPU times), and the layer under torch.compile's CUDA graphs (eager vs graphed). Parts:
 # `bash benchmarks/gpu_experts.sh [tests] [bench] [host] [profile] [graphs]` (all when none is named; the
 # whole takes more than one 10-minute device call).
 source benchmarks/gpu_env.sh
@@ -13,18 +13,18 @@ fi
 if [[ $parts == *bench* ]]; then
   # No nvidia-smi logger beside it: polling NVML every 100 ms cost the host-bound rows ~0.35 ms per step
   # (LoRA ep4 steady 1.769 against 1.425 without); the bench reads the SM clock itself after each row.
-  python benchmarks/bench_experts.py --shapes qwen3-30b-a3b --backends scattermoe --out "$OUT" 2>&1 \
+  python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --backends scattermoe --out "$OUT" 2>&1 \
     | tee "$OUT/experts_bench.log" | tail -n 30
 fi
 if [[ $parts == *host* ]]; then
-  python benchmarks/bench_experts.py --host --shapes qwen3-30b-a3b --backends scattermoe > "$OUT/experts_host.log" 2>&1
+  python -m benchmarks.bench_experts --host --shapes qwen3-30b-a3b --backends scattermoe > "$OUT/experts_host.log" 2>&1
   grep "==" "$OUT/experts_host.log"
 fi
 if [[ $parts == *profile* ]]; then
-  python benchmarks/bench_experts.py --profile --shapes qwen3-30b-a3b --backends scattermoe > "$OUT/experts_profile.log" 2>&1
+  python -m benchmarks.bench_experts --profile --shapes qwen3-30b-a3b --backends scattermoe > "$OUT/experts_profile.log" 2>&1
   grep "==" "$OUT/experts_profile.log"
 fi
 if [[ $parts == *graphs* ]]; then
-  python benchmarks/probe_graphs.py > "$OUT/experts_graphs.log" 2>&1
+  python -m benchmarks.bench_experts --graphs --shapes qwen3-30b-a3b > "$OUT/experts_graphs.log" 2>&1
   grep "==" "$OUT/experts_graphs.log"
 fi

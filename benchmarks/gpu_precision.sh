@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (precision) on one GPU: tests/gpu/test_precision_gpu.py — scattermoe and qk_norm_rope's Triton
+# Precision on one GPU: tests/gpu/test_precision_gpu.py — scattermoe and qk_norm_rope's Triton
 # kernels in fp32 against fp64 references (IEEE by default <= 1e-5, TF32 allowed <= 1e-3), and the GDN
 # layer's fp32 decay gradients (torch and fla op sets) against the fp64 token-by-token recurrence.
 # Full logs go to $OUT: precision_env.log, precision_tests.log (everything but fla), precision_fla.log.

@@ -272,7 +272,7 @@ class Report:
         self.rows: list[dict] = []
         self.meta: dict = {}
         self.info = device_info()
-        self.command = "python -m benchmarks." + name + " " + " ".join(sys.argv[1:])
+        self.command = " ".join(["python -m benchmarks." + Path(sys.argv[0]).stem, *sys.argv[1:]])
 
     @staticmethod
     def _cell(c: Column, value) -> str:
