@@ -7,16 +7,30 @@ Shapes (E = local experts, H = hidden, I = intermediate, r = LoRA rank):
     down_lora_A    [E, r, I],  down_lora_B    [E, H, r]
 The layout is transformers v5's fused expert layout ([out, in] like nn.Linear). The module holds
 weights only; the compute lives in `moe.backends` so backends stay interchangeable.
+
+Backends read weights through two accessors, never through attributes, so that the storage can change
+under them (a packed FP4 container from `quant/` instead of a tensor):
+    experts.base_weight("gate_up" | "down")  -> a tensor, or a quantized container with .dequantize()
+    experts.lora("gate_up" | "down")         -> LoraFactors(A_ErI, B_EOr), or None without LoRA
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from moe.backends import expert_backend
+
+PROJECTIONS = ("gate_up", "down")
+
+
+class LoraFactors(NamedTuple):
+    """Per-expert LoRA of one projection: delta_W[e] = scaling * B_EOr[e] @ A_ErI[e]."""
+    A_ErI: torch.Tensor
+    B_EOr: torch.Tensor
 
 
 class GroupedExperts(nn.Module):
@@ -72,11 +86,21 @@ class GroupedExperts(nn.Module):
     def has_lora(self) -> bool:
         return self.lora_rank > 0
 
-    def lora_params(self, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A, B) of `proj` in {"gate_up", "down"}, or None without LoRA."""
+    def base_weight(self, proj: str) -> torch.Tensor:
+        """The base weight of `proj` in {"gate_up" [E, 2I, H], "down" [E, H, I]}."""
+        if proj not in PROJECTIONS:
+            raise ValueError(f"unknown expert projection {proj!r}; choose one of {PROJECTIONS}")
+        return self.gate_up if proj == "gate_up" else self.down
+
+    def lora(self, proj: str) -> LoraFactors | None:
+        """The LoRA factors of `proj` in {"gate_up", "down"}, or None without LoRA."""
+        if proj not in PROJECTIONS:
+            raise ValueError(f"unknown expert projection {proj!r}; choose one of {PROJECTIONS}")
         if not self.has_lora:
             return None
-        return getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
+        if proj == "gate_up":
+            return LoraFactors(self.gate_up_lora_A, self.gate_up_lora_B)
+        return LoraFactors(self.down_lora_A, self.down_lora_B)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -200,7 +200,7 @@ def _expert_sites(name: str, m: GroupedExperts, total_experts: int) -> list[_Sit
     lo, hi, r = m.expert_offset, m.expert_offset + m.num_experts, m.lora_rank
     sites = []
     for proj, (_, wrapper) in EXPERT_PROJS.items():
-        A, B = m.lora_params(proj)
+        A, B = m.lora(proj)
         key = f"{PEFT_PREFIX}{name}.{wrapper}lora_"
         sites += [
             _Site(key + "A.weight", A, (total_experts * r, A.shape[-1]), experts_A_to_peft,

@@ -1,18 +1,20 @@
-"""Expert compute backends, interchangeable under one contract (explicit registry).
+"""Expert compute backends, interchangeable under one contract, in the `EXPERT_BACKENDS` registry.
 
     y_MH = expert_backend(name)(x_MH, expert_ids_Mk, weights_Mk, experts)
 
 computes y[m] = sum_j weights[m, j] * expert_{ids[m, j]}(x[m]) over slots with id >= 0, where
 expert(x) = down(silu(gate(x)) * up(x)) (+ LoRA). Sentinel-skip: no row is computed for a -1 slot.
+Backends read weights only through `experts.base_weight(name)` and `experts.lora(name)`.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from gpu.registry import Registry
 
 
 class ExpertBackend(Protocol):
@@ -20,23 +22,10 @@ class ExpertBackend(Protocol):
                  experts) -> torch.Tensor: ...
 
 
-_BACKENDS: dict[str, ExpertBackend] = {}
+EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend")
 # Backends live in their own modules and register when imported (at the end of this module).
 _MODULES = {"eager": "moe.backends.eager", "grouped_mm": "moe.backends.grouped_mm",
             "scattermoe": "moe.backends.scattermoe"}
-# name -> why it cannot be imported here (Triton missing, say): reported when it is asked for.
-_UNAVAILABLE: dict[str, str] = {}
-
-
-def register_backend(name: str) -> Callable[[ExpertBackend], ExpertBackend]:
-    def wrap(fn: ExpertBackend) -> ExpertBackend:
-        _BACKENDS[name] = fn
-        return fn
-    return wrap
-
-
-def available_backends() -> list[str]:
-    return sorted(_MODULES)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -50,25 +39,19 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def expert_backend(name: str) -> ExpertBackend:
     """The backend registered as `name`. A plain dict lookup (every backend is imported with this
     module), so a first call inside a torch.compile(fullgraph=True) region traces without a break."""
-    backend = _BACKENDS.get(name)
-    if backend is not None:
-        return backend
-    if name in _UNAVAILABLE:
-        raise RuntimeError(f"expert backend {name!r} cannot be used here: {_UNAVAILABLE[name]}")
-    raise ValueError(f"unknown expert backend {name!r}; choose one of {available_backends()} "
-                     "(config key model.expert_backend)")
+    return EXPERT_BACKENDS.get(name)
 
 
 def _import_backends() -> None:
     """Import every backend now, not lazily: an import inside a compiled region breaks the graph.
-    One whose optional dependency is missing is recorded, not raised (Triton stays optional)."""
+    One whose optional dependency is missing is registered as unavailable (Triton stays optional)."""
     for name, module in _MODULES.items():
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:
             if err.name is None or err.name.split(".")[0] != "triton":
                 raise
-            _UNAVAILABLE[name] = f"{err} (install triton)"
+            EXPERT_BACKENDS.unavailable(name, f"{err} (install triton)")
 
 
 _import_backends()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe.backends import compute_dtype, register_backend
+from moe.backends import EXPERT_BACKENDS, compute_dtype
 
 
 def lora_linear(x: torch.Tensor, w_OI: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
@@ -25,15 +25,15 @@ def lora_linear(x: torch.Tensor, w_OI: torch.Tensor, lora: tuple[torch.Tensor, t
 def expert_forward(experts, e: int, x_NH: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP of local expert `e` on the rows x_NH."""
     def lora(proj: str):
-        ab = experts.lora_params(proj)
-        return None if ab is None else (ab[0][e], ab[1][e])
+        factors = experts.lora(proj)
+        return None if factors is None else (factors.A_ErI[e], factors.B_EOr[e])
     args = (experts.lora_scaling, experts.lora_dropout, experts.training)
-    gate_up_N2I = lora_linear(x_NH, experts.gate_up[e], lora("gate_up"), *args)
+    gate_up_N2I = lora_linear(x_NH, experts.base_weight("gate_up")[e], lora("gate_up"), *args)
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-    return lora_linear(F.silu(gate_NI) * up_NI, experts.down[e], lora("down"), *args)
+    return lora_linear(F.silu(gate_NI) * up_NI, experts.base_weight("down")[e], lora("down"), *args)
 
 
-@register_backend("eager")
+@EXPERT_BACKENDS.register("eager")
 def eager_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                   experts) -> torch.Tensor:
     # Under autocast the expert outputs come out in the compute dtype, not the fp32 stream's.

@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from moe.backends import compute_dtype, register_backend
+from moe.backends import EXPERT_BACKENDS, compute_dtype
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -95,7 +95,7 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
     return order_S, offs_E, keys_S[order_S] < num_experts
 
 
-@register_backend("grouped_mm")
+@EXPERT_BACKENDS.register("grouped_mm")
 def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                        experts) -> torch.Tensor:
     k = expert_ids_Mk.shape[1]
@@ -114,9 +114,9 @@ def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     if reason:
         _warn_once(reason)
     lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, valid_N1, reason is not None)
-    gate_up_N2I = _lora_grouped_linear(x_NH, experts.gate_up, experts.lora_params("gate_up"), *lora_args)
+    gate_up_N2I = _lora_grouped_linear(x_NH, experts.base_weight("gate_up"), experts.lora("gate_up"), *lora_args)
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-    out_NH = _lora_grouped_linear(F.silu(gate_NI) * up_NI, experts.down, experts.lora_params("down"),
+    out_NH = _lora_grouped_linear(F.silu(gate_NI) * up_NI, experts.base_weight("down"), experts.lora("down"),
                                   *lora_args)
     w_N1 = weights_Mk.reshape(-1).index_select(0, slots_N).unsqueeze(-1).to(out_NH.dtype)
     return torch.zeros_like(x_MH).index_add(0, rows_N, (out_NH * w_N1).to(x_MH.dtype))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.backends import compute_dtype, register_backend
+from moe.backends import EXPERT_BACKENDS, compute_dtype
 from moe.kernels.grouped_linear import (
     LoraView,
     cutlass_ok,
@@ -243,11 +243,13 @@ def _check(experts) -> None:
             f"scattermoe: lora_dropout={experts.lora_dropout} in training mode is not implemented (the fused "
             "kernels read x once for the base and the LoRA path); set lora_dropout=0 or use the eager "
             "backend")
-    if not isinstance(experts.gate_up, torch.Tensor):
-        raise TypeError(f"scattermoe needs plain expert weight tensors, got {type(experts.gate_up).__name__}")
+    for proj in ("gate_up", "down"):
+        w = experts.base_weight(proj)
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"scattermoe needs plain expert weight tensors, got {type(w).__name__} for {proj}")
 
 
-@register_backend("scattermoe")
+@EXPERT_BACKENDS.register("scattermoe")
 def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
                        experts) -> torch.Tensor:
     _check(experts)
@@ -259,9 +261,10 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
         # The dtype test first: a no-op .to() still costs a dispatcher round trip, per operand and step.
         return t if t is None or t.dtype == dtype else t.to(dtype)
 
-    gu = experts.lora_params("gate_up") or (None, None)
-    down = experts.lora_params("down") or (None, None)
-    operands = (cast(x_MH), weights_Mk, cast(experts.gate_up), cast(experts.down), *map(cast, gu), *map(cast, down))
+    gu = experts.lora("gate_up") or (None, None)
+    down = experts.lora("down") or (None, None)
+    operands = (cast(x_MH), weights_Mk, cast(experts.base_weight("gate_up")), cast(experts.base_weight("down")),
+                *map(cast, gu), *map(cast, down))
     if torch.compiler.is_compiling():
         order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts)
         return torch.ops.moert.scattermoe_fwd(*operands, expert_ids_Mk, order_S, inv_S, offsets_E1, rows_S,
