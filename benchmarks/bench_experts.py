@@ -22,7 +22,10 @@ table goes on. `--out DIR` writes DIR/bench_experts.json (rewritten after every 
 Instead of the table: `--profile` prints the per-kernel CUDA times of fwd+bwd steps (which kernel to work
 on), `--host` the host (CPU) time of one fwd+bwd next to its call-to-done and CUDA-graph (GPU-only) times
 and a cProfile of the host time, `--graphs` the steady fwd+bwd eager and under
-torch.compile(mode="reduce-overhead") (CUDA graphs take the host out of the step).
+torch.compile(mode="reduce-overhead") (CUDA graphs take the host out of the step), `--clocks` why
+back-to-back steps run slower than one: steady time after n = 3..100 steps with the SM clock after,
+kernel sum and span of profiled steps, CUDA-graph replays x10 / x100, and NVML (clock, power against
+its limit, temperature, the driver's clock reasons) while the graph replays for ~2 s.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from benchmarks.harness import (
     Column,
     Report,
     capture_graph,
+    clocks_under_load,
     event_times_ms,
     kernel_sum_and_span,
     matmul_tflops,
@@ -432,6 +436,28 @@ def cuda_graphs(shapes: list[str], T: int, modes: list[str], rounds: int = 3, it
                   f"(SM clock after {sm_clock_mhz()} MHz)")
 
 
+def clocks(shapes: list[str], T: int, modes: list[str]) -> None:
+    """For each shape and mode (scattermoe, ep1): how the time per step and the SM clock change as the GPU
+    stays busy, the GPU-only time of the step, and what the driver reports while it replays."""
+    for shape in shapes:
+        for mode in modes:
+            ex, x, ids, w, _ = make_case(shape, T, mode, ep=1)
+            step = fwd_bwd_step("scattermoe", ex, x, ids, w)
+            steady_ms(step, 5)
+            for n in (3, 10, 30, 100, 10):
+                print(f"== {shape} {mode} steady n={n}: {steady_ms(step, n):.3f} ms/step, SM clock after "
+                      f"{sm_clock_mhz()} MHz", flush=True)
+            busy, span = kernel_sum_and_span(profiled_kernels(step, 10))
+            print(f"== {shape} {mode} profiled 10 steps: span {span / 10:.3f} ms/step, kernel sum {busy / 10:.3f}")
+            graph = capture_graph(step)
+            for n in (10, 100):
+                print(f"== {shape} {mode} graph replays back to back n={n}: {steady_ms(graph.replay, n, 2):.3f} "
+                      f"ms/step, SM clock after {sm_clock_mhz()} MHz", flush=True)
+            print(f"== {shape} {mode} graph replayed ~2 s, NVML: {clocks_under_load(graph.replay)}", flush=True)
+            del graph, step, ex, x
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
@@ -450,6 +476,8 @@ def main() -> None:
                     help="instead of the table: host time of one fwd+bwd and a cProfile of it")
     ap.add_argument("--graphs", action="store_true",
                     help="instead of the table: scattermoe eager vs torch.compile(mode='reduce-overhead')")
+    ap.add_argument("--clocks", action="store_true",
+                    help="instead of the table: steady time and SM clock over n steps, graph replays, NVML")
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = args.tokens or (2048 if args.quick else 8192)
@@ -466,6 +494,9 @@ def main() -> None:
         return
     if args.graphs:
         cuda_graphs(shapes, T, modes)
+        return
+    if args.clocks:
+        clocks(shapes, T, modes)
         return
     report = Report("bench_experts", COLUMNS, args.out)
     matmul = None if args.dry else matmul_tflops()

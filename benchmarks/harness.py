@@ -184,6 +184,55 @@ def device_info() -> dict:
     return info
 
 
+# NVML's clocks-event reason bits (nvmlClocksEventReason*).
+_CLOCK_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                  0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                  0x100: "display_clocks"}
+
+
+def clocks_under_load(fn: Callable, seconds: float = 2.0, every_s: float = 0.02) -> str:
+    """Runs fn repeatedly for ~`seconds` while a thread samples NVML: SM clock, power against the enforced
+    limit, temperature, and the reasons the driver gives for the clocks (why a steady timing is slower)."""
+    import collections
+    import threading
+
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    reasons_of = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons  # the older name
+    samples, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            samples.append((pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                            pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+                            pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+                            reasons_of(handle)))
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    done.set()
+    thread.join()
+    reasons = collections.Counter(name for *_, bits in samples
+                                  for bit, name in _CLOCK_REASONS.items() if bits & bit)
+    clocks, watts, temps = ([s[i] for s in samples] for i in range(3))
+    limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
+    default = pynvml.nvmlDeviceGetPowerManagementDefaultLimit(handle) / 1e3
+    max_sm = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
+    return (f"{len(samples)} samples: SM clock min/median/max {min(clocks)}/{statistics.median(clocks):.0f}/"
+            f"{max(clocks)} MHz (max {max_sm}); power median/max {statistics.median(watts):.0f}/{max(watts):.0f} W, "
+            f"enforced limit {limit:.0f} W (default {default:.0f}); temperature max {max(temps)} C; reasons "
+            + (", ".join(f"{name} {100 * n / len(samples):.0f}%" for name, n in reasons.most_common()) or "none"))
+
+
 def matmul_tflops(n: int = 8192) -> float:
     """bf16 n^3 matmul rate of this device now: the anchor a kernel's TFLOP/s is read against."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
