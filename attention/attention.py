@@ -4,6 +4,9 @@ Shapes: x_BSH [B, S, hidden], q_BSHD [B, S, Hq, D], k/v_BSKD [B, S, Hkv, D].
 Packed rows hold several documents; `AttnMeta` (built once per batch) carries what the backends
 need so that no document attends to another: a block-diagonal causal mask for SDPA, cu_seqlens and
 max_seqlen for the varlen flash backend.
+
+Backends (`ATTN_BACKENDS`, config key model.attn_backend), one contract:
+    out_BSHD = ATTN_BACKENDS.get(name)(q_BSHD, k_BSKD, v_BSKD, meta, scale)
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 
 from attention.norm import RMSNorm
 from attention.norm_rope import qk_norm_rope
+from gpu.registry import Registry
 
 
 @dataclass
@@ -72,6 +76,11 @@ def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tens
                     max_seqlen=max_seqlen)
 
 
+AttnBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnMeta, float], torch.Tensor]
+ATTN_BACKENDS: Registry[AttnBackend] = Registry("attention backend", "model.attn_backend")
+
+
+@ATTN_BACKENDS.register("sdpa")
 def sdpa_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     mask = meta.sdpa_mask_B1SS
@@ -199,6 +208,7 @@ def _check_varlen_inputs(q_BSHD: torch.Tensor, dtype: torch.dtype) -> None:
                          "use model.dtype: bfloat16 or bf16 autocast, or set model.attn_backend: sdpa")
 
 
+@ATTN_BACKENDS.register("flash")
 def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
     """Causal attention within the documents of meta.cu_seqlens (over the flattened B*S tokens; None:
     every row is one document). Returns [B, S, Hq, D] in the compute dtype."""
@@ -219,13 +229,10 @@ def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float)
     return out_THD.unflatten(0, (B, S))
 
 
-ATTN_BACKENDS = {"sdpa": sdpa_attention, "flash": flash_varlen_attention}
-
-
 def check_attn_backend(name: str) -> None:
-    """Raises ValueError naming the fix when `name` is unknown or cannot run on this install."""
-    if name not in ATTN_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(ATTN_BACKENDS)}")
+    """Raises ValueError naming the fix when `name` is unknown or cannot run on this install. Whether
+    flash can run is decided by the varlen implementation found on first use, not at import."""
+    ATTN_BACKENDS.resolve(name)
     if name == "flash" and varlen_impl() is None:
         raise ValueError("attention backend 'flash' needs flash-attn installed or a torch with "
                          "torch.nn.attention.varlen.varlen_attn (>= 2.10); "
@@ -265,7 +272,7 @@ class Qwen3Attention(nn.Module):
         q_BSHD, k_BSKD = qk_norm_rope(q_BSHD, k_BSKD, self.q_norm.weight, self.k_norm.weight, cos, sin,
                                       self.eps, unit_offset=self.gated, rotary_dim=self.rotary_dim,
                                       impl=self.norm_rope_impl)
-        out_BSHD = ATTN_BACKENDS[self.backend](q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
+        out_BSHD = ATTN_BACKENDS.get(self.backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
         if self.gated:
             out_BSHD = out_BSHD * torch.sigmoid(gate_BSHD)
         return self.o_proj(out_BSHD.reshape(B, S, -1))

@@ -1,7 +1,7 @@
 """Gated DeltaNet (the linear-attention layer of Qwen3.5 / Qwen3-Next) over packed sequences.
 
     gdn = GatedDeltaNet(hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, eps,
-                        layout="qwen3_5" | "qwen3_next", op_set="torch" | "fla", device=None, dtype=None)
+                        layout="qwen3_5" | "qwen3_next", op_set="torch" | "fla" | "auto", device=None, dtype=None)
     y_BSH = gdn(x_BSH, meta)      # meta: attention.attention.AttnMeta or None
 
 Computation (per token t, value head h, key head h * num_k_heads // num_v_heads):
@@ -16,7 +16,8 @@ several documents REQUIRE meta.cu_seqlens: the layer sees no position_ids, and w
 (meta None, or meta.cu_seqlens None as in an SDPA-only AttnMeta) every row is one document.
 meta.max_seqlen and meta.sdpa_mask_B1SS are not used.
 
-Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py), chosen at build time, one contract:
+Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py) in `GDN_OP_SETS` (config key
+model.gdn_op_set; "auto" = fla on CUDA when installed, else torch), chosen at build time, one contract:
     docs = ops.prepare_docs(cu_seqlens, B, S, device)
     y_BSD = ops.causal_conv1d_silu(x_BSD, weight_DW, docs)
     o_BSHV = ops.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
@@ -43,27 +44,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.attention import AttnMeta
+from gpu.registry import Registry
 
-GDN_OP_SETS = ("torch", "fla")
 GDN_LAYOUTS = ("qwen3_5", "qwen3_next")
+_FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 
 
-def check_gdn_op_set(name: str) -> None:
-    """Raises ValueError naming the fix when op set `name` cannot run here."""
-    if name not in GDN_OP_SETS:
-        raise ValueError(f"unknown GDN op set {name!r}; choose one of {list(GDN_OP_SETS)}")
-    if name == "fla":
-        if not torch.cuda.is_available():
-            raise ValueError("GDN op set 'fla' needs a CUDA device; use op set 'torch' on CPU")
-        if importlib.util.find_spec("fla") is None:
-            raise ValueError("GDN op set 'fla' needs flash-linear-attention==0.6.0 (pip install "
-                             "'moe-runtime[gdn]'); or use op set 'torch'")
+def _auto_op_set() -> str:
+    return "fla" if _FLA_INSTALLED and torch.cuda.is_available() else "torch"
+
+
+# name -> the op-set module's import path: importing `fla` only when chosen keeps it off CPU-only runs.
+GDN_OP_SETS: Registry[str] = Registry("GDN op set", "model.gdn_op_set", auto=_auto_op_set)
+GDN_OP_SETS.register("torch")("attention.gdn_ops_torch")
+if _FLA_INSTALLED:
+    GDN_OP_SETS.register("fla")("attention.gdn_ops_fla")
+else:
+    GDN_OP_SETS.unavailable("fla", "it needs flash-linear-attention==0.6.0 (pip install 'moe-runtime[gdn]'); "
+                                   "or use op set 'torch'")
+
+
+def check_gdn_op_set(name: str) -> str:
+    """The op set `name` stands for ("auto" resolved); raises naming the fix when it cannot run here."""
+    if name == "fla" and not torch.cuda.is_available():
+        raise ValueError("GDN op set 'fla' needs a CUDA device; use op set 'torch' on CPU")
+    return GDN_OP_SETS.resolve(name)
 
 
 def load_op_set(name: str):
-    """The op-set module; importing `fla` only here keeps it off CPU-only runs."""
-    check_gdn_op_set(name)
-    return importlib.import_module(f"attention.gdn_ops_{name}")
+    """(resolved name, op-set module)."""
+    resolved = check_gdn_op_set(name)
+    return resolved, importlib.import_module(GDN_OP_SETS.get(resolved))
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +109,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"unknown GDN layout {layout!r}; choose one of {list(GDN_LAYOUTS)}")
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-        self.ops = load_op_set(op_set)
-        self.layout, self.op_set = layout, op_set
+        self.op_set, self.ops = load_op_set(op_set)
+        self.layout = layout
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim

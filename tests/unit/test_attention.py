@@ -163,6 +163,11 @@ def test_flash_backend_unavailable_is_a_clear_error(choose, torch_fn):
     check_attn_backend("sdpa")
 
 
+def test_unknown_backend_names_the_config_key():
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flex'.*\['flash', 'sdpa'\].*model.attn_backend"):
+        Qwen3Attention(64, 4, 2, 16, 1e-6, backend="flex")
+
+
 def test_varlen_choice_is_made_once(choose, monkeypatch):
     first = choose(None, _stand_in("window", []))
     monkeypatch.setattr(attn_mod, "_import_torch_varlen", lambda: None)

@@ -19,6 +19,7 @@ Tolerances (norm-relative): forward <= 1e-5, gradients <= 1e-4.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 from types import SimpleNamespace
 from itertools import pairwise
@@ -241,8 +242,13 @@ def test_fla_is_not_imported_and_refused_on_cpu():
     assert "fla" not in sys.modules
     with pytest.raises(ValueError, match="needs a CUDA device"):
         check_gdn_op_set("fla")
-    with pytest.raises(ValueError, match="unknown GDN op set"):
+    with pytest.raises(ValueError, match="unknown GDN op set 'triton'.*model.gdn_op_set"):
         GatedDeltaNet(**TINY, op_set="triton")
+
+
+def test_auto_op_set_is_resolved_by_the_layer():
+    expected = "fla" if torch.cuda.is_available() and importlib.util.find_spec("fla") else "torch"
+    assert GatedDeltaNet(**TINY, op_set="auto").op_set == expected
 
 
 # ---- 5. fp32 decay gradients at the initial decays -------------------------------------------------
