@@ -23,9 +23,9 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from runtime.distributed.compile import apply_compile
 from runtime.models.hf import config_from_hf
 from runtime.models.qwen import QwenForCausalLM, cu_seqlens_from_position_ids, init_weights
-from runtime.parallelize import apply_compile
 
 QWEN3_5_35B_A3B_4L = {
     "model_type": "qwen3_5_moe_text", "vocab_size": 4096, "hidden_size": 2048, "num_hidden_layers": 4,

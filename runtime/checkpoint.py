@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from runtime.dist import DistEnv, all_reduce_sum
+from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.run_dir import RunDir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -200,9 +200,9 @@ def export_final(model, cfg, rank: int, meshes=None) -> Path:
     <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it."""
     from functools import partial
 
+    from runtime.distributed.state_dict import full_state_dict, gather_full
     from runtime.lora import export_peft
     from runtime.models.hf import save_pretrained
-    from runtime.parallelize import full_state_dict, gather_full
 
     out = Path(cfg.train.output_dir)
     if cfg.lora.enabled:

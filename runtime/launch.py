@@ -44,8 +44,8 @@ import torch.distributed as dist
 import yaml
 
 from runtime.config import ConfigError, load_config
-from runtime.dist import env_world
-from runtime.mesh import ParallelDims
+from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.process_group import env_world
 
 log = logging.getLogger("runtime")
 
@@ -55,13 +55,14 @@ EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
 # qualified class name through the MRO, so this module knows them without importing the model stack, and
 # a subclass counts too.
 USER_ERRORS = frozenset({
-    "runtime.config.ConfigError", "runtime.mesh.MeshError", "runtime.data.DataError",
+    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.DataError",
     "runtime.models.hf.CheckpointError", "runtime.checkpoint.ResumeError", "runtime.train.TrainingDiverged",
     "runtime.run_dir.RunDirError", "runtime.preflight.PreflightError", "runtime.lora.LoRAFormatError",
     "runtime.launch.UsageError",
 })
 # Raised from the command line, the YAML and the world size alone, before any rank could differ.
-ALIKE_ON_EVERY_RANK = frozenset({"runtime.config.ConfigError", "runtime.mesh.MeshError", "runtime.launch.UsageError"})
+ALIKE_ON_EVERY_RANK = frozenset({
+    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.launch.UsageError"})
 
 
 class UsageError(ValueError):
@@ -143,7 +144,7 @@ class RunContext:
 
 
 def run(argv: list[str] | None = None, context: RunContext | None = None) -> list[dict]:
-    from runtime.dist import init_distributed
+    from runtime.distributed.process_group import init_distributed
     from runtime.preflight import preflight
     from runtime.train import train
 
@@ -298,7 +299,7 @@ _CORRUPT_DATA = (EOFError, pickle.UnpicklingError, json.JSONDecodeError, zipfile
 
 def user_error_line(err: BaseException, context: RunContext) -> str | None:
     """`error: ...` for an error the user can fix, None for a bug."""
-    from runtime.dist import collective_error_message
+    from runtime.distributed.process_group import collective_error_message
 
     if _qualnames(err) & USER_ERRORS:
         return f"error: {err}"

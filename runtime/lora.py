@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,8 @@ from torch import nn
 
 from moe.experts import GroupedExperts
 from runtime.config import LoraConfig
+from runtime.distributed.state_dict import gather_full
 from runtime.models.hf import atomic_dir
-from runtime.parallelize import gather_full
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",
                      # Gated DeltaNet projections (Qwen3.5 and Qwen3-Next layouts)
@@ -148,6 +149,25 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return model
+
+
+@torch.no_grad()
+def seed_lora_A(model: nn.Module, seed: int) -> None:
+    """Re-draws every LoRA A from a generator keyed by (seed, parameter name), for the full expert
+    count, keeping this rank's slice: the same values whatever the EP size or init order (B is 0).
+    Kaiming-uniform with a=sqrt(5), PEFT's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    modules = dict(model.named_modules())
+    for fqn, param in model.named_parameters():
+        if "lora_A" not in fqn:
+            continue
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{fqn}".encode()))
+        owner = modules[fqn.rsplit(".", 1)[0]]
+        shape, lo = tuple(param.shape), 0
+        if isinstance(owner, GroupedExperts):
+            shape, lo = (model.config.num_experts, *shape[1:]), owner.expert_offset
+        bound = 1.0 / math.sqrt(shape[-1])
+        full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        param.copy_(full[lo:lo + param.shape[0]] if isinstance(owner, GroupedExperts) else full)
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -23,12 +23,14 @@ import torch
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config, OptimConfig
 from runtime.data import build_dataloader, load_tokenizer
-from runtime.dist import DistEnv, all_reduce_sum
-from runtime.mesh import Meshes, ParallelDims
+from runtime.distributed.expert_parallel import localize_experts, parallelize
+from runtime.distributed.fsdp import total_grad_norm
+from runtime.distributed.mesh import Meshes, ParallelDims
+from runtime.distributed.process_group import DistEnv, all_reduce_sum
+from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.hf import config_from_hf, load_hf_weights, read_hf_config
 from runtime.models.qwen import QwenForCausalLM, init_weights, label_loss_sum
-from runtime.parallelize import localize_experts, parallelize, seed_lora_A, total_grad_norm
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir
 
 log = logging.getLogger("runtime")

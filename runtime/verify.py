@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import Config
-from runtime.dist import DistEnv
-from runtime.mesh import Meshes, ParallelDims
+from runtime.distributed.mesh import Meshes, ParallelDims
+from runtime.distributed.process_group import DistEnv
 
 TOLERANCES = {"float32": {"loss": 1e-5, "grad": 1e-4, "grad_after_update": 1e-4, "router_grad": 1e-4},
               "bfloat16": {"loss": 2e-2, "grad": 5e-2, "grad_after_update": 1e-1, "router_grad": 1e-1}}
@@ -47,7 +47,7 @@ def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism
 def full_grads(model: torch.nn.Module, meshes: Meshes | None) -> dict[str, torch.Tensor]:
     """Every gradient as the full tensor on CPU: FSDP shards gathered, EP expert slices concatenated
     in expert order. A collective on every rank; all ranks get the result."""
-    from runtime.parallelize import gather_full
+    from runtime.distributed.state_dict import gather_full
 
     # clone: clipping later scales p.grad in place
     return {fqn: gather_full(p.grad, ".experts." in fqn, meshes).detach().float().cpu().clone()
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def verify(argv: list[str]) -> int:
     """Runs the comparison; 0 when every step is within tolerance, else 1."""
-    from runtime.dist import init_distributed
+    from runtime.distributed.process_group import init_distributed
     from runtime.launch import CliParser, prepare
 
     extra = CliParser(prog="python -m runtime.verify", add_help=False)

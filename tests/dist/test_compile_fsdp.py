@@ -7,10 +7,11 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from runtime.mesh import ParallelDims
+from runtime.distributed.compile import apply_compile
+from runtime.distributed.fsdp import apply_fsdp
+from runtime.distributed.mesh import ParallelDims
 from runtime.models import from_pretrained
 from runtime.models.qwen import label_loss_sum
-from runtime.parallelize import apply_compile, apply_fsdp
 from runtime.verify import full_grads
 from tests.conftest import write_hf_checkpoint
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.dist import DistEnv
-from runtime.mesh import ParallelDims
+from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.process_group import DistEnv
 from runtime.verify import _verification_config, compare, record_run, reference_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import torch
 
 from runtime.checkpoint import ResumeError
 from runtime.config import load_config
-from runtime.dist import DistEnv
-from runtime.mesh import ParallelDims
+from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.process_group import DistEnv
 from runtime.train import train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ SCRIPT = '''
 import os, sys, time
 import torch
 import torch.distributed as dist
-from runtime.dist import collective_error_message, init_distributed
+from runtime.distributed.process_group import collective_error_message, init_distributed
 
 mode, timeout_s = sys.argv[1], int(sys.argv[2])
 env = init_distributed(timeout_s=timeout_s)

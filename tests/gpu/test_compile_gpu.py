@@ -10,9 +10,10 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
+from runtime.distributed.compile import apply_compile
 from runtime.models import from_pretrained
 from runtime.models.qwen import label_loss_sum
-from runtime.parallelize import apply_activation_checkpointing, apply_compile
 from tests.conftest import write_hf_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

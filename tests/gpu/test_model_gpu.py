@@ -55,8 +55,8 @@ def test_bf16_parity_with_transformers(tmp_path, kind, backend):
 @pytest.mark.parametrize("backend,lora", [("grouped_mm", False), ("scattermoe", False), ("scattermoe", True)])
 def test_real_dims_training_step(tmp_path, capsys, backend, lora):
     from runtime.config import config_from_dict
-    from runtime.dist import DistEnv
-    from runtime.mesh import ParallelDims
+    from runtime.distributed.mesh import ParallelDims
+    from runtime.distributed.process_group import DistEnv
     from runtime.train import train
 
     raw = yaml.safe_load((ROOT / "examples" / "tiny-qwen3-moe.yaml").read_text())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.models import from_pretrained
-from runtime.parallelize import apply_activation_checkpointing
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

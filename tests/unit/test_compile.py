@@ -14,9 +14,10 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from runtime.config import ConfigError, config_from_dict
+from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
+from runtime.distributed.compile import apply_compile, apply_inductor_options
 from runtime.models import from_pretrained
 from runtime.models.qwen import label_loss_sum
-from runtime.parallelize import apply_activation_checkpointing, apply_compile, apply_inductor_options
 from tests.conftest import write_hf_checkpoint
 
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from runtime.config import ConfigError, config_from_dict, load_config
+from runtime.distributed.mesh import MeshError, ParallelDims
 from runtime.launch import prepare
-from runtime.mesh import MeshError, ParallelDims
 from runtime.model_config_check import model_config_problems
 from tests.conftest import TINY_DENSE, TINY_HYBRID, TINY_MOE, write_hf_checkpoint
 

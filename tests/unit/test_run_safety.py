@@ -14,8 +14,8 @@ import torch
 import runtime.train as train_mod
 from runtime.checkpoint import CheckpointManager, ResumeError, read_meta
 from runtime.config import load_config
-from runtime.dist import DistEnv
-from runtime.mesh import ParallelDims
+from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.process_group import DistEnv
 from runtime.run_dir import RunDirError, claim_run_dir, release_run_dir
 from runtime.train import TrainingDiverged, train
 

@@ -312,10 +312,10 @@ def test_compiled_moe_model_blocks_with_scattermoe(tmp_path):
     from torch._dynamo.utils import counters
 
     from runtime.config import LoraConfig
+    from runtime.distributed.compile import apply_compile
     from runtime.lora import apply_lora
     from runtime.models import from_pretrained
     from runtime.models.qwen import label_loss_sum
-    from runtime.parallelize import apply_compile
     from tests.conftest import write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path, "moe")

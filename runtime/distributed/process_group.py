@@ -1,8 +1,8 @@
 """Process-group setup: the rank/world/device of this process under torchrun or as a plain process.
 
 No silent hangs: `init_distributed(timeout_s)` takes parallelism.collective_timeout_s. With more than
-one rank it starts runtime.watchdog, which ends every rank within about timeout_s when one rank stops
-responding, naming it; a collective that waits longer than timeout_s + collective_grace(timeout_s)
+one rank it starts the watchdog (watchdog.py), which ends every rank within about timeout_s when one
+rank stops responding, naming it; a collective that waits longer than timeout_s + collective_grace(timeout_s)
 raises, and `collective_error_message` says that in one line naming the key. A failure handler calls
 `defer_to_watchdog()` first: an error that is the echo of a stall already named ends there, quietly.
 """
@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from runtime.watchdog import TIMEOUT_KEY, Watchdog, collective_grace
+from runtime.distributed.watchdog import TIMEOUT_KEY, Watchdog, collective_grace
 
 # The timeout the process group was made with, for collective_error_message; None: no group made here.
 _timeout_s: float | None = None

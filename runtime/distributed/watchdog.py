@@ -21,7 +21,7 @@ Contract
       longer than one store write.
     - Its own slowness is not a peer's stall: a rank whose watchdog threads were themselves frozen
       (SIGSTOP then SIGCONT) measures silence afresh instead of blaming its peer.
-    - wd.check_now(wait_s), for a failure handler (runtime.dist.defer_to_watchdog): one store round
+    - wd.check_now(wait_s), for a failure handler (process_group.defer_to_watchdog): one store round
       at once; when a stall was posted, the process ends inside it, else it returns within wait_s.
 
 Design, and why
@@ -47,7 +47,7 @@ Design, and why
       timeout_s.
     - Exit with os._exit: the main thread may sit in a collective that would never return, and
       torchrun stops the other local ranks as soon as one exits.
-    - The process group's timeout is timeout_s + collective_grace(timeout_s) (runtime.dist): with a
+    - The process group's timeout is timeout_s + collective_grace(timeout_s) (process_group): with a
       frozen peer the watchdog, which names it, acts before the backend's anonymous "Timed out
       waiting ..." error.
 """

@@ -1,0 +1,63 @@
+"""FSDP2 over the dense mesh, with a separate expert mesh under EP, and the gradient norm over
+parameters that live on those different meshes.
+
+Every FSDP reduction is a plain sum: the loss is already normalized by the global label-token count
+(runtime.train), so each gradient equals the single-process gradient of the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from runtime.distributed.mesh import Meshes
+from runtime.models.qwen import QwenForCausalLM
+
+
+def _mp_policy(device_type: str) -> MixedPrecisionPolicy:
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None:
+    mp = _mp_policy(device_type)
+    fsdp_modules = []
+    expert_parallel = meshes.experts["ep"].size() > 1
+    for block in model.model.layers.values():
+        experts = getattr(block.mlp, "experts", None)
+        # Under EP the experts shard over their own mesh; otherwise they join the block's unit (a
+        # nested unit's hooks would also land inside a compiled block forward).
+        if experts is not None and expert_parallel:
+            fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=mp))
+        fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp))
+    fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
+    for module in fsdp_modules:
+        module.set_gradient_divide_factor(1.0)  # sums: the loss is already normalized globally
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+
+
+def _replication(t: torch.Tensor, world_size: int) -> int:
+    """How many ranks of the world hold each element of t (DTensor replicas, or all for plain tensors)."""
+    if isinstance(t, DTensor):
+        return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+    return world_size
+
+
+def total_grad_norm(grads: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """L2 norm over gradients that live on different meshes (dense FSDP, expert FSDP x EP): every rank
+    adds its local shards' squares, weighted so replicated elements count once, then one all-reduce."""
+    if not grads:
+        return torch.zeros(())
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sq += local.float().pow(2).sum() / _replication(g, world_size)
+    if world_size > 1:
+        dist.all_reduce(sq)
+    return sq.sqrt()
