@@ -23,14 +23,15 @@ import torch
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config, OptimConfig
 from runtime.data import build_dataloader, load_tokenizer
-from runtime.distributed.expert_parallel import localize_experts, parallelize
+from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
-from runtime.models.hf import config_from_hf, load_hf_weights, read_hf_config
-from runtime.models.qwen import QwenForCausalLM, init_weights, label_loss_sum
+from runtime.models.build import build
+from runtime.models.hf import config_from_hf, read_hf_config
+from runtime.models.qwen import QwenForCausalLM, label_loss_sum
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir
 
 log = logging.getLogger("runtime")
@@ -59,23 +60,12 @@ def model_config(cfg: Config):
 
 
 def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalLM:
-    """The model with this rank's weights: checkpoint shards (only its experts under EP) or a seeded
-    random init that is identical on every rank before experts are split."""
+    """The model with this rank's weights (runtime.models.build): checkpoint shards (only its experts
+    under EP) or the seeded random init, whose every EP slice equals the single-process init."""
     qcfg = model_config(cfg)
     dims.check_experts(qcfg.num_experts)
-    dtype = DTYPES[cfg.model.dtype]
-    ep_rank = dims.ep_rank(env.rank)
-    if cfg.model.path:
-        with torch.device("meta"):
-            model = QwenForCausalLM(qcfg, dtype=dtype)
-        localize_experts(model, ep_rank, dims.ep)
-        load_hf_weights(model, cfg.model.path, dtype, env.device)
-    else:
-        torch.manual_seed(cfg.train.seed)
-        model = QwenForCausalLM(qcfg, device="cpu", dtype=dtype)
-        init_weights(model)
-        localize_experts(model, ep_rank, dims.ep)
-        model.to(env.device)
+    model = build(qcfg, DTYPES[cfg.model.dtype], env.device, path=cfg.model.path, seed=cfg.train.seed,
+                  ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
     if cfg.lora.enabled:
         from runtime.lora import apply_lora
 
