@@ -28,10 +28,9 @@ bandwidth measured in the same run (graph-timed). Then the issue's target: one H
 A variant that fails prints its error and the table goes on.
 
 --sweep           times the raw launches of `ours` (graph-timed) under other tile configs and
-                  backward grid sizes at 4k and 16k (replacing norm_rope.FWD_CONFIG / BWD_CONFIG /
-                  BWD_PROGRAMS_PER_SM), then restores the defaults.
---host-breakdown  host time per call of `ours`, split into the eager fast path, the triton_op path
-                  and the raw launches, plus a cProfile of the f+b call.
+                  backward grid sizes at 4k and 16k (other LaunchSettings passed to the launches).
+--host-breakdown  host time per call of `ours`, split into the triton_op call and the raw launches,
+                  plus a cProfile of the f+b call.
 --dry             runs the same code on the CPU at tiny lengths (wall-clock timer; `ours` needs
                   TRITON_INTERPRET=1 there): a smoke test of the script, its numbers mean nothing.
 --out DIR         writes DIR/bench_norm_rope.json and DIR/bench_norm_rope.log.
@@ -49,16 +48,17 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention import norm_rope
+from attention.kernels import norm_rope as kernels
+from attention.kernels.norm_rope import DEFAULT_LAUNCH_SETTINGS, LaunchSettings
 from attention.norm_rope import qk_norm_rope, qk_norm_rope_reference, rope_reference
 from benchmarks.cuda_graphs import capture_graph
-from gpu import launch as gpu_launch
+from gpu.device import num_sms
 
 HEADS_Q, HEADS_K, HEAD_DIM, BATCH = 40, 8, 128, 1
 EPS = 1e-6
@@ -278,7 +278,7 @@ def ours_bytes(seq: int, dtype: torch.dtype, device: torch.device) -> tuple[int,
     qk = BATCH * seq * (HEADS_Q + HEADS_K) * HEAD_DIM * item
     table = 2 * seq * HEAD_DIM * item          # cos + sin, [1, S, D] each
     weights = 2 * HEAD_DIM * item
-    n_progs = norm_rope.BWD_PROGRAMS_PER_SM * norm_rope._num_sms(device)  # at most; rounded by tiles
+    n_progs = DEFAULT_LAUNCH_SETTINGS.bwd_programs_per_sm * num_sms(device)  # at most; rounded by tiles
     partials = 2 * n_progs * HEAD_DIM * 4
     fwd = 2 * qk + table + weights
     bwd = 3 * qk + table + 2 * weights + partials  # q, k, grads in; dq, dk out; dW out
@@ -361,102 +361,85 @@ def add_roofline(r: Result, dtype: torch.dtype, device: torch.device, copy_gbs: 
             r.extra[f"{key}_gbs"], r.extra[f"{key}_roofline_pct"] = gbs, 100 * gbs / copy_gbs
 
 
-def _raw_launches(seq: int, device: torch.device, dtype: torch.dtype):
-    """The forward and backward launches of `ours` without any autograd/op layer around them."""
+def _raw_launches(seq: int, device: torch.device, dtype: torch.dtype,
+                  settings: LaunchSettings = DEFAULT_LAUNCH_SETTINGS):
+    """The forward and backward launches of `ours` without the op and autograd layers around them."""
     inputs, (grad_q, grad_k) = make_inputs(seq, device, dtype)
     q, k, q_w, k_w, cos, sin = (t.detach() for t in inputs)
 
     def fwd():
-        return norm_rope._fwd_launch(q, k, q_w, k_w, cos, sin, EPS, False, wrap=False)
+        return kernels.fwd_launch(q, k, q_w, k_w, cos, sin, EPS, False, settings)
 
     def bwd():
-        return norm_rope._bwd_launch(q, k, q_w, k_w, cos, sin, grad_q, grad_k, EPS, False, wrap=False)
+        return kernels.bwd_launch(q, k, q_w, k_w, cos, sin, grad_q, grad_k, EPS, False, settings)
     return fwd, bwd
 
 
 def sweep(seqlens, timer: Timer, dtype: torch.dtype, log) -> list[dict]:
-    """GPU time of the raw launches under other tile configs and backward grid sizes; restores the defaults."""
-    defaults = norm_rope.FWD_CONFIG, norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM
+    """GPU time of the raw launches under other tile configs and backward grid sizes."""
+    default = DEFAULT_LAUNCH_SETTINGS
     rows = []
-    log(f"\nsweep of ours, GPU time of the raw launches (ms); defaults fwd {defaults[0]}, bwd {defaults[1]}, "
-        f"{defaults[2]} bwd programs per SM")
-    try:
-        for seq in seqlens:
-            fwd, bwd = _raw_launches(seq, timer.device, dtype)
-            for kind, configs, per_sms in (("fwd", SWEEP_FWD_CONFIGS, (None,)),
-                                           ("bwd", SWEEP_BWD_CONFIGS, SWEEP_BWD_PROGRAMS_PER_SM)):
-                for elements, warps in configs:
-                    for per_sm in per_sms:
-                        row = {"seq": seq, "pass": kind, "tile_elements": elements, "num_warps": warps,
-                               "bwd_programs_per_sm": per_sm}
-                        if kind == "fwd":
-                            norm_rope.FWD_CONFIG = (elements, warps)
-                        else:
-                            norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM = (elements, warps), per_sm
-                        norm_rope._meta_cached.cache_clear()
-                        try:
-                            row["ms"] = timer.gpu(fwd if kind == "fwd" else bwd)
-                            log(f"{seq:>6} {kind} {elements:>5} elements {warps:>2} warps "
-                                f"{'' if per_sm is None else f'{per_sm:>2} per SM'}: {row['ms']:.4f}")
-                        except Exception as exc:
-                            row["error"] = repr(exc)
-                            log(f"{seq:>6} {kind} {elements} {warps} {per_sm}: error {exc!r}")
-                        rows.append(row)
-                        norm_rope.FWD_CONFIG, norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM = defaults
-            for kind in ("fwd", "bwd"):
-                done = [r for r in rows if r["seq"] == seq and r["pass"] == kind and "ms" in r]
-                if done:
-                    best = min(done, key=lambda r: r["ms"])
-                    log(f"{seq:>6} best {kind}: {best}")
-    finally:
-        norm_rope.FWD_CONFIG, norm_rope.BWD_CONFIG, norm_rope.BWD_PROGRAMS_PER_SM = defaults
-        norm_rope._meta_cached.cache_clear()
+    log(f"\nsweep of ours, GPU time of the raw launches (ms); defaults {default}")
+    for seq in seqlens:
+        for kind, configs, per_sms in (("fwd", SWEEP_FWD_CONFIGS, (None,)),
+                                       ("bwd", SWEEP_BWD_CONFIGS, SWEEP_BWD_PROGRAMS_PER_SM)):
+            for elements, warps in configs:
+                for per_sm in per_sms:
+                    row = {"seq": seq, "pass": kind, "tile_elements": elements, "num_warps": warps,
+                           "bwd_programs_per_sm": per_sm}
+                    if kind == "fwd":
+                        settings = replace(default, fwd_tile_elements=elements, fwd_num_warps=warps)
+                    else:
+                        settings = replace(default, bwd_tile_elements=elements, bwd_num_warps=warps,
+                                           bwd_programs_per_sm=per_sm)
+                    fwd, bwd = _raw_launches(seq, timer.device, dtype, settings)
+                    try:
+                        row["ms"] = timer.gpu(fwd if kind == "fwd" else bwd)
+                        log(f"{seq:>6} {kind} {elements:>5} elements {warps:>2} warps "
+                            f"{'' if per_sm is None else f'{per_sm:>2} per SM'}: {row['ms']:.4f}")
+                    except Exception as exc:
+                        row["error"] = repr(exc)
+                        log(f"{seq:>6} {kind} {elements} {warps} {per_sm}: error {exc!r}")
+                    rows.append(row)
+        for kind in ("fwd", "bwd"):
+            done = [r for r in rows if r["seq"] == seq and r["pass"] == kind and "ms" in r]
+            if done:
+                best = min(done, key=lambda r: r["ms"])
+                log(f"{seq:>6} best {kind}: {best}")
     return rows
 
 
 def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
-    """Where the host time of `ours` goes: eager fast path vs the triton_op path vs the raw launches."""
+    """Where the host time of `ours` goes: the op call (dispatch, autograd) vs the raw launches."""
     inputs, grads = make_inputs(seq, timer.device, dtype)
     leaves = inputs[:4]
     raw_fwd, raw_bwd = _raw_launches(seq, timer.device, dtype)
-    default, default_direct = norm_rope.EAGER_AUTOGRAD_FUNCTION, gpu_launch.DIRECT_LAUNCH
     out = {}
     log(f"\nhost ms per call of ours at seq {seq} (CPU time, GPU synced between reps; median) / GPU ms:")
-    try:
-        for path, direct in ((True, True), (True, False), (False, True)):
-            norm_rope.EAGER_AUTOGRAD_FUNCTION, gpu_launch.DIRECT_LAUNCH = path, direct
-            name = ("fast path" if direct else "fast+JIT") if path else "op path"
-            for what, fn in (("fwd", lambda: ours(*inputs)),
-                             ("f+b", lambda: torch.autograd.grad(ours(*inputs), leaves, grads))):
-                out[f"{name} {what}"] = timer.host(fn)
-                log(f"  {name:<10} {what}: host {out[f'{name} {what}']:.4f}")
-        q_leaf, grad_q = inputs[0], grads[0]
-        out["autograd floor"] = timer.host(lambda: torch.autograd.grad(q_leaf * 2.0, q_leaf, grad_q))
-        log(f"  autograd floor (autograd.grad of q * 2: one native fwd + bwd kernel): host {out['autograd floor']:.4f}")
-        norm_rope.EAGER_AUTOGRAD_FUNCTION = default
-        for direct in (True, False):
-            gpu_launch.DIRECT_LAUNCH = direct
-            for what, fn in (("raw fwd launch", raw_fwd), ("raw bwd launch", raw_bwd)):
-                what += "" if direct else " (JIT)"
-                out[what] = timer.host(fn)
-                out[what + " gpu"] = timer.gpu(fn)
-                log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
-        gpu_launch.DIRECT_LAUNCH = default_direct
-        profiler = cProfile.Profile()
-        n_calls = 200 if timer.device.type == "cuda" else 2
-        profiler.enable()
-        for _ in range(n_calls):
-            torch.autograd.grad(ours(*inputs), leaves, grads)
-        profiler.disable()
-        torch.cuda.synchronize() if timer.device.type == "cuda" else None
-        stream = io.StringIO()
-        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(18)
-        log(f"cProfile of {n_calls} f+b calls (default path), by tottime:")
-        for line in stream.getvalue().splitlines()[4:]:
-            if line.strip():
-                log("  " + line[:150])
-    finally:
-        norm_rope.EAGER_AUTOGRAD_FUNCTION, gpu_launch.DIRECT_LAUNCH = default, default_direct
+    for what, fn in (("fwd", lambda: ours(*inputs)),
+                     ("f+b", lambda: torch.autograd.grad(ours(*inputs), leaves, grads))):
+        out[f"op {what}"] = timer.host(fn)
+        log(f"  op {what}: host {out[f'op {what}']:.4f}")
+    q_leaf, grad_q = inputs[0], grads[0]
+    out["autograd floor"] = timer.host(lambda: torch.autograd.grad(q_leaf * 2.0, q_leaf, grad_q))
+    log(f"  autograd floor (autograd.grad of q * 2: one native fwd + bwd kernel): host {out['autograd floor']:.4f}")
+    for what, fn in (("raw fwd launch", raw_fwd), ("raw bwd launch", raw_bwd)):
+        out[what] = timer.host(fn)
+        out[what + " gpu"] = timer.gpu(fn)
+        log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
+    profiler = cProfile.Profile()
+    n_calls = 200 if timer.device.type == "cuda" else 2
+    profiler.enable()
+    for _ in range(n_calls):
+        torch.autograd.grad(ours(*inputs), leaves, grads)
+    profiler.disable()
+    torch.cuda.synchronize() if timer.device.type == "cuda" else None
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(18)
+    log(f"cProfile of {n_calls} f+b calls, by tottime:")
+    for line in stream.getvalue().splitlines()[4:]:
+        if line.strip():
+            log("  " + line[:150])
     return out
 
 
@@ -503,8 +486,7 @@ def main() -> None:
     log(f"{time.strftime('%Y-%m-%d %H:%M')} device {device_name}, torch {torch.__version__}, triton {triton_version}, "
         f"{dtype}, Qwen3-14B attention: B={BATCH} Hq={HEADS_Q} Hkv={HEADS_K} D={HEAD_DIM}; median of {timer.reps} "
         f"reps after {timer.warmup} warmup; L2 flushed before each rep")
-    log(f"ours: fwd config {norm_rope.FWD_CONFIG}, bwd config {norm_rope.BWD_CONFIG} (elements per tile, warps), "
-        f"{norm_rope.BWD_PROGRAMS_PER_SM} bwd programs per SM, eager fast path {norm_rope.EAGER_AUTOGRAD_FUNCTION}")
+    log(f"ours: {DEFAULT_LAUNCH_SETTINGS}")
     copy_gbs = copy_bandwidth_gbs(timer)
 
     results: list[Result] = []
@@ -541,8 +523,7 @@ def main() -> None:
         payload = {"device": device_name, "torch": torch.__version__, "triton": triton_version,
                    "dtype": str(dtype), "date": time.strftime("%Y-%m-%d"), "copy_gbs": copy_gbs,
                    "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_k": HEADS_K, "head_dim": HEAD_DIM},
-                   "config": {"fwd": norm_rope.FWD_CONFIG, "bwd": norm_rope.BWD_CONFIG,
-                              "bwd_programs_per_sm": norm_rope.BWD_PROGRAMS_PER_SM},
+                   "config": asdict(DEFAULT_LAUNCH_SETTINGS),
                    "results": [asdict(r) for r in results], "targets": checks, "sweep": sweep_rows,
                    "host_breakdown": breakdown, "command": " ".join(sys.argv)}
         with open(os.path.join(args.out, "bench_norm_rope.json"), "w") as f:

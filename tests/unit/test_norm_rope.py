@@ -5,7 +5,7 @@
    fp32, and bit-exact in bf16 (same cast order as Qwen3Attention).
 2. The Triton kernels under TRITON_INTERPRET=1 against the reference in fp32 (forward and backward).
    The interpreter is chosen when triton.jit decorates the kernels, i.e. at the first import of
-   attention.norm_rope; an in-process env var cannot be trusted (another test may have imported it
+   attention.kernels.norm_rope; an in-process env var cannot be trusted (another test may have imported it
    first, and flipping it would break GPU tests in the same session). So unless this process already
    interprets the kernels, one test re-runs the `interp` cases in a subprocess with the variable set.
 
@@ -22,8 +22,9 @@ import sys
 import pytest
 import torch
 
-from attention import norm_rope
-from attention.norm_rope import qk_norm_rope, qk_norm_rope_reference
+from attention.kernels import norm_rope as kernels
+from attention.kernels.norm_rope import DEFAULT_LAUNCH_SETTINGS, LaunchSettings
+from attention.norm_rope import NORM_ROPE_IMPLS, qk_norm_rope, qk_norm_rope_reference
 
 EPS = 1e-6
 
@@ -143,8 +144,15 @@ def test_auto_on_cpu_is_the_reference():
 
 
 def test_bad_impl_raises():
-    with pytest.raises(ValueError, match="auto.*triton.*torch"):
+    with pytest.raises(ValueError, match=r"auto.*torch.*triton.*model\.norm_rope_impl"):
         qk_norm_rope(*make_inputs(), EPS, impl="cuda")
+
+
+def test_impls_registry():
+    """The names a config may use; "auto" resolves to triton only where CUDA and triton both are."""
+    assert NORM_ROPE_IMPLS.names() == ["auto", "torch", "triton"]
+    assert NORM_ROPE_IMPLS.resolve("auto") == ("triton" if kernels.AVAILABLE and torch.cuda.is_available()
+                                               else "torch")
 
 
 @pytest.mark.parametrize("bad", ["rotary_dim", "cos_shape", "weight_shape", "k_head_dim"])
@@ -167,7 +175,7 @@ def test_bad_shapes_raise(bad):
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
-INTERPRETED_HERE = HAVE_TRITON and type(norm_rope._qk_norm_rope_fwd_kernel).__name__ == "InterpretedFunction"
+INTERPRETED_HERE = HAVE_TRITON and type(kernels._qk_norm_rope_fwd_kernel).__name__ == "InterpretedFunction"
 interp = pytest.mark.skipif(not INTERPRETED_HERE, reason="kernels are not interpreted in this process "
                                                         "(test_interp_cases_in_subprocess runs them)")
 
@@ -186,10 +194,12 @@ def test_interp_cases_in_subprocess():
     assert "passed" in summary and "skipped" not in summary, result.stdout[-2000:]
 
 
-def assert_triton_matches_reference(inputs, unit_offset, rotary_dim, grad_transform=None):
+def assert_triton_matches_reference(inputs, unit_offset, rotary_dim, grad_transform=None,
+                                    settings=DEFAULT_LAUNCH_SETTINGS):
     def run(impl):
         def fn(q, k, q_w, k_w, cos, sin):
-            q_out, k_out = qk_norm_rope(q, k, q_w, k_w, cos, sin, EPS, unit_offset, rotary_dim, impl=impl)
+            q_out, k_out = qk_norm_rope(q, k, q_w, k_w, cos, sin, EPS, unit_offset, rotary_dim, impl=impl,
+                                        launch_settings=settings)
             # A [B, heads, S, D] view of the outputs with contiguous upstream grads hands the op strided
             # [B, S, heads, D] grads, as an attention backend working in that layout does.
             return (q_out, k_out) if grad_transform is None else (grad_transform(q_out), grad_transform(k_out))
@@ -218,52 +228,38 @@ def test_interp_broadcast_cos_contiguous_inputs_and_strided_grads():
 
 
 @interp
-def test_interp_many_tiles_per_backward_program(monkeypatch):
+def test_interp_many_tiles_per_backward_program():
     """With 4 backward programs as the target (4 "SMs" on the CPU, 1 per SM), the 38 q tiles and 10 k
     tiles of 32 rows go 12 per program: q programs loop with a ragged end, the k program runs past its
     rows. Exercises the dW partial loop and its masking."""
-    monkeypatch.setattr(norm_rope, "BWD_PROGRAMS_PER_SM", 1)
     inputs = make_inputs(batch=2, seq=150, heads_q=4, heads_k=1, head_dim=64, rotary_dim=32)
-    assert_triton_matches_reference(inputs, False, 32)
+    assert_triton_matches_reference(inputs, False, 32, settings=LaunchSettings(bwd_programs_per_sm=1))
 
 
 @interp
-def test_interp_dw_sum_loops_over_many_partial_rows(monkeypatch):
+def test_interp_dw_sum_loops_over_many_partial_rows():
     """16 backward programs (4 per "SM") and a dW sum that takes 4 partial rows and 16 columns per load:
     the q sum loops with a ragged last block, the k sum starts mid-buffer, D spans 4 column programs."""
-    monkeypatch.setattr(norm_rope, "BWD_PROGRAMS_PER_SM", 4)
-    monkeypatch.setattr(norm_rope, "DW_SUM_BLOCK_P", 4)
-    monkeypatch.setattr(norm_rope, "DW_SUM_BLOCK_D", 16)
     inputs = make_inputs(batch=2, seq=40, heads_q=4, heads_k=2, head_dim=64)
-    assert_triton_matches_reference(inputs, True, None)
-
-
-def _grad_fn_name(out: torch.Tensor) -> str:
-    return type(out.grad_fn).__name__
+    settings = LaunchSettings(bwd_programs_per_sm=4, dw_sum_block_p=4, dw_sum_block_d=16)
+    assert_triton_matches_reference(inputs, True, None, settings=settings)
 
 
 @interp
-def test_interp_eager_fast_path_and_op_path_agree(monkeypatch):
-    """Plain eager calls take the autograd.Function path; EAGER_AUTOGRAD_FUNCTION=False (and anything
-    that traces) takes the triton_op path. Same kernels, same launches: bitwise equal results."""
-    inputs = make_inputs(batch=2, seq=5, heads_q=3, heads_k=1, head_dim=32, rotary_dim=16)
+def test_interp_other_tile_settings_give_the_same_results():
+    """Settings only tune: smaller tiles and fewer warps match the reference too."""
+    inputs = make_inputs(batch=2, seq=7, heads_q=3, heads_k=1, head_dim=32, rotary_dim=16)
+    settings = LaunchSettings(fwd_tile_elements=64, fwd_num_warps=2, bwd_tile_elements=128, bwd_num_warps=2)
+    assert_triton_matches_reference(inputs, True, 16, settings=settings)
 
-    def run():
-        names = []
 
-        def fn(*args):
-            q_out, k_out = qk_norm_rope(*args, EPS, True, 16, impl="triton")
-            names.append(_grad_fn_name(q_out))
-            return q_out, k_out
-        return forward_and_grads(fn, *inputs), names[0]
-
-    fast, fast_name = run()
-    monkeypatch.setattr(norm_rope, "EAGER_AUTOGRAD_FUNCTION", False)
-    op, op_name = run()
-    assert "QkNormRopeEager" in fast_name, fast_name
-    assert "moert" in op_name and "qk_norm_rope_fwd" in op_name, op_name
-    for a, b in zip(fast, op):
-        assert torch.equal(a, b)
+@interp
+def test_interp_autograd_goes_through_the_op():
+    """Eager calls and traced calls alike run the moert op (its autograd is registered on it)."""
+    q, k, q_w, k_w, cos, sin = make_inputs(batch=2, seq=5, heads_q=3, heads_k=1, head_dim=32, rotary_dim=16)
+    q_out, _ = qk_norm_rope(leaf(q), k, q_w, k_w, cos, sin, EPS, True, 16, impl="triton")
+    name = type(q_out.grad_fn).__name__
+    assert "moert" in name and "qk_norm_rope_fwd" in name, name
 
 
 @interp
@@ -294,12 +290,12 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attention import norm_rope
+from attention.kernels import norm_rope as kernels
 
 for backward in (True, False):
     for head_dim, rotary_dim in ((128, 128), (128, 32)):
-        kernel = norm_rope._qk_norm_rope_bwd_kernel if backward else norm_rope._qk_norm_rope_fwd_kernel
-        meta, _ = norm_rope._meta(head_dim, rotary_dim, True, backward)
+        kernel = kernels._qk_norm_rope_bwd_kernel if backward else kernels._qk_norm_rope_fwd_kernel
+        meta, _ = kernels._meta(head_dim, rotary_dim, True, backward, kernels.LaunchSettings())
         meta = {k: v for k, v in meta.items() if k != "num_warps"}
         signature = {name: "constexpr" if name in meta else "fp64" if name == "eps" else
                      ("*fp32" if name == "dw_ptr" else "*bf16") if name.endswith("_ptr") else "i32"
@@ -327,26 +323,25 @@ def test_kernels_compile_with_fp64_eps_for_sm90():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-# ----------------------------------------------------------------------------- direct launches (eager fast path)
+# ----------------------------------------------------------------------------- launch arguments
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_kernel_params_are_tensors_ints_floats_then_the_meta_constexprs():
     """_launch passes (*tensors, *ints, *floats) and then the constexprs in parameter order, taken from
     meta by name: every kernel's trailing params must be exactly its meta keys (less num_warps)."""
-    cases = ((norm_rope._qk_norm_rope_fwd_kernel, 8, 14, False), (norm_rope._qk_norm_rope_bwd_kernel, 11, 21, True))
+    cases = ((kernels._qk_norm_rope_fwd_kernel, 8, 14, False), (kernels._qk_norm_rope_bwd_kernel, 11, 21, True))
     for kernel, n_tensors, n_ints, backward in cases:
-        meta, _ = norm_rope._meta(128, 64, True, backward)
+        meta, _ = kernels._meta(128, 64, True, backward, LaunchSettings())
         names = kernel.arg_names
         assert all(name.endswith("_ptr") for name in names[:n_tensors])
         assert not any(name.endswith("_ptr") for name in names[n_tensors:])
         assert names[n_tensors + n_ints] == "eps"
         assert names[n_tensors + n_ints + 1:] == [key for key in meta if key != "num_warps"]
-    assert norm_rope._dw_sum_kernel.arg_names == ["partial_ptr", "dq_w_ptr", "dk_w_ptr", "n_q_progs", "n_progs",
+    assert kernels._dw_sum_kernel.arg_names == ["partial_ptr", "dq_w_ptr", "dk_w_ptr", "n_q_progs", "n_progs",
                                                   "D", "BLOCK_P", "BLOCK_D"]
 
 
-def test_weights_as_parameters_take_the_eager_fast_path():
-    q, k, q_w, k_w, cos, sin = make_inputs()
-    assert norm_rope._plain_eager(q, k, torch.nn.Parameter(q_w), torch.nn.Parameter(k_w), cos, sin)
-    assert not norm_rope._plain_eager(q, k, q_w.to("meta"), k_w, cos, sin)
+def test_launch_settings_round_trip_through_the_op_schema():
+    settings = LaunchSettings(fwd_tile_elements=512, bwd_programs_per_sm=2, dw_sum_block_d=32)
+    assert LaunchSettings(*settings.as_list()) == settings
