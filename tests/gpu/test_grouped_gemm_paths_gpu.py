@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu import launch as gpu_launch
 from moe.kernels import grouped_linear as gl
 from moe.kernels.routing import sort_slots
 from moe.kernels.tuning import GEMM_CONFIGS
-from gpu import launch as gpu_launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
