@@ -168,7 +168,8 @@ def sm_clock_mhz() -> int | None:
 
 
 def device_info() -> dict:
-    """Device name, SM count, memory, SM clock now and library versions, for a run's JSON and header."""
+    """Device name, SM count, memory, library versions and the SM clock before the run (an idle GPU's is
+    low; rows record the clock they ran at), for a run's JSON and header."""
     info = {"torch": torch.__version__}
     try:
         import triton
@@ -178,9 +179,9 @@ def device_info() -> dict:
     if _on_cuda():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         info.update(device=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda, sm_clock_mhz=sm_clock_mhz())
+                    cuda=torch.version.cuda, sm_clock_mhz_at_start=sm_clock_mhz())
     else:
-        info.update(device="cpu", sms=None, memory_gib=None, cuda=None, sm_clock_mhz=None)
+        info.update(device="cpu", sms=None, memory_gib=None, cuda=None, sm_clock_mhz_at_start=None)
     return info
 
 
@@ -332,8 +333,7 @@ class Report:
         if not self.printing:
             return
         i = self.info
-        print(f"{title}{' ' if title else ''}[{i['device']}, torch {i['torch']}, triton {i['triton']}"
-              f"{', SM clock ' + str(i['sm_clock_mhz']) + ' MHz' if i['sm_clock_mhz'] else ''}]")
+        print(f"{title}{' ' if title else ''}[{i['device']}, torch {i['torch']}, triton {i['triton']}]")
         print("  ".join(self._cell(c, c.header) for c in self.columns) + "  note", flush=True)
 
     def add(self, row) -> dict:
