@@ -2,15 +2,19 @@
 
     x_TH -> router -> (topk_ids_Tk, topk_w_Tk) -> dispatch -> backend -> combine -> out_TH
 The dispatcher decides where tokens are computed (local or over an EP group); the backend how.
+A block is built whole, with its dispatcher (`local` for a single process); what couples it to other
+ranks is set in one step, `MoEBlock.wire(dispatcher, balance_group, aux_grad_scale)`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moe.backends import expert_backend
+from moe.dispatch import Dispatcher
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 
@@ -45,29 +49,35 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, router: SoftmaxTopKRouter, experts: GroupedExperts, backend: str = "grouped_mm",
-                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Linear | None = None):
+    def __init__(self, router: SoftmaxTopKRouter, experts: GroupedExperts, dispatcher: Dispatcher,
+                 backend: str = "grouped_mm", shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Linear | None = None):
         super().__init__()
         self.gate = router  # named as in HF checkpoints (mlp.gate.weight)
         self.experts = experts
-        expert_backend(backend)  # imports (and validates) the backend now, not inside a compiled forward
+        self.dispatcher = dispatcher
+        expert_backend(backend)  # validates the name now, not inside a compiled forward
         self.backend = backend
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
-        self.dispatcher = None  # set by runtime.parallelize for EP; None means all experts are local
-        # Weight of the balance loss's gradient per forward (the trainer sets 1 / micro-batches per step).
         self.aux_grad_scale = 1.0
+
+    def wire(self, dispatcher: Dispatcher, balance_group: dist.ProcessGroup | None, aux_grad_scale: float) -> None:
+        """Couples the block to the other ranks, in one step. `dispatcher` sends tokens to the EP ranks
+        that own their experts; `balance_group` holds the ranks whose tokens form the balance loss's
+        batch (None: this rank's tokens); `aux_grad_scale` weighs the balance loss's gradient per
+        forward (1 / micro-batches per step, so that a step's balance loss is their mean)."""
+        self.dispatcher = dispatcher
+        self.gate.balance_group = balance_group
+        self.aux_grad_scale = aux_grad_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_TH = x.reshape(-1, shape[-1])
         routing = self.gate(x_TH)
-        if self.dispatcher is None:
-            out_TH = self.experts(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk, backend=self.backend)
-        else:
-            routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
-            y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend)
-            out_TH = self.dispatcher.combine(y_MH, routed)
+        routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
+        y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend)
+        out_TH = self.dispatcher.combine(y_MH, routed)
         if self.shared_expert is not None:
             shared_TH = self.shared_expert(x_TH)
             if self.shared_expert_gate is not None:

@@ -204,9 +204,6 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg)
-    for block in model.moe_blocks():
-        # Balance loss of the global micro-batch (the ranks' shares add up), mean over micro-batches.
-        block.aux_grad_scale = 1.0 / cfg.train.grad_accum_steps
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,

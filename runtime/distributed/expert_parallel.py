@@ -38,15 +38,22 @@ def localize_experts(model: QwenForCausalLM, ep_rank: int, ep: int) -> None:
         block.experts = new
 
 
+def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> None:
+    """Every MoE block's distributed wiring, in one step: the dispatcher of parallelism.dispatcher over
+    the EP group (the local identity with ep 1), the balance loss over the global micro-batch (every
+    rank's tokens, data and context shards alike, with meshes), its gradient weighed by the
+    micro-batches per step (so a step's balance loss is their mean)."""
+    ep_group = meshes.ep_group if meshes is not None and dims.ep > 1 else None
+    dispatcher = build_dispatcher(cfg.parallelism.dispatcher, ep_group, model.config.num_experts)
+    balance_group = dist.group.WORLD if meshes is not None else None
+    for block in model.moe_blocks():
+        block.wire(dispatcher, balance_group, aux_grad_scale=1.0 / cfg.train.grad_accum_steps)
+
+
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> QwenForCausalLM:
-    """EP placement (with meshes), activation checkpointing, compile, FSDP2 (with meshes), in the
-    order they compose: compile wraps the checkpointed blocks, FSDP wraps the compiled ones."""
-    if meshes is not None:
-        for block in model.moe_blocks():
-            # Every rank's tokens (data and context shards alike) form the global batch.
-            block.gate.balance_group = dist.group.WORLD
-            if dims.ep > 1:
-                block.dispatcher = build_dispatcher(meshes.ep_group, model.config.num_experts)
+    """MoE wiring (EP dispatcher with meshes), activation checkpointing, compile, FSDP2 (with meshes),
+    in the order they compose: compile wraps the checkpointed blocks, FSDP wraps the compiled ones."""
+    wire_moe_blocks(model, dims, meshes, cfg)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)

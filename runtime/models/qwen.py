@@ -24,6 +24,7 @@ from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta, cu_se
 from attention.gdn import GatedDeltaNet, GatedRMSNorm
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
+from moe.dispatch import build_dispatcher
 from moe.experts import GroupedExperts
 from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
@@ -96,7 +97,9 @@ def build_mlp(cfg: QwenConfig, layer: int, device=None, dtype=None) -> nn.Module
     if cfg.shared_expert_intermediate_size:
         shared = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, device=device, dtype=dtype)
         shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False, device=device, dtype=dtype)
-    return MoEBlock(router, experts, backend=cfg.expert_backend, shared_expert=shared,
+    # Built single-process: every expert local; runtime.distributed wires the EP dispatcher.
+    dispatcher = build_dispatcher("local", None, cfg.num_experts)
+    return MoEBlock(router, experts, dispatcher, backend=cfg.expert_backend, shared_expert=shared,
                     shared_expert_gate=shared_gate)
 
 

@@ -204,10 +204,12 @@ def check_all(rank: int, ep: int) -> dict[str, list[int]]:
     if rank == 0:  # alone: a collective before the check would hang the group
         with pytest.raises(ValueError, match=f"num_experts={E - 1}.*size {ep}"):
             AllToAllDispatcher(dist.group.WORLD, E - 1)
-    assert isinstance(build_dispatcher(dist.group.WORLD, E), AllToAllDispatcher)
+    assert isinstance(build_dispatcher("all_to_all", dist.group.WORLD, E), AllToAllDispatcher)
+    with pytest.raises(ValueError, match="EP group has .* ranks; use all_to_all"):
+        build_dispatcher("local", dist.group.WORLD, E)
     singleton = dist.new_group([0])  # every rank must take part in creating it
     if rank == 0:
-        assert isinstance(build_dispatcher(singleton, E), LocalDispatcher)
+        assert isinstance(build_dispatcher("all_to_all", singleton, E), LocalDispatcher)
     return {case.name: check_case(case, rank, ep, seed) for seed, case in enumerate(CASES)}
 
 
@@ -228,7 +230,8 @@ def test_all_to_all_matches_single_process(run_dist, world_size):
 def test_local_dispatcher_is_identity():
     x_TH, w_Tk = torch.randn(5, H), torch.rand(5, 2)
     ids_Tk = torch.tensor([[0, 3], [1, 2], [7, 0], [4, 5], [6, 1]])
-    dispatcher = build_dispatcher(None, E)
+    assert isinstance(build_dispatcher("all_to_all", None, E), LocalDispatcher)  # no EP group
+    dispatcher = build_dispatcher("local", None, E)
     assert isinstance(dispatcher, LocalDispatcher)
     routed = dispatcher.dispatch(x_TH, ids_Tk, w_Tk)
     assert routed.x_MH is x_TH and routed.expert_ids_Mk is ids_Tk and routed.weights_Mk is w_Tk
@@ -243,3 +246,36 @@ def test_local_dispatcher_rejects_mismatched_shapes():
     routed = dispatcher.dispatch(torch.randn(5, H), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2))
     with pytest.raises(ValueError, match="does not match"):
         dispatcher.combine(torch.randn(4, H), routed)
+
+
+def test_dispatcher_names_come_from_the_registry():
+    with pytest.raises(ValueError, match=r"unknown dispatcher 'nccl'.*parallelism.dispatcher"):
+        build_dispatcher("nccl", None, E)
+    with pytest.raises(RuntimeError, match="deepep.*not implemented"):
+        build_dispatcher("deepep", None, E)
+
+
+def test_moe_block_runs_its_dispatcher_and_is_wired_in_one_step():
+    """The block is built with a dispatcher and calls it in every forward (not only under EP)."""
+    from moe.layer import MoEBlock
+    from moe.router import SoftmaxTopKRouter
+
+    calls = []
+
+    class Counting(LocalDispatcher):
+        def dispatch(self, *args):
+            calls.append("dispatch")
+            return super().dispatch(*args)
+
+        def combine(self, *args):
+            calls.append("combine")
+            return super().combine(*args)
+
+    torch.manual_seed(0)
+    block = MoEBlock(SoftmaxTopKRouter(H, E, 2, True), GroupedExperts(E, H, I), build_dispatcher("local", None, E),
+                     backend="eager")
+    x_BSH = torch.randn(2, 3, H)
+    before = block(x_BSH)
+    block.wire(Counting(), balance_group=None, aux_grad_scale=0.5)
+    assert block.aux_grad_scale == 0.5 and block.gate.balance_group is None
+    assert torch.equal(block(x_BSH), before) and calls == ["dispatch", "combine"]
