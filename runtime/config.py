@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from runtime.model_config_check import model_config_problems
+from runtime.registry import check_choice
 
 
 class ConfigError(ValueError):
@@ -29,19 +31,33 @@ INDUCTOR_OPTIONS = {
 }
 
 
+def _registered(section: str, name: str, info: ValidationInfo) -> str:
+    """`name` if the registry of `section.<field>` knows it (names live with their implementations)."""
+    problem = check_choice(f"{section}.{info.field_name}", name)
+    if problem:
+        raise PydanticCustomError("unknown_name", "{problem}", {"problem": problem})
+    return name
+
+
 class ModelConfig(Section):
     # A HF checkpoint folder (config.json + safetensors), or `config` for random init (tiny demos).
     path: str | None = None
     config: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
-    expert_backend: Literal["eager", "grouped_mm", "scattermoe"] = "grouped_mm"
-    attn_backend: Literal["sdpa", "flash"] = "sdpa"
-    norm_rope_impl: Literal["auto", "torch", "triton"] = "auto"
+    # Implementation names, checked against their registries (runtime/registry.py).
+    expert_backend: str = "grouped_mm"
+    attn_backend: str = "sdpa"
+    norm_rope_impl: str = "auto"
     # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed, else torch.
-    gdn_op_set: Literal["auto", "torch", "fla"] = "auto"
+    gdn_op_set: str = "auto"
     router_aux_loss_coef: float = Field(0.0, ge=0.0)
     # Fewer decoder layers than the checkpoint has (parity checks of big models).
     num_layers_override: int | None = Field(None, ge=1)
+
+    @field_validator("expert_backend", "attn_backend", "norm_rope_impl", "gdn_op_set")
+    @classmethod
+    def _implementation(cls, name: str, info: ValidationInfo) -> str:
+        return _registered("model", name, info)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -82,10 +98,16 @@ class ParallelismConfig(Section):
     dp_shard: int = Field(-1, ge=-1)  # -1: whatever the world size leaves
     cp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
-    dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
+    # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
+    dispatcher: str = "all_to_all"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     # A collective that waits longer fails; the watchdog ends every rank once a peer stalls this long.
     collective_timeout_s: int = Field(600, ge=5)
+
+    @field_validator("dispatcher")
+    @classmethod
+    def _registered_dispatcher(cls, name: str, info: ValidationInfo) -> str:
+        return _registered("parallelism", name, info)
 
     @model_validator(mode="after")
     def _dp_shard(self):
@@ -179,6 +201,9 @@ class Config(Section):
             raise ValueError("parallelism.cp > 1: context parallelism is not implemented yet; use cp: 1")
         if p.dispatcher == "deepep":
             raise ValueError("parallelism.dispatcher: deepep is not implemented yet; use all_to_all")
+        if p.dispatcher == "local" and p.ep > 1:
+            raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
+                             f"parallelism.ep is {p.ep}; use all_to_all")
         if self.quant.base_weights != "none":
             raise ValueError(f"quant.base_weights: {self.quant.base_weights} (packed FP4 base weights) is not "
                              "implemented yet; use none")
