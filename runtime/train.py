@@ -27,6 +27,7 @@ from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
+from runtime.failures import Progress
 from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.build import build
@@ -43,18 +44,10 @@ class TrainingDiverged(RuntimeError):
     """A non-finite loss or grad norm; the message names the step and the last good checkpoint."""
 
 
-def gdn_op_set(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import importlib.util
-
-    return "fla" if torch.cuda.is_available() and importlib.util.find_spec("fla") else "torch"
-
-
 def model_config(cfg: Config):
     hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
     return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
-                          norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=gdn_op_set(cfg.model.gdn_op_set),
+                          norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
                           router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                           num_layers=cfg.model.num_layers_override)
 
@@ -188,19 +181,21 @@ def claim(cfg: Config, env: DistEnv, resume: bool) -> RunDir:
 
 
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
-          resume: bool = False, on_grads=None) -> list[dict]:
+          resume: bool = False, on_grads=None, progress: Progress | None = None) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
-    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it)."""
+    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
+    `progress` is kept up to date with the step, for the failure report (runtime.failures)."""
+    progress = progress or Progress()
     resume = resume or cfg.checkpoint.resume
     run_dir = claim(cfg, env, resume)
     try:
-        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads)
+        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads, progress)
     finally:
         release_run_dir(run_dir)
 
 
 def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
-           resume: bool, on_grads) -> list[dict]:
+           resume: bool, on_grads, progress: Progress) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg)
@@ -210,12 +205,14 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                               dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, env, ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
     start, last_good = 0, "none (no checkpoint was saved yet)"
+    progress.step = 1
     if resume:
         latest = ckpt.latest()
         if latest is None:
             log.warning("resume requested but %s holds no checkpoint: starting from step 0", ckpt.root)
         else:
             start = ckpt.load(latest, model, optimizer, scheduler, loader)
+            progress.step = start + 1
             last_good = str(latest)  # load() checked its parameters finite
             log.info("resumed from %s (step %d)", latest, start)
     peak = device_peak_flops(env.device)
@@ -226,6 +223,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     records, timer = [], StepTimer()
     try:
         for step in range(start + 1, cfg.train.max_steps + 1):
+            progress.step, progress.training = step, True
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
             result = train_step(model, batches, optimizer, cfg, env, on_grads)
             guard.check(step, result, last_good)

@@ -47,10 +47,10 @@ def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism
 def full_grads(model: torch.nn.Module, meshes: Meshes | None) -> dict[str, torch.Tensor]:
     """Every gradient as the full tensor on CPU: FSDP shards gathered, EP expert slices concatenated
     in expert order. A collective on every rank; all ranks get the result."""
-    from runtime.distributed.state_dict import gather_full
+    from runtime.distributed.state_dict import gather_full, is_expert_param
 
     # clone: clipping later scales p.grad in place
-    return {fqn: gather_full(p.grad, ".experts." in fqn, meshes).detach().float().cpu().clone()
+    return {fqn: gather_full(p.grad, is_expert_param(model, fqn), meshes).detach().float().cpu().clone()
             for fqn, p in model.named_parameters() if p.grad is not None}
 
 
@@ -98,9 +98,13 @@ def compare(dist_steps: list[dict], ref_steps: list[dict], dtype: str) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI; failures end as in runtime.launch (one line from rank 0, --debug for the traceback)."""
-    from runtime.launch import RunContext, guarded_main
+    from runtime.distributed.process_group import env_world
+    from runtime.failure_report import guarded_main
+    from runtime.failures import RunContext
+    from runtime.launch import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging(env_world()[0])
     # Nothing to resume: verification writes no checkpoint.
     return guarded_main(lambda _context: verify(argv), RunContext(argv, module="runtime.verify", resumable=False))
 
@@ -114,7 +118,7 @@ def verify(argv: list[str]) -> int:
     extra.add_argument("--steps", type=int, default=3)
     known, rest = extra.parse_known_args(argv)
     _, cfg, dims = prepare(rest)
-    env = init_distributed()
+    env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
     meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None
     with tempfile.TemporaryDirectory() as out:
         dist_steps = record_run(_verification_config(cfg, known.steps, out), env, dims, meshes)

@@ -26,16 +26,8 @@ import torch.distributed as dist
 
 from runtime import preflight as preflight_mod
 from runtime.config import load_config
-from runtime.launch import (
-    EXIT_INTERNAL_ERROR,
-    Failure,
-    PeerBoard,
-    RunContext,
-    debug_requested,
-    describe,
-    report_as_peer,
-    report_as_rank0,
-)
+from runtime.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
+from runtime.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.preflight import PreflightError, estimate_checkpoints, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
