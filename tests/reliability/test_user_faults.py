@@ -1,0 +1,465 @@
+"""Bad inputs and faults, run as a user would: `python -m runtime.launch` or `torchrun` as a
+subprocess on real files (YAML, JSONL, tokenizer folders, DCP checkpoints), real signals to the ranks.
+
+Every case ends in one of two outcomes, and the test asserts which:
+- a clear error: exit code != 0, no traceback, one `error:` line (from rank 0 only) that matches
+  what the case expects to be named;
+- correct training: exit code 0 and the expected steps in metrics.jsonl.
+No case may hang (each has a timeout) or lose a checkpoint that existed before it.
+docs/reliability.md tabulates the cases.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny"
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+TIMEOUT_S = 240
+
+
+def base_config(out: Path) -> dict:
+    """The tiny example, made small and fast, with absolute paths."""
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["data"].update(path=str(TINY / "data" / "train.jsonl"), tokenizer=str(TINY / "tokenizer"), seq_len=64)
+    cfg["optim"]["warmup_steps"] = 1
+    cfg["train"].update(max_steps=2, micro_batch_size=2, output_dir=str(out))
+    cfg["checkpoint"] = {"every_n_steps": 0, "keep_last": 2}
+    cfg["logging"] = {"progress_bar": False}
+    return cfg
+
+
+def write_config(tmp: Path, cfg: dict | str, name: str = "cfg.yaml") -> Path:
+    path = tmp / name
+    path.write_text(cfg if isinstance(cfg, str) else yaml.safe_dump(cfg))
+    return path
+
+
+def command(args: list[str], nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "runtime.launch", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "runtime.launch", *args]
+
+
+def child_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(command([str(a) for a in args], nproc), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=child_env(), check=False)
+
+
+def start(args: list[str], nproc: int = 1) -> subprocess.Popen:
+    return subprocess.Popen(command([str(a) for a in args], nproc), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+
+
+_AGENT_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
+
+
+def ranks_stderr(stderr: str) -> str:
+    """What our ranks printed: torchrun's own agent adds its log lines and, when a worker fails, a
+    traceback of its ChildFailedError (torchrun's report, not ours), which is cut off here."""
+    lines = [line for line in stderr.splitlines() if not _AGENT_LOG.match(line)]
+    text = "\n".join(lines)
+    agent = re.search(r"Traceback \(most recent call last\):\n(?:.*\n)*?.*torch/distributed/run\.py", text)
+    return text[:agent.start()] if agent else text
+
+
+def assert_clear_error(proc, pattern: str) -> str:
+    """Exit != 0, no traceback, exactly one `error:` line, matching `pattern` (searched in the error
+    message, which may continue on indented lines)."""
+    err = ranks_stderr(proc.stderr)
+    assert proc.returncode != 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    starts = [i for i, line in enumerate(err.splitlines()) if line.startswith("error:")]
+    assert len(starts) == 1, err[-3000:]
+    message = "\n".join(err.splitlines()[starts[0]:])
+    assert re.search(pattern, message, re.S), message
+    return message
+
+
+def steps_logged(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_trains(proc, out: Path, steps: list[int]) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert steps_logged(out) == steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: each case edits the tiny config (or passes flags) and names what the error must name.
+
+def _set(cfg, dotted, value):
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def _drop(cfg, dotted):
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for key in parents:
+        node = node[key]
+    del node[leaf]
+
+
+def _edit(*pairs):
+    def apply(cfg, tmp):
+        for dotted, value in pairs:
+            _set(cfg, dotted, value) if value is not _DROP else _drop(cfg, dotted)
+    return apply
+
+
+_DROP = object()
+
+
+def _empty_tokenizer(cfg, tmp):
+    (tmp / "tok").mkdir()
+    cfg["data"]["tokenizer"] = str(tmp / "tok")
+
+
+def _model_path_without_weights(cfg, tmp):
+    (tmp / "hf").mkdir()
+    hf = dict(cfg["model"]["config"], architectures=["Qwen3MoeForCausalLM"])
+    (tmp / "hf" / "config.json").write_text(json.dumps(hf))
+    cfg["model"] = {"path": str(tmp / "hf")}
+
+
+def _model_path_without_config(cfg, tmp):
+    (tmp / "hf").mkdir()
+    cfg["model"] = {"path": str(tmp / "hf")}
+
+
+CONFIG_CASES = {
+    # YAML schema
+    "unknown section": (_edit(("trian", {"max_steps": 3})), r"trian: unknown key"),
+    "unknown key": (_edit(("optim.learning_rate", 1e-3)), r"optim.learning_rate: unknown key"),
+    "wrong type": (_edit(("optim.lr", "fast")), r"optim.lr"),
+    "negative lr": (_edit(("optim.lr", -1.0)), r"optim.lr: Input should be greater than 0"),
+    "seq_len too small": (_edit(("data.seq_len", 4)), r"data.seq_len"),
+    "warmup >= max_steps": (_edit(("optim.warmup_steps", 5)), r"warmup_steps \(5\) must be smaller"),
+    "model.path and model.config": (_edit(("model.path", "/x")), r"exactly one of model.path"),
+    "no model source": (_edit(("model.config", _DROP)), r"exactly one of model.path"),
+    "random init without tokenizer": (_edit(("data.tokenizer", _DROP)), r"data.tokenizer"),
+    "cp > 1 (not built)": (_edit(("parallelism.cp", 2)), r"parallelism.cp"),
+    "deepep dispatcher (not built)": (_edit(("parallelism.dispatcher", "deepep")), r"deepep"),
+    "compile with ep > 1": (_edit(("compile.enabled", True), ("parallelism.ep", 2)), r"compile.enabled"),
+    "expert_backend typo": (_edit(("model.expert_backend", "scatter")), r"model.expert_backend"),
+    "lora target typo": (_edit(("lora.target_modules", ["q_prj"])), r"lora.target_modules"),
+    "dp_shard 0": (_edit(("parallelism.dp_shard", 0)), r"dp_shard"),
+    "inductor option unknown": (_edit(("compile.enabled", True), ("compile.inductor_options", {"fast": 1})),
+                                r"inductor_options has unknown keys"),
+    "data.format unknown": (_edit(("data.format", "csv")), r"data.format"),
+    "grad_accum_steps 0": (_edit(("train.grad_accum_steps", 0)), r"train.grad_accum_steps"),
+    "keep_last 0": (_edit(("checkpoint.keep_last", 0)), r"checkpoint.keep_last"),
+    "dtype float16": (_edit(("model.dtype", "float16")), r"model.dtype"),
+    "nan_policy typo": (_edit(("train.nan_policy", "ignore")), r"train.nan_policy"),
+    "betas of length 3": (_edit(("optim.betas", [0.9, 0.95, 0.99])), r"optim.betas"),
+    "timeout too small": (_edit(("parallelism.collective_timeout_s", 0)), r"collective_timeout_s"),
+    # model.config: validated like the rest of the YAML
+    "model.config num_expert typo": (_edit(("model.config.num_expert", 8)),
+                                     r"model.config.num_expert\b.*num_experts"),
+    "model.config num_experts_per_token typo": (_edit(("model.config.num_experts_per_token", 2)),
+                                                r"num_experts_per_token.*num_experts_per_tok"),
+    "model.config top-k > experts": (_edit(("model.config.num_experts_per_tok", 16)), r"num_experts_per_tok"),
+    "model.config heads vs kv heads": (_edit(("model.config.num_key_value_heads", 3)), r"num_key_value_heads"),
+    "model.config vocab < tokenizer": (_edit(("model.config.vocab_size", 100)), r"vocab_size"),
+    "model.config unknown model_type": (_edit(("model.config.model_type", "llama4")), r"model_type"),
+    "model.config missing hidden_size": (_edit(("model.config.hidden_size", _DROP)), r"hidden_size"),
+    "empty tokenizer folder": (_empty_tokenizer, r"tok"),
+    "tokenizer folder missing": (_edit(("data.tokenizer", "/nonexistent/tok")), r"/nonexistent/tok"),
+    "model.path missing": (_edit(("model.config", _DROP), ("model.path", "/nonexistent/model")),
+                           r"/nonexistent/model"),
+    "model.path without config.json": (_model_path_without_config, r"config.json"),
+    "model.path without weights": (_model_path_without_weights, r"safetensors"),
+    # data
+    "data.path missing": (_edit(("data.path", "/nonexistent/train.jsonl")), r"/nonexistent/train.jsonl"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_CASES))
+def test_config_error_is_one_clear_line(name, tmp_path):
+    edit, pattern = CONFIG_CASES[name]
+    cfg = base_config(tmp_path / "run")
+    edit(cfg, tmp_path)
+    proc = launch([write_config(tmp_path, cfg)])
+    assert_clear_error(proc, pattern)
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+CLI_CASES = {
+    "config file missing": (lambda tmp: ["nonexistent.yaml"], r"nonexistent.yaml does not exist"),
+    "YAML syntax error": (lambda tmp: [write_config(tmp, "model:\n  config: {a: 1\ndata: x\n")],
+                          r"cfg.yaml:\d+: YAML syntax error"),
+    "top level is a list": (lambda tmp: [write_config(tmp, "- a\n- b\n")], r"top level must be a mapping"),
+    "--set without =": (lambda tmp: [write_config(tmp, base_config(tmp / "run")), "--set", "optim.lr"],
+                        r"--set 'optim.lr': expected KEY=VALUE"),
+    "--set bad YAML": (lambda tmp: [write_config(tmp, base_config(tmp / "run")), "--set", "optim.lr=[1"],
+                       r"not valid YAML"),
+    "--set unknown key": (lambda tmp: [write_config(tmp, base_config(tmp / "run")), "--set", "optim.lrr=1"],
+                          r"optim.lrr: unknown key"),
+    "--max-steps 0": (lambda tmp: [write_config(tmp, base_config(tmp / "run")), "--max-steps", "0"],
+                      r"train.max_steps"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLI_CASES))
+def test_cli_error_is_one_clear_line(name, tmp_path):
+    args, pattern = CLI_CASES[name]
+    assert_clear_error(launch(args(tmp_path)), pattern)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+def _jsonl(tmp: Path, lines: list[str], name: str = "data.jsonl") -> Path:
+    path = tmp / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _chat(user: str, answer: str) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+
+
+GOOD = [_chat(f"What is {i} plus {i}?", f"It is {2 * i}.") for i in range(60)]
+LONG = _chat("Repeat: " + " ".join(["blue sky"] * 80), "ok")
+
+DATA_ERRORS = {
+    "unknown extension": (lambda tmp: _jsonl(tmp, GOOD, "data.txt"), r"data.txt.*data.format"),
+    "empty file": (lambda tmp: _jsonl(tmp, []), r"data.jsonl"),
+    "invalid JSON line": (lambda tmp: _jsonl(tmp, GOOD[:2] + ["{not json"] + GOOD[2:]), r"data.jsonl:3"),
+    "record without text or messages": (lambda tmp: _jsonl(tmp, GOOD[:4] + ['{"prompt": "x"}']), r"data.jsonl:5"),
+    "messages not a list": (lambda tmp: _jsonl(tmp, GOOD[:1] + ['{"messages": "hi"}']), r"data.jsonl:2"),
+    "unknown role": (lambda tmp: _jsonl(tmp, GOOD[:1] + [json.dumps(
+        {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]})]),
+        r"data.jsonl:2"),
+    "every chat longer than seq_len": (lambda tmp: _jsonl(tmp, [LONG] * 10), r"seq_len"),
+    "folder mixing jsonl and parquet": (lambda tmp: _mixed_folder(tmp), r"mixes .jsonl and .parquet"),
+}
+
+
+def _mixed_folder(tmp: Path) -> Path:
+    folder = tmp / "mixed"
+    folder.mkdir()
+    _jsonl(folder, GOOD, "a.jsonl")
+    (folder / "b.parquet").write_bytes(b"PAR1")
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(DATA_ERRORS))
+def test_bad_data_is_one_clear_line(name, tmp_path):
+    make, pattern = DATA_ERRORS[name]
+    cfg = base_config(tmp_path / "run")
+    cfg["data"]["path"] = str(make(tmp_path))
+    assert_clear_error(launch([write_config(tmp_path, cfg)]), pattern)
+
+
+def test_a_few_overlong_chats_train_and_are_counted(tmp_path):
+    cfg = base_config(tmp_path / "run")
+    cfg["data"]["path"] = str(_jsonl(tmp_path, GOOD[:20] + [LONG] * 3 + GOOD[20:]))
+    cfg["train"].update(micro_batch_size=1, max_steps=12)
+    proc = launch([write_config(tmp_path, cfg)])
+    assert_trains(proc, tmp_path / "run", list(range(1, 13)))
+    assert re.search(r"3 of 63 chat records .*dropped", proc.stderr), proc.stderr[-2000:]
+
+
+def test_blank_lines_and_unicode_train(tmp_path):
+    cfg = base_config(tmp_path / "run")
+    lines = GOOD[:30] + ["", "   "] + [_chat("Was ist 2 plus 2? 🙂", "Vier — 4.")] + GOOD[30:]
+    cfg["data"]["path"] = str(_jsonl(tmp_path, lines))
+    assert_trains(launch([write_config(tmp_path, cfg)]), tmp_path / "run", [1, 2])
+
+
+def test_text_data_trains(tmp_path):
+    cfg = base_config(tmp_path / "run")
+    cfg["data"].update(path=str(TINY / "data" / "text.jsonl"), kind="text")
+    assert_trains(launch([write_config(tmp_path, cfg)]), tmp_path / "run", [1, 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Run folder, checkpoints, resume
+
+def _train(tmp: Path, out: Path, steps: int, *extra, every: int = 2, nproc: int = 1, **edits):
+    cfg = base_config(out)
+    cfg["train"]["max_steps"] = steps
+    cfg["checkpoint"]["every_n_steps"] = every
+    for dotted, value in edits.items():
+        _set(cfg, dotted.replace("__", "."), value)
+    return launch([write_config(tmp, cfg, f"cfg-{time.monotonic_ns()}.yaml"), *extra], nproc=nproc)
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_fresh_run_in_a_used_dir_refuses_and_keeps_its_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    assert _train(tmp_path, out, 4).returncode == 0
+    before = _checkpoints(out)
+    assert_clear_error(_train(tmp_path, out, 4), rf"{out} already holds checkpoints.*--resume.*train.output_dir")
+    assert _checkpoints(out) == before
+    proc = _train(tmp_path, out, 6, "--resume")  # the same run goes on
+    assert_trains(proc, out, [1, 2, 3, 4, 5, 6])
+
+
+def test_a_concurrent_run_on_the_same_dir_fails_at_start(tmp_path):
+    out = tmp_path / "run"
+    cfg = base_config(out)
+    cfg["train"]["max_steps"] = 400
+    first = start([write_config(tmp_path, cfg, "a.yaml")])
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").is_file(), first)
+        second = launch([write_config(tmp_path, cfg, "b.yaml")])
+        assert_clear_error(second, rf"output dir {out} is in use by another run \(pid {first.pid}")
+        assert first.poll() is None  # the first run is untouched
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_resume_on_an_empty_dir_starts_at_step_1(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(tmp_path, out, 2, "--resume")
+    assert_trains(proc, out, [1, 2])
+    assert "holds no checkpoint: starting from step 0" in proc.stderr
+
+
+def test_kill_9_mid_run_then_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    cfg = base_config(out)
+    cfg["train"]["max_steps"] = 200
+    cfg["checkpoint"]["every_n_steps"] = 2
+    path = write_config(tmp_path, cfg)
+    proc = start([path])
+    _wait_for(lambda: (out / "checkpoints" / "step_00000004").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    saved = _checkpoints(out)
+    newest = int(saved[-1].removeprefix("step_"))
+    # A torn save from another crash is left as a .tmp folder: it must never be loaded.
+    (out / "checkpoints" / f".tmp-step_{newest + 2:08d}").mkdir(exist_ok=True)
+    resumed = launch([path, "--resume", "--max-steps", str(newest + 2)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / saved[-1]}" in resumed.stderr
+    assert steps_logged(out) == list(range(1, newest + 3))
+
+
+def test_corrupted_shard_is_one_clear_line(tmp_path):
+    out = tmp_path / "run"
+    assert _train(tmp_path, out, 2).returncode == 0
+    shard = next((out / "checkpoints" / "step_00000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert_clear_error(_train(tmp_path, out, 4, "--resume"), r"step_00000002")
+
+
+def test_missing_rank_state_is_one_clear_line(tmp_path):
+    out = tmp_path / "run"
+    assert _train(tmp_path, out, 2).returncode == 0
+    (out / "checkpoints" / "step_00000002" / "extra_rank0.pt").unlink()
+    assert_clear_error(_train(tmp_path, out, 4, "--resume"), r"extra_rank0.pt")
+
+
+def test_resume_into_another_model_is_one_clear_line(tmp_path):
+    out = tmp_path / "run"
+    assert _train(tmp_path, out, 2).returncode == 0
+    assert_clear_error(_train(tmp_path, out, 4, "--resume", lora__enabled=True), r"different model")
+
+
+def test_resume_on_another_world_size_names_both_sizes(tmp_path):
+    out = tmp_path / "run"
+    assert _train(tmp_path, out, 2).returncode == 0
+    proc = _train(tmp_path, out, 4, "--resume", nproc=2)
+    assert_clear_error(proc, r"written by 1 ranks with parallelism.ep=1; this run has 2 ranks")
+
+
+def test_output_dir_under_a_file_fails_before_training(tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg = base_config(tmp_path / "file" / "run")
+    assert_clear_error(launch([write_config(tmp_path, cfg)]), r"file/run")
+
+
+def test_output_dir_is_a_file_fails_before_training(tmp_path):
+    (tmp_path / "run").write_text("x")
+    assert_clear_error(launch([write_config(tmp_path, base_config(tmp_path / "run"))]), rf"{tmp_path}/run")
+
+
+# ---------------------------------------------------------------------------------------------
+# Divergence
+
+def test_divergence_stops_with_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(tmp_path, out, 30, optim__lr=1e30, optim__grad_clip=0.0, optim__warmup_steps=0)
+    message = assert_clear_error(proc, r"at step \d+: the update was not applied; last good checkpoint")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] is not None for r in records)  # no poisoned step was logged as trained
+    named = re.search(r"last good checkpoint: (\S+?);", message)[1]
+    assert named.startswith("none") or Path(named).is_dir()
+
+
+def test_divergence_with_skip_policy_stops_after_n_in_a_row(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(tmp_path, out, 30, optim__lr=1e30, optim__grad_clip=0.0, optim__warmup_steps=0,
+                  train__nan_policy="skip", train__max_nan_skips=2)
+    assert_clear_error(proc, r"2 non-finite steps in a row \(train.max_nan_skips=2\)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals and ranks
+
+def _wait_for(condition, proc, timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_says_where_to_resume(tmp_path, sig):
+    out = tmp_path / "run"
+    cfg = base_config(out)
+    cfg["train"]["max_steps"] = 400
+    cfg["checkpoint"]["every_n_steps"] = 2
+    proc = start([write_config(tmp_path, cfg)])
+    _wait_for(lambda: (out / "checkpoints" / "step_00000002").is_dir(), proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "Traceback" not in err, err[-3000:]
+    assert re.search(r"interrupted at step \d+.*step_\d{8}.*--resume", err, re.S), err[-3000:]
+
+
+def test_a_killed_rank_ends_the_whole_run(tmp_path):
+    out = tmp_path / "run"
+    cfg = base_config(out)
+    cfg["train"]["max_steps"] = 400
+    proc = start([write_config(tmp_path, cfg)], nproc=2)
+    _wait_for(lambda: (out / "metrics.jsonl").is_file(), proc)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
+                             check=False).stdout.split()
+    assert len(workers) == 2
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    proc.communicate(timeout=120)  # no hang: torchrun ends the surviving rank
+    assert proc.returncode != 0
