@@ -12,6 +12,7 @@ WORK=${WORK:-/tmp/gpu_build}
 mkdir -p "$WORK"
 python3 - "$WORK" <<'EOF'
 import json, random, sys
+import yaml
 work = sys.argv[1]
 rng = random.Random(0)
 words = ["the", "model", "expert", "token", "route", "layer", "train", "weight", "data", "step"]
@@ -34,7 +35,8 @@ modes = {"lora": {"model": {"config": model, "dtype": "bfloat16", "expert_backen
          "full": {"model": {"config": model, "dtype": "float32", "expert_backend": "grouped_mm"},
                   "parallelism": {"activation_checkpoint": "full"}}}
 for name, cfg in modes.items():
-    json.dump({**common, **cfg}, open(f"{work}/{name}.yaml", "w"))  # JSON is YAML
+    # yaml, not json: YAML 1.1 reads json's 1e-06 as a string
+    yaml.safe_dump({**common, **cfg}, open(f"{work}/{name}.yaml", "w"), sort_keys=False)
 EOF
 for mode in lora full; do
   for run in 1 2; do
@@ -48,7 +50,7 @@ for mode in lora full; do
 import json, os, sys
 path, t0, t_exit, mode, run, rc = sys.argv[1:]
 row = {"mode": mode, "run": int(run), "rc": int(rc), "process_s": round(float(t_exit) - float(t0), 2)}
-if os.path.exists(path):
+if os.path.exists(path) and os.path.getsize(path):
     rec = json.loads(open(path).readline())
     row.update(to_step1_s=round(os.path.getmtime(path) - float(t0), 2), step1_s=round(rec["step_s"], 2),
                loss=round(rec["loss"], 4), peak_mem_gib=round(rec.get("peak_mem_gib", 0), 1))
