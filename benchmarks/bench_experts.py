@@ -514,8 +514,8 @@ def main() -> None:
                         print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, 4, layers), flush=True)
     from moe.kernels.tuning import _FASTER  # the measured choices between CUTLASS and our kernels
     for key, winner in _FASTER.items():
-        name, _, _, n_rows, w_shape, w_layout = key
-        print(f"== faster: {name} W{tuple(w_shape)} {'' if w_layout else '(transposed view) '}S~{n_rows}: {winner}")
+        name, _, _, w_shape, w_layout = key
+        print(f"== faster: {name} W{tuple(w_shape)} {'' if w_layout else '(transposed view) '}: {winner}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import triton.language as tl
 from gpu.launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
-from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, bench, faster, m_bucket, prune_gemm
+from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, autotune, bench, faster, m_bucket, prune_gemm
 
 # Segment search vector width; a floor keeps one compiled variant for every E up to 256.
 _MIN_BLOCK_E = 256
@@ -198,7 +198,7 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
 
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
-@triton.autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
+@autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
                                             "GLU_FWD", "TMA", "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
@@ -413,17 +413,20 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> t
     """out[p] = in[p] @ W_e^T over expert-sorted rows, no LoRA, no epilogue: [S, N].
 
     The bare grouped GEMM: torch._grouped_mm (CUTLASS) or our kernel (TMA operands, persistent), the
-    one measured faster for this shape on this device (tuning.faster); ours where CUTLASS does not
-    apply. Rows at -1 positions are left unspecified, as everywhere."""
-    def candidates():
+    one measured faster for this weight on this device (tuning.faster: once per run, the same on every
+    rank); ours where CUTLASS does not apply. Rows at -1 positions are left unspecified, as everywhere."""
+    rows_ok = cutlass_ok(in_SK, w_ENK)
+
+    def candidates():  # this call's rows may not suit CUTLASS: then nothing is timed yet
         return {"cutlass": lambda: _cutlass_gemm(in_SK, slots, w_ENK),
-                "triton": lambda: _triton_gemm(in_SK, slots, w_ENK)}
-    if not cutlass_ok(in_SK, w_ENK):
+                "triton": lambda: _triton_gemm(in_SK, slots, w_ENK)} if rows_ok else {}
+    # Whether to ask, and the key, depend on the weight only: ranks differ in their row counts, and
+    # every rank must ask for the same keys in the same order (rank 0 decides for all).
+    if not (cutlass_ok(w_ENK) and in_SK.dtype == torch.bfloat16):
         return _triton_gemm(in_SK, slots, w_ENK)
-    key = ("expert_gemm", in_SK.device.index, in_SK.dtype, m_bucket(slots.num_slots), w_ENK.shape,
-           w_ENK.stride(2) == 1)
-    gemm = _cutlass_gemm if faster(key, candidates) == "cutlass" else _triton_gemm
-    return gemm(in_SK, slots, w_ENK)
+    key = ("expert_gemm", in_SK.device.index, in_SK.dtype, w_ENK.shape, w_ENK.stride(2) == 1)
+    use_cutlass = faster(key, candidates) == "cutlass" and rows_ok
+    return (_cutlass_gemm if use_cutlass else _triton_gemm)(in_SK, slots, w_ENK)
 
 
 def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:

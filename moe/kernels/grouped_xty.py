@@ -38,6 +38,7 @@ from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import (
     FACTOR_GRAD_CONFIGS,
     XTY_CONFIGS,
+    autotune,
     bench,
     m_bucket,
     prune_factor_grads,
@@ -45,7 +46,7 @@ from moe.kernels.tuning import (
 )
 
 
-@triton.autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L",
+@autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L",
                                           "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": prune_xty}, do_bench=bench)
 @triton.jit
@@ -160,7 +161,7 @@ def _factor_tile(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, out_ptr, s_o_e, s_o_p
                  mask=mask_P[:, None] & mask_Q[None, :])
 
 
-@triton.autotune(configs=FACTOR_GRAD_CONFIGS, key=_FACTOR_KEY,
+@autotune(configs=FACTOR_GRAD_CONFIGS, key=_FACTOR_KEY,
                  prune_configs_by={"early_config_prune": prune_factor_grads}, do_bench=bench)
 @triton.jit
 def _factor_grads_kernel(l0_ptr, s_l0_m, s_l0_c, r0_ptr, s_r0_m, s_r0_c,

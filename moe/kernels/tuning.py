@@ -12,23 +12,30 @@ Contract:
     m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
                                  token count re-tunes only when it crosses a power of two
     bench                        a shorter do_bench for the autotuner (the kernels run for ~0.1-2 ms)
+    autotune(**kwargs)           triton.autotune, its results cached on disk where this Triton can, so a
+                                 second run does not re-tune
     faster(key, candidates)      which of several implementations of one operation is faster here,
-                                 timed once per key and remembered
+                                 timed once per key, the same on every rank (rank 0 times and
+                                 broadcasts), remembered and logged
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.testing
 
 from gpu.launch import next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+log = logging.getLogger(__name__)
 
 # Per-thread registers for the fp32 accumulators. Measured on sm_90 (ptxas): at 128 the base kernels
 # just fit, while a LoRA accumulator on top spills the accumulator inside the K loop, so it gets 96.
@@ -182,22 +189,52 @@ def bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
+# Triton keys the stored results by its version, the device target, the kernel source, the configs and
+# the tuning key; releases before the option re-tune in every run.
+_AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
+def autotune(**kwargs):
+    """triton.autotune(**kwargs), with its results cached on disk where this Triton can."""
+    return triton.autotune(**kwargs, **_AUTOTUNE_CACHE)
+
+
 # Explicit registry: (operation, shape key) -> the name of its faster implementation on this device.
 _FASTER: dict[tuple, str] = {}
 
 
-def faster(key: tuple, candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
+def _shared() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def faster(key: tuple, candidates: Callable[[], dict[str, Callable[[], object]]]) -> str | None:
     """The name of the fastest of `candidates()` (name -> a call running that implementation) for `key`,
-    timed on the first call and remembered for the process. Which one wins differs between machines
-    of one kind (CUTLASS's grouped GEMM against ours: 0.72 vs 0.79 ms on one H200, 0.80 vs 0.74 on
-    another), so it is measured, not assumed. During CUDA-graph capture nothing can be timed: the first
-    candidate, unless a winner is already known."""
+    timed on the first call and remembered for the process; None while undecided (`candidates()` was
+    empty: nothing could be timed on this call), and then the next call tries again.
+
+    Which one wins differs between machines of one kind, so it is measured, not assumed; and so that
+    every rank runs the same kernel, with a process group up rank 0 alone times and broadcasts its
+    winner. Every rank must then call this for the same keys in the same order: callers keep sizes
+    that differ between ranks (row counts) out of both the key and the decision to call. During
+    CUDA-graph capture nothing can be timed or broadcast: the first candidate, unless a winner is known.
+    """
     winner = _FASTER.get(key)
-    if winner is None:
-        calls = candidates()
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return next(iter(calls))
-        times = {name: bench(call, None) for name, call in calls.items()}
-        winner = _FASTER[key] = min(times, key=times.get)
+    if winner is not None:
+        return winner
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return next(iter(candidates()), None)
+    shared = _shared()
+    times = {}
+    if not shared or dist.get_rank() == 0:
+        times = {name: bench(call, None) for name, call in candidates().items()}
+        winner = min(times, key=times.get) if times else None
+    if shared:
+        verdict = [winner]
+        dist.broadcast_object_list(verdict, src=0)
+        winner = verdict[0]
+    if winner is not None:
+        _FASTER[key] = winner
+        log.info("kernel choice for %s: %s%s", key, winner,
+                 f" (ms: {', '.join(f'{n} {t:.3f}' for n, t in times.items())})" if times else " (rank 0's)")
     return winner
 
