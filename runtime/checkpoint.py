@@ -7,14 +7,20 @@ finished, so a crash mid-save leaves the last good checkpoint intact. Only finit
 saved, and a resumed checkpoint is checked finite, so every checkpoint named "last good" is. Pruning
 keeps the newest `keep_last` of this run and never touches another run's checkpoints.
 With LoRA only trainable parameters are saved (the frozen base comes from model.path on resume).
-Under EP every rank holds different experts under the same names, so expert entries are saved
-under names tagged with the EP rank ("....experts.gate_up.ep1of4"); resuming needs the same ep and
-world size (checked from meta.json before any collective).
+
+Resharding: every tensor is saved under its parameter's name with its global shape; expert tensors
+(weights, expert LoRA factors, their optimizer states) as [E, ...] in global expert order
+(runtime.distributed.state_dict.global_expert_view), so DCP reshards on load and a run resumes under
+another ep, FSDP size and world size. The extra state is the same on every rank except the RNG
+states: with the world size unchanged each rank reads its own file, otherwise rank r reads the file
+of rank r % (saved world size). The data position is a row of one global stream (runtime.data), so
+it carries over; the global batch is micro_batch_size * dp_world * grad_accum_steps of the new run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -25,10 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
+from runtime.distributed.state_dict import global_expert_view, is_expert_param
 from runtime.run_dir import RunDir
 
+log = logging.getLogger("runtime")
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_EP_TAG = re.compile(r"\.ep\d+of\d+$")
 
 
 class ResumeError(ValueError):
@@ -71,10 +79,14 @@ def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen)
 
 
-def _rename(model_sd: dict, optim_sd: dict, rename) -> tuple[dict, dict]:
-    groups = [{**g, "params": [rename(p) for p in g["params"]]} for g in optim_sd.get("param_groups", [])]
-    return ({rename(k): v for k, v in model_sd.items()},
-            {"state": {rename(k): v for k, v in optim_sd.get("state", {}).items()}, "param_groups": groups})
+def _checkpoint_state(model, optimizer) -> tuple[dict, dict, dict]:
+    """(what DCP saves and loads, model_sd, optim_sd for set_state_dict). Expert entries of the first are
+    global views sharing storage with the others, so a DCP load into the first fills them."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options(model))
+    model_view = {k: global_expert_view(v) if is_expert_param(model, k) else v for k, v in model_sd.items()}
+    state_view = {k: {n: global_expert_view(t) for n, t in s.items()} if is_expert_param(model, k) else s
+                  for k, s in optim_sd.get("state", {}).items()}
+    return {"model": model_view, "optim": {**optim_sd, "state": state_view}}, model_sd, optim_sd
 
 
 def read_meta(path: Path) -> dict:
@@ -91,18 +103,6 @@ class CheckpointManager:
         self.env = env
         self.rank = env.rank
         self.ep = ep
-        self.ep_tag = f".ep{ep_rank}of{ep}" if ep > 1 else ""
-
-    def _tag(self, key: str) -> str:
-        return key + self.ep_tag if ".experts." in key else key
-
-    def _untag(self, key: str) -> str:
-        return key.removesuffix(self.ep_tag) if self.ep_tag and ".experts." in key else key
-
-    def _state(self, model, optimizer) -> dict:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options(model))
-        model_sd, optim_sd = _rename(model_sd, optim_sd, self._tag)
-        return {"model": model_sd, "optim": optim_sd}
 
     def step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -123,7 +123,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(self._state(model, optimizer), checkpoint_id=str(tmp))
+        dcp.save(_checkpoint_state(model, optimizer)[0], checkpoint_id=str(tmp))
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": _rng_state()}
         torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
@@ -144,16 +144,17 @@ class CheckpointManager:
         for old in ours[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def check_sizes(self, path: Path) -> None:
-        """Resuming needs the world size and ep the checkpoint was written with (read from its files only,
-        so every rank fails alike before any collective)."""
+    def extra_file(self, path: Path) -> Path:
+        """This rank's extra state: its own file, or under another world size rank % saved world's (the
+        files differ only in their RNG states). Read from the checkpoint's files only, so every rank
+        decides alike before any collective."""
         meta = read_meta(path)
         saved_world = meta.get("world_size", len(list(path.glob("extra_rank*.pt"))))
-        saved_ep = meta.get("ep", self.ep)
-        if (saved_world, saved_ep) != (self.env.world_size, self.ep):
-            raise ResumeError(f"checkpoint {path} was written by {saved_world} ranks with parallelism.ep={saved_ep}; "
-                              f"this run has {self.env.world_size} ranks with ep={self.ep}; resume with the same "
-                              "world size and ep (resharding on resume is not supported yet)")
+        saved_ep = meta.get("ep", 1)
+        if (saved_world, saved_ep) != (self.env.world_size, self.ep) and self.rank == 0:
+            log.info("resharding %s: written by %d ranks with ep=%d, resumed on %d ranks with ep=%d", path,
+                     saved_world, saved_ep, self.env.world_size, self.ep)
+        return path / f"extra_rank{self.rank % max(saved_world, 1)}.pt"
 
     def check_compatible(self, path: Path, model, optimizer) -> None:
         """Compares the checkpoint's keys and shapes with the model's, from metadata only, so a wrong
@@ -161,16 +162,14 @@ class CheckpointManager:
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
                  if k.startswith("model.") and hasattr(v, "size")}
-        # Other EP ranks' experts live beside ours under their own tags.
-        saved = {k: v for k, v in saved.items() if not _EP_TAG.search(k) or (self.ep_tag and k.endswith(self.ep_tag))}
-        ours = {k: tuple(v.shape) for k, v in self._state(model, optimizer)["model"].items()}
+        ours = {k: tuple(v.shape) for k, v in _checkpoint_state(model, optimizer)[0]["model"].items()}
         missing = sorted(set(ours) - set(saved))
         unexpected = sorted(set(saved) - set(ours))
         mismatched = sorted(f"{k}: checkpoint {saved[k]} vs model {ours[k]}" for k in set(ours) & set(saved)
                             if saved[k] != ours[k])
         if missing or unexpected or mismatched:
-            lines = [(f"checkpoint {path} was written for a different model or ep size (check model.path, lora, "
-                      "parallelism.ep and train.output_dir, or start without --resume):")]
+            lines = [(f"checkpoint {path} was written for a different model (check model.path, model.config, "
+                      "lora and train.output_dir, or start without --resume):")]
             for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
                 if items:
                     lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:10]))
@@ -178,14 +177,16 @@ class CheckpointManager:
 
     def load(self, path: Path, model, optimizer, scheduler, loader) -> int:
         """Restores everything `save` wrote; returns the step to continue after."""
-        self.check_sizes(path)
+        extra_file = self.extra_file(path)
         self.check_compatible(path, model, optimizer)
-        state = self._state(model, optimizer)
+        state, model_sd, optim_sd = _checkpoint_state(model, optimizer)
         dcp.load(state, checkpoint_id=str(path))
-        model_sd, optim_sd = _rename(state["model"], state["optim"], self._untag)
+        # Tensors were loaded in place (the expert views share the storage of model_sd's and optim_sd's);
+        # the param groups' values were replaced in `state`.
+        optim_sd = {**optim_sd, "param_groups": state["optim"]["param_groups"]}
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=_state_dict_options(model))
-        extra = torch.load(path / f"extra_rank{self.rank}.pt", weights_only=False)
+        extra = torch.load(extra_file, weights_only=False)
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         _set_rng_state(extra["rng"])

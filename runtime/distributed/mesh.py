@@ -6,6 +6,7 @@
                   FSDP over efsdp = dp_shard*cp / ep, replicated over dp_replicate
     data:         one slice per (dp_replicate, dp_shard) coordinate; cp ranks share their slice
 Every check runs in `ParallelDims.__post_init__`, before any process group exists.
+`expert_order_view` reorders the expert mesh ep major, the order of global expert indices.
 """
 
 from __future__ import annotations
@@ -93,3 +94,13 @@ class Meshes:
     def expert_fsdp(self) -> DeviceMesh:
         return self.experts["dp_replicate", "efsdp"] if self.experts["dp_replicate"].size() > 1 \
             else self.experts["efsdp"]
+
+
+def expert_order_view(experts: DeviceMesh) -> DeviceMesh:
+    """The expert mesh (dp_replicate, efsdp, ep) with its dims ordered (dp_replicate, ep, efsdp): a
+    tensor sharded on dim 0 over (ep, efsdp) then follows global expert order. It describes placement
+    only (no process groups of its own): DCP reads this rank's coordinates from it."""
+    if experts.mesh_dim_names != ("dp_replicate", "efsdp", "ep"):
+        raise ValueError(f"not the expert mesh of ParallelDims.build_meshes: dims {experts.mesh_dim_names}")
+    return DeviceMesh(experts.device_type, experts.mesh.permute(0, 2, 1),
+                      mesh_dim_names=("dp_replicate", "ep", "efsdp"), _init_backend=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import runtime.train as train_mod
-from runtime.checkpoint import CheckpointManager, ResumeError, read_meta
+from runtime.checkpoint import CheckpointManager, read_meta
 from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
@@ -160,18 +160,17 @@ def test_pruning_removes_only_older_checkpoints_of_the_same_run(tmp_path):
         "step_00000001", "step_00000004", "step_00000009"]
 
 
-def test_resume_with_another_world_size_names_both_sizes(tmp_path):
+def test_resume_under_another_world_size_reads_the_extra_state_of_rank_modulo_the_saved_world(tmp_path):
     train(config(tmp_path, **{"train.max_steps": 2}), ENV, DIMS)
     ckpt = tmp_path / "checkpoints" / "step_00000002"
     assert read_meta(ckpt)["world_size"] == 1
     run_dir = claim_run_dir(tmp_path, resume=True, rank=0)
     try:
-        mgr = CheckpointManager(run_dir, 2, DistEnv(0, 4, 0, torch.device("cpu")), ep_rank=0, ep=2)
-        with pytest.raises(ResumeError, match=r"written by 1 ranks with parallelism.ep=1; this run has 4 ranks "
-                                              r"with ep=2"):
-            mgr.check_sizes(ckpt)
+        files = [CheckpointManager(run_dir, 2, DistEnv(r, 4, 0, torch.device("cpu")), ep=2).extra_file(ckpt)
+                 for r in range(4)]
     finally:
         release_run_dir(run_dir)
+    assert files == [ckpt / "extra_rank0.pt"] * 4
 
 
 def test_metrics_after_resume_hold_each_step_once_with_one_run_id(tmp_path):
