@@ -5,6 +5,7 @@
 # weights, full activation checkpointing, as examples/qwen3-30b-a3b-full.yaml). Each is run twice:
 # the second run finds the kernel caches warm.
 #     bash benchmarks/gpu_build.sh            # on the GPU machine; rows in $OUT/gpu_build.jsonl
+#     MODES=lora bash benchmarks/gpu_build.sh # one of them
 # "to_step1_s": launch of torchrun -> step 1's metrics record written; "step1_s": that step alone.
 source benchmarks/gpu_env.sh
 set -o pipefail
@@ -38,7 +39,7 @@ for name, cfg in modes.items():
     # yaml, not json: YAML 1.1 reads json's 1e-06 as a string
     yaml.safe_dump({**common, **cfg}, open(f"{work}/{name}.yaml", "w"), sort_keys=False)
 EOF
-for mode in lora full; do
+for mode in ${MODES:-lora full}; do
   for run in 1 2; do
     rm -rf "$WORK/out_$mode"
     t0=$(date +%s.%N)
