@@ -21,8 +21,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
-from types import SimpleNamespace
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
