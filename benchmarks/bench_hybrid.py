@@ -98,7 +98,7 @@ def stack(args, device: str, dtype: torch.dtype, report: Report) -> None:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
 
-        def step():
+        def step(model=model):
             h = model.hidden_states(ids, pos, cu, max_len)
             h.float().square().mean().backward()
 
@@ -122,8 +122,8 @@ def gdn_layer(args, report: Report) -> None:
     from attention.gdn import GatedDeltaNet
 
     B, S, doc = 4, 4096, 1000
-    dims = dict(hidden=SHAPES["qwen3.5-35b-a3b"].hidden, num_k_heads=16, num_v_heads=32, head_k_dim=128,
-                head_v_dim=128, conv_kernel=4, eps=1e-6)
+    dims = {"hidden": SHAPES["qwen3.5-35b-a3b"].hidden, "num_k_heads": 16, "num_v_heads": 32, "head_k_dim": 128,
+            "head_v_dim": 128, "conv_kernel": 4, "eps": 1e-6}
     ends = sorted({*range(0, B * S, doc), *range(0, B * S + 1, S)})
     meta = AttnMeta(cu_seqlens=torch.tensor(ends, dtype=torch.int32, device="cuda"), max_seqlen=doc)
     x = torch.randn(B, S, dims["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -134,7 +134,7 @@ def gdn_layer(args, report: Report) -> None:
             torch.manual_seed(0)
             layer = GatedDeltaNet(**dims, op_set=op_set, device="cuda", dtype=torch.bfloat16)
             run = torch.compile(layer, fullgraph=True) if compiled else layer
-            ms = steady_ms(lambda: run(x, meta).sum().backward(), args.iters, warmup=3)
+            ms = steady_ms(lambda run=run: run(x, meta).sum().backward(), args.iters, warmup=3)
             report.add({"op_set": op_set, "mode": mode, "ms": ms})
         except Exception as exc:  # fla missing or failing: the other op sets still run
             report.add({"op_set": op_set, "mode": mode, "ms": None, "note": f"n/a: {type(exc).__name__}: {exc}"[:120]})

@@ -1,13 +1,14 @@
 """Fused q/k RMSNorm + RoPE (attention/norm_rope.py) vs the alternatives, forward and forward+backward.
 
-    python benchmarks/bench_norm_rope.py [--out DIR] [--seqlens 1024,4096] [--variants ...] [--sweep]
-                                         [--host-breakdown] [--dry]
+    python -m benchmarks.bench_norm_rope [--out DIR] [--shape qwen3-14b] [--seqlens 1024,4096] [--variants ...]
+                                         [--sweep] [--host-breakdown] [--dry]
 
-Shapes: Qwen3-14B attention (40 query heads, 8 kv heads, head_dim 128), batch 1, bf16, q/k as the
-separate q_proj/k_proj outputs viewed [B, S, heads, D], cos/sin [1, S, D] as transformers returns them.
-Variants: `eager` (our torch reference, = transformers' numerics), `compile` (torch.compile of that
-same code), `liger-norm` (Liger's RMSNorm kernel + eager RoPE), `liger-both` (Liger's RMSNorm + its
-RoPE kernel), `ours` (the Triton op).
+Shapes: the attention heads of a harness.SHAPES preset (default Qwen3-14B: 40 query heads, 8 kv heads,
+head_dim 128), batch 1, bf16, q/k as the separate q_proj/k_proj outputs viewed [B, S, heads, D], cos/sin
+[1, S, D] as transformers returns them. Variants: `eager` (our torch reference, = transformers'
+numerics), `compile` (torch.compile of that same code), `liger-norm` (Liger's RMSNorm kernel + eager
+RoPE), `liger-both` (Liger's RMSNorm + its RoPE kernel; both from benchmarks/baselines/liger_norm_rope.py,
+pyproject extra `bench`), `ours` (the Triton op).
 
 Methodology, the same for every variant (each step of a variant runs exactly the code a training step
 would: fn(*inputs) for fwd, torch.autograd.grad(fn(*inputs), ...) for f+b):
@@ -33,17 +34,12 @@ A variant that fails prints its error and the table goes on.
                   plus a cProfile of the f+b call.
 --dry             runs the same code on the CPU at tiny lengths (wall-clock timer; `ours` needs
                   TRITON_INTERPRET=1 there): a smoke test of the script, its numbers mean nothing.
---out DIR         writes DIR/bench_norm_rope.json and DIR/bench_norm_rope.log.
+--out DIR         writes DIR/bench_norm_rope.json (rewritten after every measurement).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import json
-import os
-import pstats
 import statistics
 import sys
 import time
@@ -52,15 +48,23 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from attention.kernels import norm_rope as kernels
 from attention.kernels.norm_rope import DEFAULT_LAUNCH_SETTINGS, LaunchSettings
-from attention.norm_rope import qk_norm_rope, qk_norm_rope_reference, rope_reference
-from benchmarks.cuda_graphs import capture_graph
+from attention.norm_rope import qk_norm_rope, qk_norm_rope_reference
+from benchmarks.baselines.liger_norm_rope import liger_qk_norm_rope
+from benchmarks.harness import (
+    SHAPES,
+    Column,
+    L2Flush,
+    Report,
+    copy_gbps,
+    event_times_ms,
+    graph_times_ms,
+    print_cprofile,
+)
 from gpu.device import num_sms
 
-HEADS_Q, HEADS_K, HEAD_DIM, BATCH = 40, 8, 128, 1
+BATCH = 1
 EPS = 1e-6
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 DRY_SEQLENS = (16, 32)
@@ -71,6 +75,18 @@ SWEEP_FWD_CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16))
 SWEEP_BWD_CONFIGS = ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
 SWEEP_BWD_PROGRAMS_PER_SM = (2, 4, 8, 16)
 HOST_BREAKDOWN_SEQ = 4096
+
+
+@dataclass
+class Heads:
+    """The attention heads benchmarked (from a harness.SHAPES preset)."""
+
+    q: int = SHAPES["qwen3-14b"].q_heads
+    k: int = SHAPES["qwen3-14b"].kv_heads
+    dim: int = SHAPES["qwen3-14b"].head_dim
+
+
+HEADS = Heads()
 
 
 @dataclass
@@ -97,74 +113,28 @@ class Timer:
 
     def __init__(self, device: torch.device, reps: int, warmup: int):
         self.device, self.reps, self.warmup = device, reps, warmup
-        # Larger than any L2 (H100 50 MB, H200 60 MB), so each rep reads its inputs from HBM, as in training.
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-
-    def _wall(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    def _events(self, launch) -> float:
-        times = []
-        for _ in range(self.reps):
-            self.flush.zero_()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            launch()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        return statistics.median(times)
+        self.flush = L2Flush(device)
 
     def stream(self, fn) -> float:
-        if self.flush is None:
-            return self._wall(fn)
-        for _ in range(self.warmup):
-            fn()
-        return self._events(fn)
+        return statistics.median(event_times_ms(fn, self.reps, self.warmup, before=self.flush))
 
     def gpu(self, fn) -> float:
-        if self.flush is None:
-            return self._wall(fn)
-        graph = capture_graph(fn, warmup=max(2, self.warmup))
-        graph.replay()  # first replay uploads the graph
-        torch.cuda.synchronize()
-        try:
-            return self._events(graph.replay)
-        finally:
-            del graph
-            torch.cuda.synchronize()
+        return statistics.median(graph_times_ms(fn, self.reps, max(2, self.warmup), before=self.flush))
 
     def host(self, fn) -> float:
-        if self.flush is None:
-            return self._wall(fn)
+        on_gpu = self.device.type == "cuda"
         for _ in range(self.warmup):
             fn()
         times = []
         for _ in range(self.reps):
-            torch.cuda.synchronize()
+            if on_gpu:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         return statistics.median(times)
-
-
-def copy_bandwidth_gbs(timer: Timer) -> float:
-    """Device copy bandwidth (bytes read + written per second): the roofline `ours` is held against. One
-    1 GiB copy_ timed by stream events (host overhead is negligible at that size; a copy captured in
-    a CUDA graph becomes a memcpy node that runs on the copy engines, ~35% slower on an H200)."""
-    n_bytes = (1 << 30) if timer.device.type == "cuda" else (64 << 20)
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=timer.device)
-    dst = torch.empty_like(src)
-    ms = timer.stream(lambda: dst.copy_(src))
-    return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
 def peak_extra_mib(fn, device: torch.device) -> float | None:
@@ -190,14 +160,14 @@ def make_inputs(seq: int, device: torch.device, dtype: torch.dtype):
     def randn(*shape):
         return torch.randn(*shape, device=device, generator=gen).to(dtype)
 
-    q = randn(BATCH, seq, HEADS_Q, HEAD_DIM).requires_grad_()
-    k = randn(BATCH, seq, HEADS_K, HEAD_DIM).requires_grad_()
-    q_w = (1.0 + 0.1 * randn(HEAD_DIM)).requires_grad_()
-    k_w = (1.0 + 0.1 * randn(HEAD_DIM)).requires_grad_()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM))
+    q = randn(BATCH, seq, HEADS.q, HEADS.dim).requires_grad_()
+    k = randn(BATCH, seq, HEADS.k, HEADS.dim).requires_grad_()
+    q_w = (1.0 + 0.1 * randn(HEADS.dim)).requires_grad_()
+    k_w = (1.0 + 0.1 * randn(HEADS.dim)).requires_grad_()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEADS.dim, 2, device=device).float() / HEADS.dim))
     freqs = torch.arange(seq, device=device).float()[None, :, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    grads = (randn(BATCH, seq, HEADS_Q, HEAD_DIM), randn(BATCH, seq, HEADS_K, HEAD_DIM))
+    grads = (randn(BATCH, seq, HEADS.q, HEADS.dim), randn(BATCH, seq, HEADS.k, HEADS.dim))
     return (q, k, q_w, k_w, emb.cos().to(dtype), emb.sin().to(dtype)), grads
 
 
@@ -217,30 +187,11 @@ def build_compiled():
     return torch.compile(eager, dynamic=False)
 
 
-def build_liger(with_rope: bool):
-    """Liger's RMSNorm (llama casting: the Qwen3 cast order) + eager or Liger RoPE; raises when absent.
-    (Liger's RoPE rotates its inputs and upstream grads in place; harmless for timing.)"""
-    from liger_kernel.ops import LigerRMSNormFunction
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
-
-    def norm(x, w):
-        # in_place=False: the in-place variant would overwrite the upstream grad buffer in backward.
-        return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
-
-    def fn(q, k, q_w, k_w, cos, sin):
-        q_n, k_n = norm(q, q_w), norm(k, k_w)
-        if not with_rope:
-            return rope_reference(q_n, cos, sin), rope_reference(k_n, cos, sin)
-        q_out, k_out = liger_rotary_pos_emb(q_n.transpose(1, 2), k_n.transpose(1, 2), cos, sin)
-        return q_out.transpose(1, 2), k_out.transpose(1, 2)
-    return fn
-
-
 VARIANTS = {
     "eager": lambda: eager,
     "compile": build_compiled,
-    "liger-norm": lambda: build_liger(with_rope=False),
-    "liger-both": lambda: build_liger(with_rope=True),
+    "liger-norm": lambda: liger_qk_norm_rope(with_rope=False, eps=EPS),
+    "liger-both": lambda: liger_qk_norm_rope(with_rope=True, eps=EPS),
     "ours": lambda: ours,
 }
 
@@ -275,11 +226,12 @@ def ours_bytes(seq: int, dtype: torch.dtype, device: torch.device) -> tuple[int,
     partial rows (written once, read once by the sum). (The first version counted q/k-sized traffic 4x
     in the backward instead of 3x.)"""
     item = torch.empty((), dtype=dtype).element_size()
-    qk = BATCH * seq * (HEADS_Q + HEADS_K) * HEAD_DIM * item
-    table = 2 * seq * HEAD_DIM * item          # cos + sin, [1, S, D] each
-    weights = 2 * HEAD_DIM * item
-    n_progs = DEFAULT_LAUNCH_SETTINGS.bwd_programs_per_sm * num_sms(device)  # at most; rounded by tiles
-    partials = 2 * n_progs * HEAD_DIM * 4
+    qk = BATCH * seq * (HEADS.q + HEADS.k) * HEADS.dim * item
+    table = 2 * seq * HEADS.dim * item          # cos + sin, [1, S, D] each
+    weights = 2 * HEADS.dim * item
+    sms = num_sms(device) if device.type == "cuda" else 4  # the interpreter's few programs, as the kernels do
+    n_progs = DEFAULT_LAUNCH_SETTINGS.bwd_programs_per_sm * sms  # at most; rounded by tiles
+    partials = 2 * n_progs * HEADS.dim * 4
     fwd = 2 * qk + table + weights
     bwd = 3 * qk + table + 2 * weights + partials  # q, k, grads in; dq, dk out; dW out
     return fwd, fwd + bwd
@@ -297,7 +249,7 @@ def ratio(r: Result, mine: Result | None, attr: str) -> str:
     return f"{theirs_ms / mine_ms:.2f}x" if mine_ms and theirs_ms else "-"
 
 
-def report(results: list[Result], copy_gbs: float, log) -> dict:
+def report_table(results: list[Result], copy_gbs: float, log) -> dict:
     by_seq: dict[int, dict[str, Result]] = {}
     for r in results:
         by_seq.setdefault(r.seq, {})[r.variant] = r
@@ -427,25 +379,26 @@ def host_breakdown(seq: int, timer: Timer, dtype: torch.dtype, log) -> dict:
         out[what] = timer.host(fn)
         out[what + " gpu"] = timer.gpu(fn)
         log(f"  {what}: host {out[what]:.4f}  gpu {out[what + ' gpu']:.4f}")
-    profiler = cProfile.Profile()
     n_calls = 200 if timer.device.type == "cuda" else 2
-    profiler.enable()
-    for _ in range(n_calls):
-        torch.autograd.grad(ours(*inputs), leaves, grads)
-    profiler.disable()
-    torch.cuda.synchronize() if timer.device.type == "cuda" else None
-    stream = io.StringIO()
-    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(18)
     log(f"cProfile of {n_calls} f+b calls, by tottime:")
-    for line in stream.getvalue().splitlines()[4:]:
-        if line.strip():
-            log("  " + line[:150])
+    print_cprofile(lambda: torch.autograd.grad(ours(*inputs), leaves, grads), n_calls, "tottime", 18)
     return out
+
+
+COLUMNS = [Column("seq", "seq", "d"), Column("variant", "variant", width=10), Column("fwd_ms", "GPU fwd", ".3f"),
+           Column("fwd_bwd_ms", "GPU f+b", ".3f"), Column("fwd_stream_ms", "fwd str", ".3f"),
+           Column("fwd_bwd_stream_ms", "f+b str", ".3f"), Column("host_fwd_bwd_ms", "host f+b", ".3f"),
+           Column("peak_mib", "peak MiB", ".1f")]
+
+
+def log(line: str = "") -> None:
+    print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="directory for bench_norm_rope.json and .log")
+    parser.add_argument("--out", help="directory for bench_norm_rope.json")
+    parser.add_argument("--shape", default="qwen3-14b", help="the attention heads of this benchmarks.harness.SHAPES preset")
     parser.add_argument("--seqlens", help="comma-separated sequence lengths (default: 1k..32k)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of variants")
     parser.add_argument("--reps", type=int, default=50)
@@ -455,39 +408,23 @@ def main() -> None:
     parser.add_argument("--dry", action="store_true", help="CPU smoke test at tiny lengths")
     args = parser.parse_args()
 
-    lines: list[str] = []
-    # The log is written as it goes, so a run cut short by a time limit still leaves its numbers.
-    log_path = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        log_path = os.path.join(args.out, "bench_norm_rope.log")
-        open(log_path, "w").close()
-
-    def log(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
-        if log_path is not None:
-            with open(log_path, "a") as f:
-                f.write(line + "\n")
-
     if not args.dry and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --dry for a CPU smoke test")
+    shape = SHAPES[args.shape]
+    HEADS.q, HEADS.k, HEADS.dim = shape.q_heads, shape.kv_heads, shape.head_dim
     device = torch.device("cpu" if args.dry else "cuda")
     dtype = torch.float32 if args.dry else torch.bfloat16  # the Triton interpreter cannot do bf16
     seqlens = [int(s) for s in args.seqlens.split(",")] if args.seqlens else (DRY_SEQLENS if args.dry else SEQLENS)
     timer = Timer(device, reps=3 if args.dry else args.reps, warmup=1 if args.dry else args.warmup)
 
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "n/a"
-    log(f"{time.strftime('%Y-%m-%d %H:%M')} device {device_name}, torch {torch.__version__}, triton {triton_version}, "
-        f"{dtype}, Qwen3-14B attention: B={BATCH} Hq={HEADS_Q} Hkv={HEADS_K} D={HEAD_DIM}; median of {timer.reps} "
-        f"reps after {timer.warmup} warmup; L2 flushed before each rep")
-    log(f"ours: {DEFAULT_LAUNCH_SETTINGS}")
-    copy_gbs = copy_bandwidth_gbs(timer)
+    report = Report("bench_norm_rope", COLUMNS, args.out)
+    copy = copy_gbps(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    report.meta.update(dtype=str(dtype), copy_gbs=copy, settings=asdict(DEFAULT_LAUNCH_SETTINGS),
+                       shape={"name": args.shape, "batch": BATCH, "heads_q": HEADS.q, "heads_k": HEADS.k,
+                              "head_dim": HEADS.dim})
+    report.header(f"q/k RMSNorm + RoPE, {args.shape} heads B={BATCH} Hq={HEADS.q} Hkv={HEADS.k} D={HEADS.dim}, "
+                  f"{dtype}; median of {timer.reps} reps after {timer.warmup} warmup, L2 flushed before each;"
+                  f" ours {DEFAULT_LAUNCH_SETTINGS}; copy {copy:.0f} GB/s")
 
     results: list[Result] = []
     names = args.variants.split(",")
@@ -496,38 +433,34 @@ def main() -> None:
         try:
             fn = VARIANTS[name]()
         except Exception as exc:
-            results += [Result(seq, name, note=f"n/a: {exc!r}"[:120]) for seq in seqlens]
+            for seq in seqlens:
+                results.append(Result(seq, name, note=f"n/a: {exc!r}"[:120]))
+                report.add(results[-1])
             continue
         for seq in seqlens:
             try:
                 r = measure(fn, seq, timer, dtype)
                 r.variant = name
-                log(f"  measured {name} seq {seq}: GPU fwd {fmt(r.fwd_ms)} f+b {fmt(r.fwd_bwd_ms)}, direct fwd "
-                    f"{fmt(r.fwd_stream_ms)} f+b {fmt(r.fwd_bwd_stream_ms)}, host f+b {fmt(r.host_fwd_bwd_ms)}")
                 if name == "ours":
-                    add_roofline(r, dtype, device, copy_gbs)
+                    add_roofline(r, dtype, device, copy)
             except Exception as exc:
                 traceback.print_exc()
                 r = Result(seq, name, note=f"error: {exc!r}"[:160])
             results.append(r)
+            report.add(r)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     results.sort(key=lambda r: (r.seq, list(VARIANTS).index(r.variant)))
     log()
-    checks = report(results, copy_gbs, log)
-    breakdown = host_breakdown(DRY_SEQLENS[0] if args.dry else HOST_BREAKDOWN_SEQ, timer, dtype, log) \
-        if args.host_breakdown else {}
-    sweep_rows = sweep(DRY_SEQLENS[:1] if args.dry else SWEEP_SEQLENS, timer, dtype, log) if args.sweep else []
-
-    if args.out:
-        payload = {"device": device_name, "torch": torch.__version__, "triton": triton_version,
-                   "dtype": str(dtype), "date": time.strftime("%Y-%m-%d"), "copy_gbs": copy_gbs,
-                   "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_k": HEADS_K, "head_dim": HEAD_DIM},
-                   "config": asdict(DEFAULT_LAUNCH_SETTINGS),
-                   "results": [asdict(r) for r in results], "targets": checks, "sweep": sweep_rows,
-                   "host_breakdown": breakdown, "command": " ".join(sys.argv)}
-        with open(os.path.join(args.out, "bench_norm_rope.json"), "w") as f:
-            json.dump(payload, f, indent=1)
+    report.meta["targets"] = report_table(results, copy, log)
+    report.save()
+    if args.host_breakdown:
+        report.meta["host_breakdown"] = host_breakdown(DRY_SEQLENS[0] if args.dry else HOST_BREAKDOWN_SEQ,
+                                                       timer, dtype, log)
+        report.save()
+    if args.sweep:
+        report.meta["sweep"] = sweep(DRY_SEQLENS[:1] if args.dry else SWEEP_SEQLENS, timer, dtype, log)
+        report.save()
 
 
 if __name__ == "__main__":
