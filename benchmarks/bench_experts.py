@@ -118,8 +118,8 @@ def make_case(shape: str, T: int, mode: str, ep: int):
     ex = GroupedExperts(E_local, s.hidden, s.intermediate, lora_rank=rank, lora_alpha=2 * rank if rank else None,
                         device=CASE.device, dtype=CASE.dtype)
     if rank:
-        ex.gate_up.requires_grad_(False)
-        ex.down.requires_grad_(False)
+        ex.base_weight("gate_up").requires_grad_(False)
+        ex.base_weight("down").requires_grad_(False)
     x = torch.randn(T, s.hidden, device=CASE.device, dtype=CASE.dtype, requires_grad=True)
     w = w.to(CASE.dtype).requires_grad_(True)
     flops = layer_flops(int((ids >= 0).sum()), s.hidden, s.intermediate, rank, train_base=not rank)

@@ -40,11 +40,12 @@ def transformers_layer(ex: GroupedExperts, ids_Mk: torch.Tensor):
     config = Qwen3MoeConfig(hidden_size=ex.hidden, moe_intermediate_size=ex.intermediate, num_experts=E,
                             num_experts_per_tok=ids_Mk.shape[1], hidden_act="silu",
                             experts_implementation="grouped_mm")
-    with torch.device(ex.gate_up.device):
-        experts = Qwen3MoeExperts(config).to(ex.gate_up.dtype)
+    gate_up, down = ex.base_weight("gate_up"), ex.base_weight("down")
+    with torch.device(gate_up.device):
+        experts = Qwen3MoeExperts(config).to(gate_up.dtype)
     with torch.no_grad():
-        experts.gate_up_proj.copy_(ex.gate_up)
-        experts.down_proj.copy_(ex.down)
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
     experts._is_expert_parallel = bool((ids_Mk < 0).any())
     layer: nn.Module = _Holder(experts)
     if ex.lora_rank:
