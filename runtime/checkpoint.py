@@ -74,9 +74,9 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
+def _state_dict_options(model: torch.nn.Module, strict: bool = True) -> StateDictOptions:
     frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=strict)
 
 
 def _checkpoint_state(model, optimizer) -> tuple[dict, dict, dict]:
@@ -184,8 +184,9 @@ class CheckpointManager:
         # Tensors were loaded in place (the expert views share the storage of model_sd's and optim_sd's);
         # the param groups' values were replaced in `state`.
         optim_sd = {**optim_sd, "param_groups": state["optim"]["param_groups"]}
+        # Not strict: a frozen base is not in the checkpoint (check_compatible has matched the keys).
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=_state_dict_options(model))
+                       options=_state_dict_options(model, strict=False))
         extra = torch.load(extra_file, weights_only=False)
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])

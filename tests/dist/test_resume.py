@@ -72,12 +72,15 @@ def _final_model(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "final.pt", weights_only=False)["model"]
 
 
-def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, lora):
     """ep=2 on 2 ranks to step 2, ep=1 in one process to step 4, ep=4 on 4 ranks to step 6: the same
-    losses and final weights as one uninterrupted process (global batch 4 rows throughout)."""
+    losses and final weights (with LoRA: the trained factors, experts' included) as one uninterrupted
+    process (global batch 4 rows throughout)."""
     def run(world, ep, stop_at, resume, out):
-        rows = {"train.micro_batch_size": 4 // world, "checkpoint.every_n_steps": 2}
-        return run_dist(_run, world, str(out), ep, stop_at, resume, rows)[0]
+        extra = {"train.micro_batch_size": 4 // world, "checkpoint.every_n_steps": 2,
+                 **({"lora.enabled": True, "lora.rank": 4} if lora else {})}
+        return run_dist(_run, world, str(out), ep, stop_at, resume, extra)[0]
 
     full = run(1, 1, 0, False, tmp_path / "ref")
     out = tmp_path / "resharded"
@@ -93,6 +96,9 @@ def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path):
     for step, loss, _ in full:
         assert abs(losses[step] - loss) <= 1e-6, (step, losses[step], loss)
     ref, got = _final_model(tmp_path / "ref"), _final_model(out)
-    assert ref.keys() == got.keys()
+    assert ref.keys() == got.keys() and any("experts" in k for k in ref)
+    # Norm-relative (ARCHITECTURE.md): an uninterrupted run on 2 or 4 ranks differs from the single process
+    # by up to ~9e-7 with LoRA (summation order in fp32), the floor of this comparison.
     for name in ref:
-        assert (got[name] - ref[name]).abs().max() <= 1e-6, name
+        err = float((got[name] - ref[name]).norm() / ref[name].norm())
+        assert err <= 1e-6, (name, err)
