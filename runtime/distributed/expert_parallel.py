@@ -1,5 +1,6 @@
-"""Expert parallelism: which experts this EP rank keeps, and the one step that applies every
+"""Expert parallelism: the MoE blocks' distributed wiring, and the one step that applies every
 parallelism of ParallelDims to a built model (EP wiring, activation checkpointing, compile, FSDP2).
+Which experts an EP rank holds is decided at build time (runtime.models.build.keep_local_experts).
 
 Gradient scaling: every FSDP reduction is a plain sum (divide factor 1) and the loss is divided by
 the global label-token count (runtime.train), so each gradient equals the single-process gradient of
@@ -8,34 +9,15 @@ the same global batch, for dense, expert, router and LoRA parameters alike.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from moe.dispatch import build_dispatcher
-from moe.experts import GroupedExperts
 from runtime.config import Config
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile
 from runtime.distributed.fsdp import apply_fsdp
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
-
-
-def localize_experts(model: QwenForCausalLM, ep_rank: int, ep: int) -> None:
-    """Keeps only this EP rank's contiguous E/ep experts in every MoE block (meta or materialized)."""
-    if ep == 1:
-        return
-    for block in model.moe_blocks():
-        old = block.experts
-        per_rank = old.num_experts // ep
-        lo = ep_rank * per_rank
-        new = GroupedExperts(per_rank, old.hidden, old.intermediate, device=old.gate_up.device,
-                             dtype=old.gate_up.dtype, expert_offset=old.expert_offset + lo)
-        if not old.gate_up.is_meta:
-            with torch.no_grad():
-                new.gate_up.copy_(old.gate_up[lo:lo + per_rank])
-                new.down.copy_(old.down[lo:lo + per_rank])
-        block.experts = new
 
 
 def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> None:
