@@ -28,8 +28,8 @@ forward and the backward are the custom ops moert::scattermoe_{sort,fwd,bwd}, wh
 trace keeps whole.
 LoRA through the rank is split (`_split_lora`): the rank-sized intermediate is computed by its own
 grouped product and its product with B joins the base GEMM's accumulator after the K loop, so the
-base K loop runs with its own registers (on one H200 at Qwen3-30B-A3B shapes the fused gate_up took
-1.29 ms against 0.88 + 0.05 split). Only small experts (out*in < 1M, where launches dominate) fuse it
+base K loop runs with its own registers (the fused gate_up measured slower at Qwen3-30B-A3B shapes:
+docs/benchmarks.md, experts). Only small experts (out*in < 1M, where launches dominate) fuse it
 into the K loop. lora_dropout > 0 in training raises NotImplementedError (use the eager backend for it).
 fp32 operands: every Triton dot runs in IEEE fp32 unless torch allows TF32 for fp32 matmuls
 (moe/kernels/precision.py); torch._grouped_mm is used for bf16 only (cutlass_ok), never for fp32.
@@ -62,8 +62,8 @@ def _split_lora(num_experts: int, out_features: int, in_features: int) -> bool:
 def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
     """[E, P, Q]: out[e] = sum over expert e's rows of L[p]^T R[p], both operands expert-sorted.
 
-    On sm90+ bf16: torch._grouped_mm grouped along the rows (CUTLASS; ~570 TFLOP/s on H200 against
-    ~320 for grouped_xty at Qwen3-30B-A3B shapes); groups end at the last valid row, so the -1 rows are
+    On sm90+ bf16: torch._grouped_mm grouped along the rows (CUTLASS, faster than grouped_xty there:
+    docs/benchmarks.md, experts); groups end at the last valid row, so the -1 rows are
     not read, and experts without rows get zeros.
     """
     if cutlass_ok(L_SP, R_SQ):

@@ -46,8 +46,7 @@ from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, autotune, bench, faster,
 _MIN_BLOCK_E = 256
 # (BLOCK_M, BLOCK_N, warps) of the memory-bound SwiGLU-backward pass (one program per row block, a
 # loop over the columns), without and with the gate_up LoRA's rank product; small under the
-# interpreter. On one H200 at Qwen3-30B-A3B shapes: 0.148 ms (32, 128) vs 0.166 (64, 64) without,
-# 0.194 ms (64, 32) vs 0.271 (64, 64) with.
+# interpreter. The measured best at Qwen3-30B-A3B shapes (docs/benchmarks.md, experts).
 _SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (32, 128, 4)
 _SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
 
@@ -232,8 +231,8 @@ def _grouped_linear_kernel(
             w_desc = tl.make_tensor_descriptor(w_ptr, [E, N, K], [s_w_e, s_w_n, 1], [1, BLOCK_N, BLOCK_K])
     # The exact tile count (the grid is sized from an upper bound: surplus programs run no tile), so the
     # loop body needs no validity branch and a persistent program's loop over its tiles can be flattened
-    # into one pipeline: the next tile's first loads are issued under this tile's epilogue (on one H200
-    # at Qwen3-30B-A3B shapes: down 0.404 -> 0.376 ms, dx 0.691 -> 0.675; the gathered gate_up unchanged).
+    # into one pipeline: the next tile's first loads are issued under this tile's epilogue (faster down
+    # and dx GEMMs, docs/benchmarks.md).
     # Not with a split LoRA: Triton 3.6 miscompiles its rank tiles (loaded before the K loop) in the
     # flattened loop (the Qwen3.5-35B-A3B LoRA down gave 27% error; tests/gpu/test_grouped_gemm_paths_gpu.py).
     tiles = _num_row_blocks(offsets_ptr, E, BLOCK_M, BLOCK_E) * num_n
@@ -268,7 +267,7 @@ def _grouped_linear_kernel(
         if HAS_LORA and not LORA_IN_LOOP:
             # Split LoRA: the rank-sized ia is already in memory. Its tile and B's are loaded before
             # the K loop, whose latency hides theirs; their product joins the accumulator after it
-            # (as a seed before it, the loads stalled every tile: 1-3% of each GEMM on one H200).
+            # (as a seed before it, the loads stalled every tile).
             ia = tl.load(ia_ptrs, mask=mask_R[None, :], other=0.0)
             b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -497,8 +496,7 @@ def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, gu_S2I: torch.Tensor, 
     """Backward through the routing weight and the SwiGLU, after the down projection's GEMM.
 
     g_SI = dy[token] @ W_down_e (with the down LoRA's part) in expert-sorted order. One pass over each
-    row block (the SwiGLU-backward epilogue inside the GEMM ran at 271 TFLOP/s against 516 for CUTLASS +
-    this pass): d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B
+    row block (a SwiGLU-backward epilogue inside the GEMM measured slower than CUTLASS plus this pass): d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B
     [E, 2I, r]) also d gate_up @ B_gu. Returns d gate_up [S, 2I], d gate_up @ B_gu [S, r] (None without
     gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
     """

@@ -49,8 +49,8 @@ class SlotOrder:
 
 # Slots per program of the sort: each block is ranked by one tl.sort, whose cost per slot grows with
 # the block (bitonic), while every block adds a fixed histogram cost (E+1 bins) and E+1 counts to
-# scan. Between the bounds, aim for about _TARGET_BLOCKS blocks. On one H200 (E=128..512) 256 won up
-# to S=64K, 512 at S=512K and 2M; 1024 and above lost everywhere (its sort costs 2-3x per slot).
+# scan. Between the bounds, aim for about _TARGET_BLOCKS blocks; the bounds are the measured winners
+# (docs/benchmarks.md, routing): larger blocks lose on their sort, smaller ones on histograms.
 # Tests shrink the bounds to get many blocks at tiny S.
 _MIN_BLOCK_S = 256
 _MAX_BLOCK_S = 512
@@ -66,7 +66,7 @@ def _block_s(num_slots: int) -> int:
 
 def _histogram_warps(block_s: int, bins: int) -> int:
     # Every warp keeps a whole histogram and merges it through shared-memory atomics, so with many
-    # bins few warps win (E=512 at 256 slots: 52 us with 1 warp, 138 us with 4, on one H200).
+    # bins few warps win (the atomics contend; docs/benchmarks.md, routing).
     return min(4, max(1, 2 * block_s // bins))
 
 
@@ -234,8 +234,8 @@ def combine(z_SH: torch.Tensor, slots: SlotOrder, weights_Mk: torch.Tensor | Non
     return y_MH
 
 
-# Rows x columns of one gather program. On one H200 ([65536, 2048] bf16 from 8192 rows): 32x256 0.086 ms
-# (3.5 TB/s), 16x512 0.090, 8x1024 0.099, 4x2048 0.113; index_select 0.119.
+# Rows x columns of one gather program: the fastest shape measured (docs/benchmarks.md, routing: it
+# beats index_select, which also copies the -1 tail).
 _GATHER_ROWS = 32
 _GATHER_COLS = 256
 

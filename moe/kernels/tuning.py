@@ -11,7 +11,7 @@ Contract:
                                  cores) get the smallest remaining tile alone
     m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
                                  token count re-tunes only when it crosses a power of two
-    bench                        a shorter do_bench for the autotuner (the kernels run for ~0.1-2 ms)
+    bench                        a shorter do_bench for the autotuner (the kernels are short: the default over-samples)
     autotune(**kwargs)           triton.autotune, its results cached on disk where this Triton can, so a
                                  second run does not re-tune
     faster(key, candidates)      which of several implementations of one operation is faster here,
@@ -72,12 +72,11 @@ if INTERPRET:
     XTY_CONFIGS = [_config(32, 32, 16, 4, 1, _XTY_NAMES)]
     FACTOR_GRAD_CONFIGS = [_factor_config(32, 16, 4, 1)]
 else:
-    # Kept short on purpose: every config is compiled once per kernel variant on a cold cache. Chosen
-    # from a sweep on one H200 at Qwen3-30B-A3B shapes (T=8192): 128x256x64 wins the forward and dx,
-    # 64x128 (4 warps) the LoRA-in-loop variants, 64x16 the rank products; 128x128 and 256x128 tiles are
-    # candidates for the split-LoRA GEMMs (the LoRA tiles held across the K loop cost registers). The
-    # persistent 128x256 ones won with TMA operands (down 0.444 ms vs 0.465, dx 0.739-0.761 vs 0.783) and
-    # the gathered gate_up (0.744 vs 0.771; benchmarks/probe_tma_gemm.py).
+    # Kept short on purpose: every config is compiled once per kernel variant on a cold cache. The set is
+    # the winners of a sweep at Qwen3-30B-A3B shapes (docs/benchmarks.md, experts: 128x256x64 for the
+    # forward and dx, 64x128 for the LoRA-in-loop variants, 64x16 for the rank products, 128x128 and
+    # 256x128 for the split-LoRA GEMMs, whose LoRA tiles held across the K loop cost registers; the
+    # persistent 128x256 ones with TMA operands).
     GEMM_CONFIGS = [_gemm_config(*c) for c in (
         (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
         (128, 128, 128, 8, 3), (64, 16, 64, 4, 4), (64, 16, 128, 4, 3), (128, 16, 64, 4, 4),
@@ -85,8 +84,7 @@ else:
     XTY_CONFIGS = [_config(*c, _XTY_NAMES) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                                                      (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
                                                      (64, 16, 64, 4, 4), (128, 16, 64, 8, 3))]
-    # Swept on one H200 at Qwen3-30B-A3B shapes, r=16 (benchmarks/probe_expert_gemms.py --factor-grads):
-    # of 18 configs (0.216-0.291 ms) the best, 128x128 w4 s3, is in this set.
+    # The best of an 18-config sweep at Qwen3-30B-A3B shapes, r=16, is in this set (docs/benchmarks.md).
     FACTOR_GRAD_CONFIGS = [_factor_config(*c) for c in ((128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                                                         (256, 64, 8, 3))]
 
