@@ -38,6 +38,7 @@ POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
                  "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
                  "num_experts_per_tok", "decoder_sparse_step", "linear_num_key_heads", "linear_num_value_heads",
                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+POSITIVE_FLOAT_KEYS = ("rms_norm_eps",)
 # Read by transformers but not by a training step: inference and tokenizer settings, and the legacy
 # name of dtype. Setting them to anything is harmless.
 NO_TRAINING_EFFECT = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype"}
@@ -108,11 +109,18 @@ def _config_problems(hf: dict, where: str, strict_keys: bool) -> list[str]:
                  "set it (this runtime has no default for it)" for key in missing_keys(text) if key not in suggested]
     problems += [f"{text_where}{key}: must be a positive integer (got {text[key]!r})" for key in POSITIVE_KEYS
                  if text.get(key) is not None and not _positive_int(text[key])]
+    # YAML 1.1 reads 1e-06 (no dot) as a string: say so here, not as a TypeError inside the first norm.
+    problems += [f"{text_where}{key}: must be a positive number (got {text[key]!r}; write 1.0e-6, not 1e-6)"
+                 for key in POSITIVE_FLOAT_KEYS if text.get(key) is not None and not _positive_number(text[key])]
     return problems or _shape_problems(text, text_where)
 
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def _shape_problems(hf: dict, where: str) -> list[str]:

@@ -185,6 +185,8 @@ MODEL_BAD = {
     "zero experts": (lambda c: c.update(num_experts=0), "model.config.num_experts: must be a positive integer (got 0)"),
     "size as a string": (lambda c: c.update(hidden_size="64"),
                          "model.config.hidden_size: must be a positive integer (got '64')"),
+    "rms_norm_eps read as a string": (lambda c: c.update(rms_norm_eps="1e-06"),
+                                      "model.config.rms_norm_eps: must be a positive number (got '1e-06'"),
     "vocab smaller than the tokenizer": (lambda c: c.update(vocab_size=500),
                                          "model.config.vocab_size: 500 is smaller than the tokenizer's 512 tokens"),
     "unknown model_type": (lambda c: c.update(model_type="llama"),
