@@ -412,7 +412,7 @@ def test_divergence_stops_with_the_last_good_checkpoint(tmp_path):
     message = assert_clear_error(proc, r"at step \d+: the update was not applied; last good checkpoint")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] is not None for r in records)  # no poisoned step was logged as trained
-    named = re.search(r"last good checkpoint: (\S+?);", message)[1]
+    named = re.search(r"last good checkpoint: (.+?); ", message)[1]
     assert named.startswith("none") or Path(named).is_dir()
 
 
