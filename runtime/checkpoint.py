@@ -96,7 +96,7 @@ def read_meta(path: Path) -> dict:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: RunDir, keep_last: int, env: DistEnv, ep_rank: int = 0, ep: int = 1):
+    def __init__(self, run_dir: RunDir, keep_last: int, env: DistEnv, ep: int = 1):
         self.root = run_dir.checkpoints
         self.run_id = run_dir.run_id
         self.keep_last = keep_last

@@ -50,7 +50,7 @@ class PeerBoard:
     VERDICT_S (rank 0 is fine, waiting in a collective for this rank): its error is its alone, it prints.
     Rank 0 waits up to GATHER_S for the others' posts, so errors that every rank raises alike (config,
     data, a corrupted checkpoint) are printed once. Callers bound every call with _bounded: a store call
-    to a frozen store host never returns (runtime/watchdog.py measured it)."""
+    to a frozen store host never returns (runtime/distributed/watchdog.py measured it)."""
 
     GATHER_S = 2.0
     VERDICT_S = 5.0

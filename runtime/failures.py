@@ -150,7 +150,7 @@ def _checkpoint_call(err: BaseException) -> tuple[str, Path] | None:
         elif path.endswith("runtime/checkpoint.py"):
             if code.co_name == "save" and local.get("tmp"):
                 return "save", Path(local["tmp"])
-            if code.co_name in ("load", "check_compatible", "check_sizes") and local.get("path"):
+            if code.co_name in ("load", "check_compatible") and local.get("path"):
                 return "load", Path(local["path"])
     return None
 

@@ -203,7 +203,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,
                               dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
-    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, env, ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, env, ep=dims.ep)
     start, last_good = 0, "none (no checkpoint was saved yet)"
     progress.step = 1
     if resume:

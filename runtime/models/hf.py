@@ -312,7 +312,7 @@ def finish_materialize(model: QwenForCausalLM, device) -> None:
 
 def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Base weights in the per-expert HF layout (LoRA factors excluded: they export as PEFT). A sharded
-    model passes its gathered `state` (runtime.parallelize.full_state_dict)."""
+    model passes its gathered `state` (runtime.distributed.state_dict.full_state_dict)."""
     state = state if state is not None else model.state_dict()
     out = {}
     for fqn, tensor in state.items():

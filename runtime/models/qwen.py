@@ -126,7 +126,7 @@ class DecoderBlock(nn.Module):
         self.add_module(self.mixer_name, mixer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.mlp = build_mlp(cfg, layer, **factory)
-        # Set by runtime.parallelize for activation checkpointing: (fn, *args) -> fn(*args) recomputed.
+        # Set by runtime.distributed.activation_checkpoint: (fn, *args) -> fn(*args) recomputed.
         self.checkpoint_fn = None
 
     def forward(self, h_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
