@@ -11,7 +11,6 @@ docs/reliability.md tabulates the cases.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -19,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -90,7 +88,7 @@ def assert_clear_error(proc, pattern: str) -> str:
     starts = [i for i, line in enumerate(err.splitlines()) if line.startswith("error:")]
     assert len(starts) == 1, err[-3000:]
     message = "\n".join(err.splitlines()[starts[0]:])
-    assert re.search(pattern, message, re.S), message
+    assert re.search(pattern, message, re.DOTALL), message
     return message
 
 
@@ -447,7 +445,7 @@ def test_interrupt_says_where_to_resume(tmp_path, sig):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "Traceback" not in err, err[-3000:]
-    assert re.search(r"interrupted at step \d+.*step_\d{8}.*--resume", err, re.S), err[-3000:]
+    assert re.search(r"interrupted at step \d+.*step_\d{8}.*--resume", err, re.DOTALL), err[-3000:]
 
 
 def test_a_killed_rank_ends_the_whole_run(tmp_path):

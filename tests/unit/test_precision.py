@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from moe.backends import expert_backend  # noqa: E402
-from moe.experts import GroupedExperts  # noqa: E402
-from moe.kernels import grouped_linear, grouped_xty, routing  # noqa: E402
-from moe.kernels.precision import dot_precision  # noqa: E402
+from moe.backends import expert_backend
+from moe.experts import GroupedExperts
+from moe.kernels import grouped_linear, grouped_xty, routing
+from moe.kernels.precision import dot_precision
 
 # The scattermoe kernels with a tl.dot; every other kernel it launches is a routing kernel (no dot).
 DOT_KERNELS = {grouped_linear._grouped_linear_kernel, grouped_linear._swiglu_backward_kernel,

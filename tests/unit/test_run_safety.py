@@ -177,7 +177,9 @@ def test_metrics_after_resume_hold_each_step_once_with_one_run_id(tmp_path):
     class Crash(Exception):
         pass
 
-    def crash_at_5(model, seen={"n": 0}):
+    seen = {"n": 0}
+
+    def crash_at_5(model):
         seen["n"] += 1
         if seen["n"] == 5:
             raise Crash
