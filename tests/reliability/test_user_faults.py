@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 TIMEOUT_S = 240
+# Steps of a run that a test stops itself (signal, kill): more than any machine trains before it does.
+LONG_RUN = 10**6
 
 
 def base_config(out: Path) -> dict:
@@ -307,6 +309,11 @@ def _train(tmp: Path, out: Path, steps: int, *extra, every: int = 2, nproc: int 
     return launch([write_config(tmp, cfg, f"cfg-{time.monotonic_ns()}.yaml"), *extra], nproc=nproc)
 
 
+def _finished_checkpoints(out: Path) -> list[Path]:
+    """Finished checkpoint folders (pruning removes older ones, so a test waits for any, not a step)."""
+    return sorted((out / "checkpoints").glob("step_*"))
+
+
 def _checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir())
 
@@ -324,7 +331,7 @@ def test_fresh_run_in_a_used_dir_refuses_and_keeps_its_checkpoints(tmp_path):
 def test_a_concurrent_run_on_the_same_dir_fails_at_start(tmp_path):
     out = tmp_path / "run"
     cfg = base_config(out)
-    cfg["train"]["max_steps"] = 400
+    cfg["train"]["max_steps"] = LONG_RUN
     first = start([write_config(tmp_path, cfg, "a.yaml")])
     try:
         _wait_for(lambda: (out / "metrics.jsonl").is_file(), first)
@@ -346,11 +353,11 @@ def test_resume_on_an_empty_dir_starts_at_step_1(tmp_path):
 def test_kill_9_mid_run_then_resume_continues(tmp_path):
     out = tmp_path / "run"
     cfg = base_config(out)
-    cfg["train"]["max_steps"] = 200
+    cfg["train"]["max_steps"] = LONG_RUN
     cfg["checkpoint"]["every_n_steps"] = 2
     path = write_config(tmp_path, cfg)
     proc = start([path])
-    _wait_for(lambda: (out / "checkpoints" / "step_00000004").is_dir(), proc)
+    _wait_for(lambda: len(_finished_checkpoints(out)) >= 2, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     saved = _checkpoints(out)
@@ -437,10 +444,10 @@ def _wait_for(condition, proc, timeout: float = TIMEOUT_S) -> None:
 def test_interrupt_says_where_to_resume(tmp_path, sig):
     out = tmp_path / "run"
     cfg = base_config(out)
-    cfg["train"]["max_steps"] = 400
+    cfg["train"]["max_steps"] = LONG_RUN
     cfg["checkpoint"]["every_n_steps"] = 2
     proc = start([write_config(tmp_path, cfg)])
-    _wait_for(lambda: (out / "checkpoints" / "step_00000002").is_dir(), proc)
+    _wait_for(lambda: _finished_checkpoints(out), proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -451,7 +458,7 @@ def test_interrupt_says_where_to_resume(tmp_path, sig):
 def test_a_killed_rank_ends_the_whole_run(tmp_path):
     out = tmp_path / "run"
     cfg = base_config(out)
-    cfg["train"]["max_steps"] = 400
+    cfg["train"]["max_steps"] = LONG_RUN
     proc = start([write_config(tmp_path, cfg)], nproc=2)
     _wait_for(lambda: (out / "metrics.jsonl").is_file(), proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
