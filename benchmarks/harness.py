@@ -55,18 +55,36 @@ def _on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def wall_times_ms(fn: Callable, iters: int, warmup: int, before: Callable | None = None) -> list[float]:
-    """perf_counter ms of each of `iters` calls after `warmup` (CPU runs; no device sync)."""
+def _timed_calls(fn: Callable, iters: int, warmup: int, before: Callable | None,
+                 time_ms: Callable[[Callable], float]) -> list[float]:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if before is not None:
             before()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append(time_ms(fn))
     return times
+
+
+def _wall_ms(fn: Callable) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _event_ms(fn: Callable) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
+def wall_times_ms(fn: Callable, iters: int, warmup: int, before: Callable | None = None) -> list[float]:
+    """perf_counter ms of each of `iters` calls after `warmup` (CPU runs; no device sync)."""
+    return _timed_calls(fn, iters, warmup, before, _wall_ms)
 
 
 def event_times_ms(fn: Callable, iters: int, warmup: int, before: Callable | None = None) -> list[float]:
@@ -75,19 +93,7 @@ def event_times_ms(fn: Callable, iters: int, warmup: int, before: Callable | Non
     outside the timed range (an L2 flush, a barrier)."""
     if not _on_cuda():
         return wall_times_ms(fn, iters, warmup, before)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
+    return _timed_calls(fn, iters, warmup, before, _event_ms)
 
 
 def median_ms(fn: Callable, iters: int = 10, warmup: int = 3, before: Callable | None = None) -> float:
