@@ -64,9 +64,16 @@ def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S) -> subpr
                           timeout=timeout, env=child_env(), check=False)
 
 
+def default_sigint() -> None:
+    """Ctrl-C as in a terminal: pytest run as a background job inherits SIGINT ignored, and so would the
+    run (Python only turns SIGINT into KeyboardInterrupt when it starts with the default action)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args: list[str], nproc: int = 1) -> subprocess.Popen:
     return subprocess.Popen(command([str(a) for a in args], nproc), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True,
+                            preexec_fn=default_sigint)  # noqa: PLW1509 (no threads in the test process)
 
 
 _AGENT_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")

@@ -107,7 +107,9 @@ def interrupted_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(out), "--max-steps", "500",
            "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false"]
     with log.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        # SIGINT as in a terminal: under a background pytest the child would inherit it ignored.
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
         deadline = time.monotonic() + 120
         while not (out / "checkpoints" / "step_00000002").is_dir():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
