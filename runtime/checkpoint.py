@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 
@@ -32,11 +31,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.distributed.state_dict import global_expert_view, is_expert_param
-from runtime.run_dir import RunDir
+from runtime.run_dir import STEP_DIR, RunDir, finished_checkpoints
 
 log = logging.getLogger("runtime")
-
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 class ResumeError(ValueError):
@@ -105,9 +102,7 @@ class CheckpointManager:
         self.ep = ep
 
     def step_dirs(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+        return finished_checkpoints(self.root.parent)
 
     def latest(self) -> Path | None:
         dirs = self.step_dirs()
@@ -140,7 +135,7 @@ class CheckpointManager:
     def _prune(self, step: int) -> None:
         """Removes this run's checkpoints older than the newest keep_last; other runs' are left alone."""
         ours = [p for p in self.step_dirs()
-                if read_meta(p).get("run_id") == self.run_id and int(_STEP_DIR.match(p.name)[1]) <= step]
+                if read_meta(p).get("run_id") == self.run_id and int(STEP_DIR.match(p.name)[1]) <= step]
         for old in ours[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -156,13 +151,13 @@ class CheckpointManager:
                      saved_world, saved_ep, self.env.world_size, self.ep)
         return path / f"extra_rank{self.rank % max(saved_world, 1)}.pt"
 
-    def check_compatible(self, path: Path, model, optimizer) -> None:
-        """Compares the checkpoint's keys and shapes with the model's, from metadata only, so a wrong
-        checkpoint fails on every rank alike before any collective."""
+    def check_compatible(self, path: Path, model_state: dict) -> None:
+        """Compares the checkpoint's keys and shapes with `model_state` (what DCP would load), from
+        metadata only, so a wrong checkpoint fails on every rank alike before any collective."""
         meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
                  if k.startswith("model.") and hasattr(v, "size")}
-        ours = {k: tuple(v.shape) for k, v in _checkpoint_state(model, optimizer)[0]["model"].items()}
+        ours = {k: tuple(v.shape) for k, v in model_state.items()}
         missing = sorted(set(ours) - set(saved))
         unexpected = sorted(set(saved) - set(ours))
         mismatched = sorted(f"{k}: checkpoint {saved[k]} vs model {ours[k]}" for k in set(ours) & set(saved)
@@ -178,8 +173,8 @@ class CheckpointManager:
     def load(self, path: Path, model, optimizer, scheduler, loader) -> int:
         """Restores everything `save` wrote; returns the step to continue after."""
         extra_file = self.extra_file(path)
-        self.check_compatible(path, model, optimizer)
         state, model_sd, optim_sd = _checkpoint_state(model, optimizer)
+        self.check_compatible(path, state["model"])
         dcp.load(state, checkpoint_id=str(path))
         # Tensors were loaded in place (the expert views share the storage of model_sd's and optim_sd's);
         # the param groups' values were replaced in `state`.

@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import pickle
-import re
 import shlex
 import shutil
 import signal
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.distributed.process_group import env_world
+from runtime.run_dir import finished_checkpoints
 
 EXIT_USER_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
@@ -234,7 +234,7 @@ def unreadable_checkpoint_line(folder: Path | None, failures: list) -> str:
     if folder is None:  # not found in the traceback
         return (f"error: a checkpoint is unreadable ({'; '.join(causes)}); delete the newest one under "
                 "<train.output_dir>/checkpoints to resume from the one before it")
-    older = sorted(p.name for p in folder.parent.glob("step_*") if p.is_dir() and p.name < folder.name)
+    older = [p.name for p in finished_checkpoints(folder.parent.parent) if p.name < folder.name]
     fix = (f"delete it (or move it out of {folder.parent}) to resume from {older[-1]}" if older
            else "delete it and start over without --resume (there is no older checkpoint)")
     return f"error: checkpoint {folder} is unreadable ({'; '.join(causes)}); {fix}"
@@ -307,16 +307,10 @@ def interrupt_line(err: BaseException, context: RunContext, signum: int) -> str:
     return f"{head}; the last checkpoint is {latest}; continue with: {rerun_command(context, resume=True)}"
 
 
-_STEP_DIR = re.compile(r"^step_\d{8}$")  # as runtime/checkpoint.py names its finished checkpoints
-
-
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The newest finished checkpoint folder, <output_dir>/checkpoints/step_XXXXXXXX, or None."""
-    folder = output_dir / "checkpoints"
-    if not folder.is_dir():
-        return None
-    steps = sorted(p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-    return steps[-1] if steps else None
+    """The newest finished checkpoint folder, or None."""
+    found = finished_checkpoints(output_dir)
+    return found[-1] if found else None
 
 
 def rerun_command(context: RunContext, resume: bool) -> str:

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import Config
+from runtime.run_dir import CHECKPOINTS
 
 log = logging.getLogger("runtime")
 
-# runtime/checkpoint.py writes its step folders here (RunDir.checkpoints).
-CHECKPOINTS = "checkpoints"
 OUTPUT_FIX = "set train.output_dir (or --output-dir) to a folder this user can write"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -24,6 +25,8 @@ from pathlib import Path
 
 LOCK_NAME = ".lock"
 RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+STEP_DIR = re.compile(r"^step_(\d{8})$")  # a finished checkpoint; a save in progress is .tmp-step_*
 
 
 class RunDirError(RuntimeError):
@@ -38,14 +41,15 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS
 
 
-def existing_checkpoints(root: Path) -> list[Path]:
-    ckpts = root / "checkpoints"
-    if not ckpts.is_dir():
+def finished_checkpoints(output_dir: str | Path) -> list[Path]:
+    """<output_dir>/checkpoints/step_XXXXXXXX folders, oldest first (torn .tmp saves excluded)."""
+    folder = Path(output_dir) / CHECKPOINTS
+    if not folder.is_dir():
         return []
-    return sorted(p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -77,7 +81,7 @@ def _run_id(root: Path, resume: bool) -> str:
 
 
 def refuse_foreign_checkpoints(root: Path, resume: bool) -> None:
-    found = existing_checkpoints(root)
+    found = finished_checkpoints(root)
     if found and not resume:
         raise RunDirError(f"output dir {root} already holds checkpoints (newest: {found[-1].name}) of an earlier "
                           "run; continue that run with --resume, or start a new one with a new train.output_dir")
