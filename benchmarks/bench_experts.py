@@ -226,7 +226,7 @@ def run_shape(shape: str, T: int, backends: list[str], modes: list[str], iters: 
                 row = Row(shape, T, mode, ep, name)
                 try:
                     bench_row(row, iters, warmup=3, matmul=matmul)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 (a failing row is reported in the table; the others still run)
                     first_line = str(exc).splitlines()[0][:90] if str(exc) else ""
                     row.note = f"n/a: {type(exc).__name__}: {first_line}"
                 if CASE.device == "cuda":

@@ -215,7 +215,7 @@ def measure(fn, seq: int, timer: Timer, dtype: torch.dtype) -> Result:
     try:
         r.fwd_bwd_ms = timer.gpu(forward_backward)
         r.fwd_ms = timer.gpu(forward)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (a failing row is reported in the table; the others still run)
         r.note = f"graph capture failed: {exc!r}"[:160]
     return r
 
@@ -349,7 +349,7 @@ def sweep(seqlens, timer: Timer, dtype: torch.dtype, log) -> list[dict]:
                         row["ms"] = timer.gpu(fwd if kind == "fwd" else bwd)
                         log(f"{seq:>6} {kind} {elements:>5} elements {warps:>2} warps "
                             f"{'' if per_sm is None else f'{per_sm:>2} per SM'}: {row['ms']:.4f}")
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 (a failing row is reported in the table; the others still run)
                         row["error"] = repr(exc)
                         log(f"{seq:>6} {kind} {elements} {warps} {per_sm}: error {exc!r}")
                     rows.append(row)
@@ -432,7 +432,7 @@ def main() -> None:
     for name in sorted(names, key=lambda n: n != "ours"):
         try:
             fn = VARIANTS[name]()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (a failing row is reported in the table; the others still run)
             for seq in seqlens:
                 results.append(Result(seq, name, note=f"n/a: {exc!r}"[:120]))
                 report.add(results[-1])
@@ -443,7 +443,7 @@ def main() -> None:
                 r.variant = name
                 if name == "ours":
                     add_roofline(r, dtype, device, copy)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (a failing row is reported in the table; the others still run)
                 traceback.print_exc()
                 r = Result(seq, name, note=f"error: {exc!r}"[:160])
             results.append(r)
