@@ -5,7 +5,7 @@ Packed rows hold several documents; `AttnMeta` (built once per batch) carries wh
 need so that no document attends to another: a block-diagonal causal mask for SDPA, cu_seqlens and
 max_seqlen for the varlen flash backend.
 
-Backends (`ATTN_BACKENDS`, config key model.attn_backend), one contract:
+Backends (`ATTN_BACKENDS`, config key model.attn_backend; "auto" = flash on CUDA, else sdpa), one contract:
     out_BSHD = ATTN_BACKENDS.get(name)(q_BSHD, k_BSKD, v_BSKD, meta, scale)
 """
 
@@ -77,7 +77,21 @@ def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tens
 
 
 AttnBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnMeta, float], torch.Tensor]
-ATTN_BACKENDS: Registry[AttnBackend] = Registry("attention backend", "model.attn_backend")
+
+
+def _auto_backend() -> str:
+    return resolve_attn_backend("auto", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+ATTN_BACKENDS: Registry[AttnBackend] = Registry("attention backend", "model.attn_backend", auto=_auto_backend)
+
+
+def resolve_attn_backend(name: str, device: torch.device | str) -> str:
+    """"auto" is the varlen kernel over cu_seqlens on CUDA when one is installed (no [B,1,S,S] mask and
+    no attention over padding or across documents), else SDPA with the packed mask; other names as given."""
+    if name != "auto":
+        return name
+    return "flash" if torch.device(device).type == "cuda" and varlen_impl() is not None else "sdpa"
 
 
 @ATTN_BACKENDS.register("sdpa")
@@ -272,7 +286,8 @@ class Qwen3Attention(nn.Module):
         q_BSHD, k_BSKD = qk_norm_rope(q_BSHD, k_BSKD, self.q_norm.weight, self.k_norm.weight, cos, sin,
                                       self.eps, unit_offset=self.gated, rotary_dim=self.rotary_dim,
                                       impl=self.norm_rope_impl)
-        out_BSHD = ATTN_BACKENDS.get(self.backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
+        backend = resolve_attn_backend(self.backend, q_BSHD.device)
+        out_BSHD = ATTN_BACKENDS.get(backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
         if self.gated:
             out_BSHD = out_BSHD * torch.sigmoid(gate_BSHD)
         return self.o_proj(out_BSHD.reshape(B, S, -1))

@@ -54,7 +54,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Implementation names, checked against their registries (runtime/registry.py).
     expert_backend: str = "grouped_mm"
-    attn_backend: str = "sdpa"
+    attn_backend: str = "auto"  # flash (varlen over cu_seqlens) on CUDA when installed, else sdpa
     norm_rope_impl: str = "auto"
     # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed, else torch.
     gdn_op_set: str = "auto"

@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta, cu_seqlens_from_position_ids
+from attention.attention import (
+    AttnMeta,
+    Qwen3Attention,
+    build_attn_meta,
+    cu_seqlens_from_position_ids,
+    resolve_attn_backend,
+)
 from attention.gdn import GatedDeltaNet, GatedRMSNorm
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
@@ -71,7 +77,7 @@ class QwenConfig:
     gdn: GDNConfig | None = None
     # Runtime choices, not part of the HF config
     expert_backend: str = "grouped_mm"
-    attn_backend: str = "sdpa"
+    attn_backend: str = "auto"  # attention.attention.resolve_attn_backend: flash on CUDA, else sdpa
     norm_rope_impl: str = "auto"
     gdn_op_set: str = "torch"
     router_aux_loss_coef: float = 0.0
@@ -172,7 +178,8 @@ class QwenForCausalLM(nn.Module):
         if position_ids_BS is not None and cu_seqlens is None and self.config.layer_types:
             # GDN layers need document boundaries; the collator passes them, direct calls may not.
             cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
-        meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, self.config.attn_backend)
+        backend = resolve_attn_backend(self.config.attn_backend, input_ids_BS.device)
+        meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, backend)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         cos, sin = self.model.rotary_emb(position_ids_BS, h_BSH.dtype)

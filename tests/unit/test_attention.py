@@ -18,6 +18,7 @@ from attention.attention import (
     build_attn_meta,
     check_attn_backend,
     repeat_kv_heads,
+    resolve_attn_backend,
     sdpa_attention,
 )
 from attention.rope import RopeConfig, RotaryEmbedding
@@ -164,7 +165,7 @@ def test_flash_backend_unavailable_is_a_clear_error(choose, torch_fn):
 
 
 def test_unknown_backend_names_the_config_key():
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flex'.*\['flash', 'sdpa'\].*model.attn_backend"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flex'.*\['auto', 'flash', 'sdpa'\].*model.attn_backend"):
         Qwen3Attention(64, 4, 2, 16, 1e-6, backend="flex")
 
 
@@ -283,3 +284,12 @@ def test_flash_backend_with_the_installed_torch_on_cpu_names_the_fix(monkeypatch
     cos, sin = RotaryEmbedding(RopeConfig(), 8)(torch.arange(6).expand(1, 6), torch.bfloat16)
     with pytest.raises(ValueError, match="model.attn_backend: sdpa"):
         layer(x, cos, sin, build_attn_meta(None, backend="flash"))
+
+
+def test_auto_backend_is_the_mask_path_off_cuda_and_varlen_on_cuda(choose):
+    assert resolve_attn_backend("auto", "cpu") == "sdpa"
+    assert resolve_attn_backend("sdpa", "cuda") == "sdpa"
+    choose(None, None)
+    assert resolve_attn_backend("auto", "cuda") == "sdpa"  # no varlen kernel installed: the mask path
+    choose(_fake_flash_attn, None)
+    assert resolve_attn_backend("auto", "cuda") == "flash"
