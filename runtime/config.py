@@ -155,6 +155,9 @@ class OptimConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    # What trainable parameters are kept in (runtime/optim.py): fp32 masters under bf16 autocast, or bf16
+    # parameters with a stochastic-rounding AdamW (half the memory of parameters, grads and states).
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
 class TrainConfig(Section):
