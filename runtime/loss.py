@@ -1,0 +1,201 @@
+"""The language-model loss: lm_head + cross-entropy over label tokens, fused so that no implementation
+but the reference materializes [tokens, vocab] logits (8192 tokens x 151936 vocab is 2.5 GB in bf16,
+5 GB in fp32, and as much again for their gradient).
+
+Contract, shared by every implementation in LOSS_IMPLS (config key model.loss_impl)::
+
+    fn(h_TH, weight_VH, labels_T) -> loss_sum
+
+T tokens, H hidden, V vocab. `h_TH` is the final-norm hidden state (fp32 or bf16), `weight_VH` the lm_head
+weight (an fp32 master or bf16; it may be tied to the embedding), `labels_T` the (pre-shifted) targets,
+IGNORE_INDEX where a token has no loss. `loss_sum` is an fp32 scalar: the summed token cross-entropy over
+label tokens; the caller divides by the global label count. Gradients flow to h and, only when it
+requires grad, to the weight (a frozen lm_head under LoRA gets no [V, H] gradient, none is allocated).
+
+Precision is that of `nn.Linear` + `F.cross_entropy(logits.float())`: under autocast the matmuls run in
+the autocast dtype (h and weight cast to it), outside autocast in the inputs' (common) dtype;
+logsumexp / softmax always in fp32.
+
+Implementations:
+- "plain": materialized logits, the reference semantics (what the trainer did before this module).
+- "chunked": pure torch, CPU and CUDA. Walks the label tokens in chunks and computes, already in forward,
+  the loss and the gradients wrt h and weight; only those are kept for backward, which scales them.
+  Tokens without a label cost nothing (their loss and gradient are zero). One host sync per call.
+- "liger": Liger-Kernel's fused linear cross-entropy (Triton, CUDA), when liger-kernel is installed.
+- "cce": Apple's Cut Cross-Entropy (Triton, CUDA, bf16/fp16 only: under autocast), when installed; it
+  keeps its default gradient filtering (softmax entries below bf16 resolution are skipped).
+"auto" is "chunked" (see `_auto`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from gpu.registry import Registry
+
+IGNORE_INDEX = -100  # the label of a token without loss (runtime.data writes it)
+LOGITS_CHUNK_BYTES = 1 << 30  # "chunked": one chunk's fp32 logits take about this much memory
+
+
+def _auto() -> str:
+    return "chunked"
+
+
+LOSS_IMPLS: Registry = Registry("loss implementation", "model.loss_impl", auto=_auto)
+
+
+def linear_cross_entropy_sum(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+                             impl: str = "auto") -> torch.Tensor:
+    """Summed cross-entropy of `h_TH @ weight_VH.T` against `labels_T`; see the module docstring."""
+    _check_inputs(h_TH, weight_VH, labels_T)
+    return LOSS_IMPLS.get(impl)(h_TH, weight_VH, labels_T)
+
+
+def _check_inputs(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> None:
+    if h_TH.ndim != 2 or weight_VH.ndim != 2 or labels_T.ndim != 1:
+        raise ValueError(f"expected h [T, H], weight [V, H], labels [T]; got {tuple(h_TH.shape)}, "
+                         f"{tuple(weight_VH.shape)}, {tuple(labels_T.shape)}")
+    if h_TH.shape[0] != labels_T.shape[0] or h_TH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"shapes disagree: h {tuple(h_TH.shape)}, weight {tuple(weight_VH.shape)}, "
+                         f"labels {tuple(labels_T.shape)}")
+    if labels_T.is_floating_point():
+        raise ValueError(f"labels must be integer class indices; got {labels_T.dtype}")
+    compute_dtype(h_TH, weight_VH)
+
+
+def compute_dtype(h_TH: torch.Tensor, weight_VH: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: the autocast dtype when autocast is on (as nn.Linear would), else the inputs'."""
+    device_type = h_TH.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if h_TH.dtype != weight_VH.dtype:
+        raise ValueError(f"h ({h_TH.dtype}) and weight ({weight_VH.dtype}) dtypes differ outside autocast")
+    return h_TH.dtype
+
+
+@LOSS_IMPLS.register("plain")
+def plain(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    """Materialized [T, V] logits (upcast to fp32 for the loss): the reference."""
+    logits_TV = F.linear(h_TH, weight_VH)
+    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@LOSS_IMPLS.register("chunked")
+def chunked(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+            chunk_size: int | None = None) -> torch.Tensor:
+    """Label tokens in chunks of `chunk_size` (default: ~LOGITS_CHUNK_BYTES of fp32 logits per chunk)."""
+    chunk_size = chunk_size or default_chunk_size(weight_VH.shape[0])
+    # Decided here: inside Function.forward grad mode is off, and under no_grad no gradient is wanted.
+    grad_h = torch.is_grad_enabled() and h_TH.requires_grad
+    grad_w = torch.is_grad_enabled() and weight_VH.requires_grad
+    return _ChunkedLinearCrossEntropy.apply(h_TH, weight_VH, labels_T, compute_dtype(h_TH, weight_VH),
+                                            chunk_size, grad_h, grad_w)
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Tokens per chunk such that one chunk's fp32 logits take about LOGITS_CHUNK_BYTES."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and the (unscaled) input gradients; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h, grad_w):
+        with torch.autocast(h_TH.device.type, enabled=False):  # the casts below decide every dtype
+            loss, grad_h_TH, grad_w_VH = _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size,
+                                                                 grad_h, grad_w)
+        ctx.save_for_backward(grad_h_TH, grad_w_VH)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        grad_h_TH, grad_w_VH = ctx.saved_tensors
+        # In place: these buffers exist only for this backward, and a [V, H] copy is what we avoid. A
+        # second backward through the same graph (retain_graph) fails autograd's saved-version check.
+        if grad_h_TH is not None:
+            grad_h_TH.mul_(grad_loss)
+        if grad_w_VH is not None:
+            grad_w_VH.mul_(grad_loss)
+        return grad_h_TH, grad_w_VH, None, None, None, None, None
+
+
+def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h: bool, grad_w: bool):
+    """(loss_sum, d loss_sum / d h or None, d loss_sum / d weight or None), visiting label tokens only."""
+    rows_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # the host sync: the label count sets the loop
+    labels_N = labels_T[rows_N]
+    w_VH = weight_VH.to(dtype)  # once, not per chunk: autocast would cast (and cache) it the same way
+    loss = torch.zeros((), dtype=torch.float32, device=h_TH.device)
+    grad_h_TH = torch.zeros_like(h_TH) if grad_h else None
+    # fp32 accumulation over chunks whatever the weight dtype; rounded once at the end.
+    grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if grad_w else None
+    for start in range(0, rows_N.numel(), chunk_size):
+        rows_C = rows_N[start:start + chunk_size]
+        h_CH = h_TH[rows_C].to(dtype)
+        chunk_loss, grad_logits_CV = _chunk_loss_and_grad_logits(h_CH, w_VH, labels_N[start:start + chunk_size],
+                                                                 grad_h or grad_w)
+        loss += chunk_loss
+        if grad_h:
+            grad_h_TH.index_copy_(0, rows_C, (grad_logits_CV @ w_VH).to(h_TH.dtype))
+        if grad_w:
+            grad_w_VH += grad_logits_CV.T @ h_CH
+    return loss, grad_h_TH, grad_w_VH.to(weight_VH.dtype) if grad_w else None
+
+
+def _chunk_loss_and_grad_logits(h_CH, w_VH, labels_C, with_grad: bool):
+    """One chunk's summed cross-entropy and, if asked, d loss / d logits (softmax - onehot) in the matmul
+    dtype, i.e. what autograd through `logits.float()` hands the lm_head matmul."""
+    logits_CV = (h_CH @ w_VH.T).float()
+    lse_C = logits_CV.logsumexp(dim=-1)
+    loss = (lse_C - logits_CV.gather(1, labels_C[:, None]).squeeze(1)).sum()
+    if not with_grad:
+        return loss, None
+    probs_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # in place: the fp32 logits are the chunk's largest buffer
+    probs_CV.scatter_add_(1, labels_C[:, None], probs_CV.new_full((labels_C.shape[0], 1), -1.0))
+    return loss, probs_CV.to(h_CH.dtype)
+
+
+def _register_liger() -> None:
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] not in ("liger_kernel", "triton"):
+            raise
+        LOSS_IMPLS.unavailable("liger", f"{err} (pip install liger-kernel)")
+        return
+
+    @LOSS_IMPLS.register("liger")
+    def liger(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+        """Liger's chunked Triton loss. We cast to the matmul dtype ourselves and turn autocast off so it
+        takes its same-dtype path; grad_weight accumulates in fp32 (accum_dtype) before its cast back."""
+        dtype = compute_dtype(h_TH, weight_VH)
+        with torch.autocast(h_TH.device.type, enabled=False):
+            return liger_fused_linear_cross_entropy(h_TH.to(dtype), weight_VH.to(dtype), labels_T,
+                                                    ignore_index=IGNORE_INDEX, reduction="sum",
+                                                    accum_dtype=torch.float32)
+
+
+def _register_cce() -> None:
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] not in ("cut_cross_entropy", "triton"):
+            raise
+        LOSS_IMPLS.unavailable("cce", f"{err} (pip install cut-cross-entropy)")
+        return
+
+    @LOSS_IMPLS.register("cce")
+    def cce(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+        """Cut Cross-Entropy: its Triton kernels see no autocast, so h and weight are cast here (its
+        backward takes bf16/fp16 h only)."""
+        dtype = compute_dtype(h_TH, weight_VH)
+        return linear_cross_entropy(h_TH.to(dtype), weight_VH.to(dtype), labels_T, ignore_index=IGNORE_INDEX,
+                                    reduction="sum", impl="cce")
+
+
+# Imported now, not lazily: an import inside a compiled region breaks the graph.
+_register_liger()
+_register_cce()
