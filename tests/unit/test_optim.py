@@ -1,0 +1,116 @@
+"""runtime.optim: what each optim.master_dtype keeps parameters, grads and AdamW states in; bf16 updates
+below bf16 resolution still move the weights (stochastic rounding); the schedule drives either optimizer;
+the combinations that cannot work fail naming the config key."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.config import load_config
+from runtime.optim import apply_master_dtype, build_optimizer, lr_factor
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # apply_master_dtype reads only the device type
+
+
+def config(master_dtype: str, **optim):
+    overrides = {"optim.master_dtype": master_dtype, "optim.weight_decay": 0.0, "optim.warmup_steps": 2,
+                 "train.max_steps": 10, **{f"optim.{k}": v for k, v in optim.items()}}
+    return load_config(EXAMPLE, overrides)
+
+
+def model(dtype: torch.dtype, frozen_bias: bool = False) -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64).to(dtype)
+    layer.bias.requires_grad_(not frozen_bias)
+    return layer
+
+
+def one_step(layer: nn.Linear, master_dtype: str):
+    optimizer, _ = build_optimizer(layer, config(master_dtype), CPU)
+    layer(torch.randn(8, 64, dtype=layer.weight.dtype)).square().sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize(("master_dtype", "device", "model_dtype", "trained", "frozen"), [
+    ("fp32", CUDA, torch.bfloat16, torch.float32, torch.bfloat16),  # fp32 masters under autocast
+    ("fp32", CPU, torch.bfloat16, torch.bfloat16, torch.bfloat16),  # no autocast: model.dtype
+    ("fp32", CPU, torch.float32, torch.float32, torch.float32),
+    ("bf16", CUDA, torch.float32, torch.bfloat16, torch.float32),
+    ("bf16", CPU, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+])
+def test_apply_master_dtype_casts_only_what_trains(master_dtype, device, model_dtype, trained, frozen):
+    layer = model(model_dtype, frozen_bias=True)
+    apply_master_dtype(layer, master_dtype, device)
+    assert (layer.weight.dtype, layer.bias.dtype) == (trained, frozen)
+
+
+@pytest.mark.parametrize(("master_dtype", "model_dtype", "optimizer_module"), [
+    ("fp32", torch.float32, "torch.optim"), ("bf16", torch.float32, "torchao.optim")])
+def test_params_grads_and_states_per_mode(master_dtype, model_dtype, optimizer_module):
+    layer = model(model_dtype)
+    apply_master_dtype(layer, master_dtype, CPU)
+    optimizer = one_step(layer, master_dtype)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[master_dtype]
+    assert type(optimizer).__module__.startswith(optimizer_module)
+    for p in layer.parameters():
+        state = optimizer.state[p]
+        assert {p.dtype, p.grad.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype} == {dtype}
+
+
+def test_bf16_updates_below_resolution_follow_fp32_on_average():
+    """Adam's first update is lr * sign(grad): 1e-3 is under half a bf16 ulp at 1.0 (2^-9), so rounded to
+    nearest every update is lost, while stochastic rounding moves the mean weight like fp32 does."""
+    steps, lr = 100, 1e-3
+
+    def train(dtype: torch.dtype, master_dtype: str) -> float:
+        torch.manual_seed(0)  # the rounding draws from the global generator
+        weight = nn.Parameter(torch.ones(4096, dtype=dtype))
+        holder = nn.Module()
+        holder.weight = weight
+        optimizer, _ = build_optimizer(holder, config(master_dtype, lr=lr, warmup_steps=0), CPU)
+        for _ in range(steps):
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
+        return float(weight.detach().float().mean()) - 1.0
+
+    fp32 = train(torch.float32, "fp32")
+    assert abs(fp32 + steps * lr) < 1e-4  # the reference: -lr per step
+    assert abs(train(torch.bfloat16, "bf16") - fp32) < 0.02 * abs(fp32)
+    assert train(torch.bfloat16, "fp32") == 0.0  # plain AdamW on bf16 parameters stalls
+
+
+@pytest.mark.parametrize("master_dtype", ["fp32", "bf16"])
+def test_schedule_drives_the_lr(master_dtype):
+    layer = model(torch.float32)
+    apply_master_dtype(layer, master_dtype, CPU)
+    cfg = config(master_dtype)
+    optimizer, scheduler = build_optimizer(layer, cfg, CPU)
+    for step in range(cfg.train.max_steps):
+        expected = cfg.optim.lr * lr_factor(step, cfg.optim, cfg.train.max_steps)
+        assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(expected)
+        assert float(scheduler.get_last_lr()[0]) == pytest.approx(expected)
+        optimizer.step()
+        scheduler.step()
+
+
+def test_bf16_off_cuda_with_fp32_frozen_weights_fails_naming_the_keys():
+    with pytest.raises(ValueError, match=r"optim.master_dtype: bf16 on cpu needs model.dtype: bfloat16"):
+        apply_master_dtype(model(torch.float32, frozen_bias=True), "bf16", CPU)
+
+
+def test_bf16_optimizer_refuses_fp32_parameters():
+    with pytest.raises(ValueError, match=r"optim.master_dtype: bf16 needs bf16 trainable parameters.*float32"):
+        build_optimizer(model(torch.float32), config("bf16"), CPU)
+
+
+def test_bf16_without_torchao_fails_naming_the_key(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # makes the import raise ImportError
+    with pytest.raises(ImportError, match=r"optim.master_dtype: bf16 needs torchao>=0.18"):
+        build_optimizer(model(torch.bfloat16), config("bf16"), CPU)
