@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
-from runtime.config import Config, OptimConfig
+from runtime.config import Config
 from runtime.data import build_dataloader, load_tokenizer
 from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.fsdp import total_grad_norm
@@ -33,6 +33,7 @@ from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_p
 from runtime.models.build import build
 from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM, label_loss_sum
+from runtime.optim import apply_master_dtype, build_optimizer
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir
 
 log = logging.getLogger("runtime")
@@ -64,31 +65,8 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
 
         apply_lora(model, cfg.lora)
         seed_lora_A(model, cfg.train.seed)
-    if env.device.type == "cuda":
-        for p in model.parameters():  # fp32 master copies of what trains; autocast computes in bf16
-            if p.requires_grad:
-                p.data = p.data.float()
+    apply_master_dtype(model, cfg.optim.master_dtype, env.device)
     return model
-
-
-def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
-    """Linear warmup to 1, then cosine down to min_lr_ratio at max_steps (`step` counts from 0)."""
-    if step < optim.warmup_steps:
-        return (step + 1) / optim.warmup_steps
-    progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("no trainable parameters: enable lora or unfreeze the model")
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                  fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
-    return optimizer, scheduler
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> torch.Tensor:
@@ -227,7 +205,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
             result = train_step(model, batches, optimizer, cfg, env, on_grads)
             guard.check(step, result, last_good)
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's AdamW (master_dtype: bf16)
             scheduler.step()
             record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
             records.append(record)

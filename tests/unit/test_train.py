@@ -12,7 +12,8 @@ import pytest
 
 from runtime.config import OptimConfig
 from runtime.launch import run
-from runtime.train import TrainingDiverged, lr_factor
+from runtime.optim import lr_factor
+from runtime.train import TrainingDiverged
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
