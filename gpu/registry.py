@@ -41,6 +41,10 @@ class Registry(Generic[T]):
         """`name` exists but cannot run here; `reason` says why and how to install what it needs."""
         self._unavailable[name] = reason
 
+    def is_available(self, name: str) -> bool:
+        """Whether `name` is registered and can run here (not merely known)."""
+        return name in self._items
+
     def names(self) -> list[str]:
         """Every name a config may use: registered, unavailable here, and "auto" when offered."""
         return sorted({*self._items, *self._unavailable, *(["auto"] if self._auto else [])})

@@ -22,7 +22,20 @@ class ExpertBackend(Protocol):
                  experts) -> torch.Tensor: ...
 
 
-EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend")
+def resolve_expert_backend(name: str, device: torch.device | str) -> str:
+    """"auto" is scattermoe (fused Triton kernels, LoRA included) on CUDA where Triton is installed, else
+    grouped_mm; other names as given."""
+    if name != "auto":
+        return name
+    on_cuda = torch.device(device).type == "cuda"
+    return "scattermoe" if on_cuda and EXPERT_BACKENDS.is_available("scattermoe") else "grouped_mm"
+
+
+def _auto_backend() -> str:
+    return resolve_expert_backend("auto", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=_auto_backend)
 # Backends live in their own modules and register when imported (at the end of this module).
 _MODULES = {"eager": "moe.backends.eager", "grouped_mm": "moe.backends.grouped_mm",
             "scattermoe": "moe.backends.scattermoe"}
@@ -36,10 +49,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def expert_backend(name: str) -> ExpertBackend:
-    """The backend registered as `name`. A plain dict lookup (every backend is imported with this
-    module), so a first call inside a torch.compile(fullgraph=True) region traces without a break."""
-    return EXPERT_BACKENDS.get(name)
+def expert_backend(name: str, device: torch.device | str = "cpu") -> ExpertBackend:
+    """The backend registered as `name` ("auto" resolved for `device`). A plain dict lookup (every backend
+    is imported with this module), so a first call inside a torch.compile(fullgraph=True) region traces
+    without a break."""
+    return EXPERT_BACKENDS.get(resolve_expert_backend(name, device))
 
 
 def _import_backends() -> None:

@@ -346,3 +346,12 @@ def test_compiled_moe_model_blocks_with_scattermoe(tmp_path):
     for name, grad in eager_grads.items():
         err = (grad - comp_grads[name]).norm() / grad.norm().clamp_min(1e-12)
         assert err <= 1e-4, f"{name}: {err:.2e}"
+
+
+def test_auto_backend_is_scattermoe_on_cuda_only():
+    from moe.backends import EXPERT_BACKENDS, resolve_expert_backend
+
+    assert resolve_expert_backend("auto", "cpu") == "grouped_mm"
+    assert resolve_expert_backend("eager", "cuda") == "eager"
+    expected = "scattermoe" if EXPERT_BACKENDS.is_available("scattermoe") else "grouped_mm"
+    assert resolve_expert_backend("auto", "cuda") == expected
