@@ -7,6 +7,7 @@
 - The same under bf16 autocast with fp32 parameters (how runtime/train.py runs the model).
 - Isolation: perturbing some tokens changes no output of another document (another row included) and
   none of the earlier tokens of their own document.
+- Rows of one document each take cuDNN's fused kernel on Hopper (dense_causal), checked the same way.
 - The implementation that ran (flash-attn or torch's varlen_attn) is named in a warning in the log.
 
 Shapes: x [B, S, hidden]; documents are packed along S; cu_seqlens run over the flattened B*S tokens.
@@ -19,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from attention.attention import Qwen3Attention, build_attn_meta, varlen_impl
+from attention.attention import Qwen3Attention, build_attn_meta, dense_causal, varlen_impl
 from attention.rope import RopeConfig, RotaryEmbedding
 from runtime.models.qwen import cu_seqlens_from_position_ids
 from tests.conftest import perturb_
@@ -35,7 +36,8 @@ CASES = {
     "one_row": (ONE_ROW, "collator"),
     "two_rows": (TWO_ROWS, "collator"),
     "two_rows_cu_from_positions": (TWO_ROWS, "positions"),
-    "unpacked_rows": ([[2048], [2048]], "none"),
+    "unpacked_rows": ([[2048], [2048]], "none"),  # one document per row: cuDNN on Hopper (dense_causal)
+    "one_document_per_row": ([[2048], [2048]], "collator"),  # B + 1 boundaries: cuDNN on Hopper too
 }
 
 
@@ -116,10 +118,15 @@ def test_bf16_flash_matches_sdpa_on_packed_documents(case, gated):
     assert_close(ours, ref)
 
 
+def test_dense_causal_path_is_chosen_on_hopper():
+    assert dense_causal() == (torch.cuda.get_device_capability() >= (9, 0))
+
+
+@pytest.mark.parametrize("rows", [TWO_ROWS, [[2048], [2048]]], ids=["packed", "one_document_per_row"])
 @pytest.mark.parametrize("gated", [False, True])
-def test_flash_under_bf16_autocast_with_fp32_parameters(gated):
+def test_flash_under_bf16_autocast_with_fp32_parameters(gated, rows):
     """The training path: fp32 master weights, bf16 autocast; the flash backend casts q/k/v itself."""
-    pos_BS = positions(TWO_ROWS)
+    pos_BS = positions(rows)
     flash, sdpa = make_layers(gated, torch.float32)
     cos, sin = rope_tables(pos_BS, gated, torch.float32)
     flash_meta, sdpa_meta = metas(pos_BS, "collator")
