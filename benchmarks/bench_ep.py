@@ -1,6 +1,7 @@
 """Expert-parallel MoE layer: sentinel-skip vs compute-and-mask, and dispatch+combine vs NCCL all_to_all.
 
-    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep [--shape qwen3-30b-a3b] [--tokens 8192] [--out DIR]
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep [--shape qwen3-30b-a3b] [--tokens 8192] [--compile]
+        [--out DIR]
     torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_ep --dry   # gloo on the CPU, tiny shape
 
 At one MoE shape (harness.SHAPES), T tokens per rank, bf16: one MoE layer (all_to_all dispatch ->
@@ -8,7 +9,10 @@ grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask (-
 expert 0 with weight 0, so every slot is computed), for every ep that divides the world; time (median
 over ranks' medians: the slowest rank) and peak memory; and dispatch+combine alone vs the NCCL
 all_to_all bus bandwidth measured in the same run. `--dry` runs the same code on gloo CPU ranks in
-fp32 (eager experts): a smoke test, its numbers mean nothing.
+fp32 (eager experts): a smoke test, its numbers mean nothing. `--compile` compiles the expert compute as
+training does under EP (runtime.distributed.compile.compile_experts: fullgraph, rows dynamic), dispatch
+and combine staying eager; with `--dry` the experts are then grouped_mm in bf16 (the only dtype
+torch._grouped_mm traces on the CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from benchmarks.harness import SHAPES, Column, Report, median_ms
 from moe.dispatch import AllToAllDispatcher
 from moe.experts import GroupedExperts
+from runtime.distributed.compile import compile_experts
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Run:
     device: str
     dtype: torch.dtype
     backend: str
+    compile: bool
 
 
 def timed(fn, run: Run) -> float:
@@ -118,6 +124,8 @@ def bench(ep: int, shape: str, tokens: int, run: Run) -> Row:
     rank_in_group = dist.get_rank(group)
     torch.manual_seed(1234 + dist.get_rank())
     experts = GroupedExperts(E // ep, H, I, device=run.device, dtype=run.dtype, expert_offset=rank_in_group * E // ep)
+    if run.compile:
+        compile_experts(experts)
     dispatcher = AllToAllDispatcher(group, E)
     x = torch.randn(tokens, H, device=run.device, dtype=run.dtype, requires_grad=True)
     logits = torch.randn(tokens, E, device=run.device)
@@ -151,22 +159,24 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b", help="a MoE shape in benchmarks.harness.SHAPES")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     p.add_argument("--backend", default="grouped_mm", help="expert backend of the layer")
+    p.add_argument("--compile", action="store_true", help="compile the expert compute as training does under EP")
     p.add_argument("--dry", action="store_true", help="gloo on the CPU, tiny shape, fp32, eager experts")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.dry:
-        run, shape, tokens = Run("cpu", torch.float32, "eager"), "tiny", 32
+        cpu = (torch.bfloat16, "grouped_mm") if args.compile else (torch.float32, "eager")
+        run, shape, tokens = Run("cpu", *cpu, args.compile), "tiny", 32
         dist.init_process_group("gloo")
     else:
-        run, shape, tokens = Run("cuda", torch.bfloat16, args.backend), args.shape, args.tokens
+        run, shape, tokens = Run("cuda", torch.bfloat16, args.backend, args.compile), args.shape, args.tokens
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world, rank = dist.get_world_size(), dist.get_rank()
     report = Report("bench_ep", COLUMNS, args.out if rank == 0 else None, printing=rank == 0)
-    report.meta.update(world=world, shape=shape, backend=run.backend, dtype=str(run.dtype))
+    report.meta.update(world=world, shape=shape, backend=run.backend, dtype=str(run.dtype), compile=run.compile)
     s = SHAPES[shape]
     report.header(f"EP MoE layer fwd+bwd, x{world}, {shape} (E={s.experts} H={s.hidden} I={s.intermediate} "
-                  f"k={s.top_k}), {tokens} tokens per rank, {run.backend} experts,")
+                  f"k={s.top_k}), {tokens} tokens per rank, {run.backend} experts{' (compiled)' if run.compile else ''},")
     for ep in (2, 4, 8):
         if ep <= world and world % ep == 0:
             report.add(bench(ep, shape, tokens, run))

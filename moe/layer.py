@@ -78,11 +78,17 @@ class MoEBlock(nn.Module):
         routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
         y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend)
         out_TH = self.dispatcher.combine(y_MH, routed)
+        return self.add_shared(x_TH, out_TH, routing.aux_loss).reshape(shape)
+
+    def add_shared(self, x_TH: torch.Tensor, out_TH: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
+        """out_TH (the combined routed experts) + the gated shared expert of x_TH; attaches the balance
+        loss's gradient. A method of its own: with a dispatcher that cannot be traced, the runtime
+        compiles it apart from the exchange (runtime.distributed.compile)."""
         if self.shared_expert is not None:
             shared_TH = self.shared_expert(x_TH)
             if self.shared_expert_gate is not None:
                 shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
             out_TH = out_TH + shared_TH
-        if routing.aux_loss is not None:
-            out_TH = _AttachAuxLoss.apply(out_TH, routing.aux_loss, self.aux_grad_scale)
-        return out_TH.reshape(shape)
+        if aux_loss is not None:
+            out_TH = _AttachAuxLoss.apply(out_TH, aux_loss, self.aux_grad_scale)
+        return out_TH

@@ -218,10 +218,6 @@ class Config(Section):
         if self.quant.base_weights != "none":
             raise ValueError(f"quant.base_weights: {self.quant.base_weights} (packed FP4 base weights) is not "
                              "implemented yet; use none")
-        if self.compile.enabled and p.ep > 1:
-            raise ValueError("compile.enabled with parallelism.ep > 1 is not supported yet: the all_to_all split "
-                             "sizes are data-dependent and break the fullgraph trace; set parallelism.ep: 1 "
-                             "(FSDP shards the experts) or compile.enabled: false")
         if p.dp_shard > 0:
             shard_cp = p.dp_shard * p.cp
             if shard_cp % p.ep:

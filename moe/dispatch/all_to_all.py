@@ -94,6 +94,8 @@ def _send_order(needs_TR: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, to
 
 
 class AllToAllDispatcher(Dispatcher):
+    traceable = False  # the split sizes reach the host (.tolist()) and M depends on the routing
+
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
         ep = dist.get_world_size(group)
         if num_experts % ep != 0:

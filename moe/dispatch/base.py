@@ -11,6 +11,9 @@ backends skip -1 slots. `y_MH` is already the routing-weighted sum over the vali
 row, so combine only has to bring rows home and add them per token. Both calls are differentiable:
 the backward of dispatch is a combine-shaped op and vice versa, and gradients reach x_TH and
 topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
+
+`traceable` says whether dispatch and combine trace into a fullgraph torch.compile region (no host
+sync, no data-dependent shape); where not, the runtime compiles the MoE block around the exchange.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class Routed:
 
 
 class Dispatcher(ABC):
+    traceable: bool = False  # dispatch and combine trace into a fullgraph torch.compile region
+
     @abstractmethod
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> Routed:
         """Sends each token to the ranks that own its experts; returns the rows this rank computes."""

@@ -11,6 +11,8 @@ from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
 
 
 class LocalDispatcher(Dispatcher):
+    traceable = True  # identities: nothing to sync on
+
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> Routed:
         check_routing_shapes(x_TH, topk_ids_Tk, topk_w_Tk)
         return Routed(x_TH, topk_ids_Tk, topk_w_Tk)

@@ -1,10 +1,26 @@
-"""torch.compile of the decoder blocks (fullgraph: a graph break is an error) and inductor options."""
+"""torch.compile of the decoder blocks (fullgraph: a graph break is an error) and inductor options.
+
+A block is compiled whole when its MLP traces: a dense MLP, or an MoE block whose dispatcher says
+`traceable` (the `local` identity, ep=1). An MoE block behind an exchange that cannot be traced (the
+all_to_all dispatcher's host-side split sizes, its routing-dependent row count M) is compiled around
+it, in four fullgraph regions, with dispatch and combine running eagerly between them:
+
+    mix (norm -> attention | GDN -> residual -> norm) | router | [dispatch] | experts | [combine]
+    | shared expert + sum
+
+Every region compiles `forward` or a method, never a module's call: FSDP's hooks (the block's, and
+the experts' own unit under EP) and an eager activation checkpoint around the block stay outside the
+graphs. The experts region takes M rows that change with the routing every step: their dimension is
+marked dynamic, so new routings reuse one graph instead of recompiling.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from runtime.models.qwen import QwenForCausalLM
+from moe.experts import GroupedExperts
+from moe.layer import MoEBlock
+from runtime.models.qwen import DecoderBlock, QwenForCausalLM
 
 
 def apply_inductor_options(options: dict) -> None:
@@ -29,10 +45,40 @@ def check_compilable(model: QwenForCausalLM) -> None:
 
 
 def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inductor") -> None:
-    """Compiles every decoder block's forward in place (FQNs unchanged) with fullgraph=True: a graph
-    break is an error, not a silent slowdown. Blocks of one kind share their compiled graph."""
+    """Compiles every decoder block in place (FQNs unchanged), fullgraph=True: whole, or around an
+    untraceable token exchange (see the module docstring). Call it after the MoE blocks are wired
+    (the dispatcher decides the split) and before FSDP. Blocks of one kind share their graphs."""
     check_compilable(model)
     apply_inductor_options(options)
     for block in model.model.layers.values():
-        # Compile forward, not the module call: FSDP's hooks on the block must stay outside the graph.
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+        if isinstance(block.mlp, MoEBlock) and not block.mlp.dispatcher.traceable:
+            _compile_around_exchange(block, backend)
+        else:
+            block.forward = _compile(block.forward, backend)
+
+
+def compile_experts(experts: GroupedExperts, backend: str = "inductor") -> None:
+    """Compiles experts.forward in place (fullgraph) with the row dimension M of its inputs dynamic: M
+    follows the routing (it differs per layer and step), and marked up front one graph serves every M
+    from the first call; unmarked, the first change of M would recompile."""
+    compiled = _compile(experts.forward, backend)
+
+    def forward(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor, **kwargs) -> torch.Tensor:
+        for t in (x_MH, expert_ids_Mk, weights_Mk):
+            # maybe_: an M of 0 or 1 (a rank that received almost nothing) gets a specialized graph
+            # of its own instead of an error.
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(x_MH, expert_ids_Mk, weights_Mk, **kwargs)
+    experts.forward = forward
+
+
+def _compile(fn, backend: str):
+    return torch.compile(fn, backend=backend, fullgraph=True)
+
+
+def _compile_around_exchange(block: DecoderBlock, backend: str) -> None:
+    moe = block.mlp
+    block.mix = _compile(block.mix, backend)
+    moe.gate.forward = _compile(moe.gate.forward, backend)
+    compile_experts(moe.experts, backend)
+    moe.add_shared = _compile(moe.add_shared, backend)

@@ -141,12 +141,19 @@ class DecoderBlock(nn.Module):
         return self._forward(h_BSH, cos, sin, meta)
 
     def _forward(self, h_BSH, cos, sin, meta):
+        h_BSH, x_BSH = self.mix(h_BSH, cos, sin, meta)
+        return h_BSH + self.mlp(x_BSH)
+
+    def mix(self, h_BSH, cos, sin, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token-mixing half: the residual stream h + mixer(norm(h)) and the MLP's normed input.
+        A method of its own so that the runtime can compile it apart from an MoE block whose token
+        exchange cannot be traced (runtime.distributed.compile)."""
         x_BSH = self.input_layernorm(h_BSH)
         if self.mixer_name == "linear_attn":
             h_BSH = h_BSH + self.linear_attn(x_BSH, meta)
         else:
             h_BSH = h_BSH + self.self_attn(x_BSH, cos, sin, meta)
-        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
+        return h_BSH, self.post_attention_layernorm(h_BSH)
 
 
 class QwenModel(nn.Module):

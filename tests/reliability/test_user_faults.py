@@ -170,7 +170,6 @@ CONFIG_CASES = {
     "random init without tokenizer": (_edit(("data.tokenizer", _DROP)), r"data.tokenizer"),
     "cp > 1 (not built)": (_edit(("parallelism.cp", 2)), r"parallelism.cp"),
     "deepep dispatcher (not built)": (_edit(("parallelism.dispatcher", "deepep")), r"deepep"),
-    "compile with ep > 1": (_edit(("compile.enabled", True), ("parallelism.ep", 2)), r"compile.enabled"),
     "expert_backend typo": (_edit(("model.expert_backend", "scatter")), r"model.expert_backend"),
     "lora target typo": (_edit(("lora.target_modules", ["q_prj"])), r"lora.target_modules"),
     "dp_shard 0": (_edit(("parallelism.dp_shard", 0)), r"dp_shard"),

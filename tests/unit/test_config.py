@@ -59,8 +59,6 @@ BAD = {
                          "lora.target_modules.0: Input should be"),
     "random init without tokenizer": (lambda r: r["data"].pop("tokenizer"), "set data.tokenizer"),
     "zero dp_shard": (lambda r: r.update(parallelism={"dp_shard": 0}), "parallelism.dp_shard must be >= 1"),
-    "compile with ep": (lambda r: r.update(parallelism={"ep": 2}, compile={"enabled": True}),
-                        "compile.enabled with parallelism.ep > 1 is not supported yet"),
 }
 
 
