@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Whole training steps on one GPU, ours vs transformers(+PEFT) (benchmarks/bench_e2e.py): Qwen3-30B-A3B dims,
+# one packed row of 8192 tokens, random init, no activation checkpointing, bf16 autocast, 2 warmup + 5 steps.
+#   lora  12 layers, ours vs baseline, and the top CUDA kernels of our step (--profile; the timed steps run
+#         before the profiled ones) with its chrome trace
+#   full  8 layers, ours with fp32 masters vs baseline (bf16 parameters), then ours with bf16 masters
+# One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
+# (~1 min per side: imports, build, 7 steps). Parts: `bash benchmarks/gpu_e2e.sh [lora] [full]`.
+# Memory: 8 full layers are 5.6 G parameters; fp32 masters + grads + AdamW states take 16 B each, ~90 GB:
+# over an 80 GB H100 (that row then reads OutOfMemoryError), within an H200. FULL_LAYERS=4 fits either.
+# Logs per run in $OUT/e2e_<tag>.log, rows in $OUT/bench_e2e_<tag>.json; the summary table comes last.
+source benchmarks/gpu_env.sh
+parts=${*:-lora full}
+FULL_LAYERS=${FULL_LAYERS:-8}
+
+tags=()
+e2e() {  # tag, then bench flags
+  local tag=$1
+  shift
+  tags+=("$tag")
+  python -m benchmarks.bench_e2e --steps 5 --warmup 2 --tag "$tag" --out "$OUT" "$@" > "$OUT/e2e_$tag.log" 2>&1
+  grep -E "^== |^ +[0-9.]+ ms +[0-9.]+%|failed:" "$OUT/e2e_$tag.log"
+}
+
+if [[ $parts == *lora* ]]; then
+  e2e lora --mode lora --layers 12 --profile
+fi
+if [[ $parts == *full* ]]; then
+  e2e full_fp32 --mode full --layers "$FULL_LAYERS" --master-dtype fp32
+  e2e full_bf16 --mode full --layers "$FULL_LAYERS" --master-dtype bf16 --no-baseline
+fi
+echo "== summary (tag: side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
+for tag in "${tags[@]}"; do
+  grep -E "^\w.*\[.*torch|^(ours|baseline) +(lora|full) |^ratio" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"
+done
