@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.backends import resolve_expert_backend
 from moe.experts import GroupedExperts
 from moe.layer import MoEBlock
 from runtime.models.qwen import DecoderBlock, QwenForCausalLM
@@ -38,8 +39,8 @@ def apply_inductor_options(options: dict) -> None:
 def check_compilable(model: QwenForCausalLM) -> None:
     """torch._grouped_mm traces only in bf16: fp32 experts on the CPU (no autocast) cannot compile."""
     param = model.model.embed_tokens.weight
-    if (model.config.expert_backend == "grouped_mm" and model.moe_blocks() and param.device.type == "cpu"
-            and param.dtype != torch.bfloat16):
+    backend = resolve_expert_backend(model.config.expert_backend, param.device)
+    if backend == "grouped_mm" and model.moe_blocks() and param.device.type == "cpu" and param.dtype != torch.bfloat16:
         raise ValueError("compile.enabled with model.expert_backend: grouped_mm on the CPU needs model.dtype: "
                          "bfloat16 (torch._grouped_mm compiles for bf16 only); or disable compile")
 

@@ -186,8 +186,9 @@ def test_compiled_grouped_mm_skips_sentinels_without_sync():
         assert torch.isfinite(a).all() and (a.float() - b.float()).norm() / b.float().norm() <= 2e-2
 
 
-def test_fp32_grouped_mm_compile_on_cpu_is_refused_clearly(tiny_moe_ckpt):
-    model = from_pretrained(tiny_moe_ckpt, expert_backend="grouped_mm")
+@pytest.mark.parametrize("backend", ["grouped_mm", "auto"])  # auto is grouped_mm on the CPU
+def test_fp32_grouped_mm_compile_on_cpu_is_refused_clearly(tiny_moe_ckpt, backend):
+    model = from_pretrained(tiny_moe_ckpt, expert_backend=backend)
     with pytest.raises(ValueError, match="needs model.dtype: bfloat16"):
         apply_compile(model, {})
 
