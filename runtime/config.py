@@ -53,16 +53,18 @@ class ModelConfig(Section):
     config: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Implementation names, checked against their registries (runtime/registry.py).
-    expert_backend: str = "grouped_mm"
+    expert_backend: str = "auto"  # scattermoe on CUDA where Triton is installed, else grouped_mm
     attn_backend: str = "auto"  # flash (varlen over cu_seqlens) on CUDA when installed, else sdpa
     norm_rope_impl: str = "auto"
+    # lm_head + cross-entropy (runtime/loss.py): auto = a fused loss that never holds [tokens, vocab] logits.
+    loss_impl: str = "auto"
     # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed, else torch.
     gdn_op_set: str = "auto"
     router_aux_loss_coef: float = Field(0.0, ge=0.0)
     # Fewer decoder layers than the checkpoint has (parity checks of big models).
     num_layers_override: int | None = Field(None, ge=1)
 
-    @field_validator("expert_backend", "attn_backend", "norm_rope_impl", "gdn_op_set")
+    @field_validator("expert_backend", "attn_backend", "norm_rope_impl", "gdn_op_set", "loss_impl")
     @classmethod
     def _implementation(cls, name: str, info: ValidationInfo) -> str:
         return _registered("model", name, info)

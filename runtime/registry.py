@@ -13,9 +13,10 @@ from attention.norm_rope import NORM_ROPE_IMPLS
 from gpu.registry import Registry
 from moe.backends import EXPERT_BACKENDS
 from moe.dispatch import DISPATCHERS
+from runtime.loss import LOSS_IMPLS
 
 REGISTRIES: dict[str, Registry] = {r.config_key: r for r in (
-    EXPERT_BACKENDS, ATTN_BACKENDS, NORM_ROPE_IMPLS, GDN_OP_SETS, DISPATCHERS)}
+    EXPERT_BACKENDS, ATTN_BACKENDS, NORM_ROPE_IMPLS, GDN_OP_SETS, DISPATCHERS, LOSS_IMPLS)}
 
 
 def check_choice(config_key: str, name: str) -> str | None:

@@ -32,7 +32,7 @@ from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.build import build
 from runtime.models.hf import config_from_hf, read_hf_config
-from runtime.models.qwen import QwenForCausalLM, label_loss_sum
+from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir
 
@@ -49,6 +49,7 @@ def model_config(cfg: Config):
     hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
     return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
                           norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
+                          loss_impl=cfg.model.loss_impl,
                           router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                           num_layers=cfg.model.num_layers_override)
 
@@ -98,10 +99,10 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
     for batch in batches:
         batch = batch.to(env.device)
         with autocast:
-            logits = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
-                           max_seqlen=batch.max_seqlen)
+            loss_sum = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+                             max_seqlen=batch.max_seqlen, labels=batch.labels)
             # The router balance losses ride on the MoE outputs' backward (moe.layer._AttachAuxLoss).
-            loss = label_loss_sum(logits, batch.labels) / global_labels
+            loss = loss_sum / global_labels
         loss.backward()
         loss_total += loss.detach()
     if on_grads is not None:

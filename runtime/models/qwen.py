@@ -7,6 +7,7 @@ Module names follow the HF checkpoints (model.layers.{i}.self_attn.q_proj, ...ml
 checkpoint mapping in `hf.py` is a rename of the expert tensors only.
 
     logits_BSV = model(input_ids_BS, position_ids_BS=None, cu_seqlens=None, max_seqlen=None)
+    loss_sum = model(input_ids_BS, ..., labels=labels_BS)   # fused lm_head + cross-entropy (runtime.loss)
 position_ids restart at 0 at every packed document start; no token attends across documents.
 """
 
@@ -34,6 +35,7 @@ from moe.dispatch import build_dispatcher
 from moe.experts import GroupedExperts
 from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
+from runtime.loss import linear_cross_entropy_sum
 
 IGNORE_INDEX = -100
 
@@ -76,9 +78,10 @@ class QwenConfig:
     shared_expert_intermediate_size: int = 0
     gdn: GDNConfig | None = None
     # Runtime choices, not part of the HF config
-    expert_backend: str = "grouped_mm"
+    expert_backend: str = "auto"  # moe.backends.resolve_expert_backend: scattermoe on CUDA, else grouped_mm
     attn_backend: str = "auto"  # attention.attention.resolve_attn_backend: flash on CUDA, else sdpa
     norm_rope_impl: str = "auto"
+    loss_impl: str = "auto"  # runtime.loss: the fused lm_head + cross-entropy used when labels are given
     gdn_op_set: str = "torch"
     router_aux_loss_coef: float = 0.0
     # The HF config.json this came from, written back by save_pretrained.
@@ -195,8 +198,15 @@ class QwenForCausalLM(nn.Module):
         return self.model.norm(h_BSH)
 
     def forward(self, input_ids_BS: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen))
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V]; with `labels` [B, S], the summed cross-entropy over label tokens instead,
+        computed by runtime.loss without [B, S, V] logits (inside forward, so FSDP has gathered lm_head)."""
+        h_BSH = self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen)
+        if labels is None:
+            return self.lm_head(h_BSH)
+        return linear_cross_entropy_sum(h_BSH.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                        self.config.loss_impl)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]

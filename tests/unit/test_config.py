@@ -34,7 +34,7 @@ BAD = {
     "wrong type": (lambda r: r["train"].update(max_steps="many"), "train.max_steps: Input should be a valid integer"),
     "negative lr": (lambda r: r["optim"].update(lr=-1), "optim.lr: Input should be greater than 0"),
     "bad backend": (lambda r: r["model"].update(expert_backend="fast"),
-                    "model.expert_backend: unknown expert backend 'fast'; choose one of ['eager', 'grouped_mm', "),
+                    "model.expert_backend: unknown expert backend 'fast'; choose one of ['auto', 'eager', 'grouped_mm', "),
     "bad attention backend": (lambda r: r["model"].update(attn_backend="flex"),
                               "model.attn_backend: unknown attention backend 'flex'; choose one of"),
     "bad norm/rope impl": (lambda r: r["model"].update(norm_rope_impl="cuda"), "model.norm_rope_impl: unknown"),

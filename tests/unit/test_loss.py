@@ -286,3 +286,33 @@ def test_unavailable_message(impl, module, hint):
         pytest.skip(f"{module} is installed")
     with pytest.raises(RuntimeError, match=rf"{impl}.*{module}.*\({hint}\).*model\.loss_impl"):
         linear_cross_entropy_sum(*make_inputs(), impl=impl)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_model_forward_with_labels_is_the_loss_of_its_logits(tiny_moe_ckpt, impl):
+    """QwenForCausalLM(..., labels) (what the trainer calls) against cross-entropy of its own logits, with
+    the lm_head trained (full fine-tune): the loss and every parameter's grad."""
+    from runtime.models.build import from_pretrained
+
+    model = from_pretrained(tiny_moe_ckpt, loss_impl=impl)
+    gen = torch.Generator().manual_seed(0)
+    ids_BS = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
+    labels_BS = torch.roll(ids_BS, -1, dims=1)
+    labels_BS[:, -1] = IGNORE_INDEX
+    labels_BS[0, :5] = IGNORE_INDEX
+
+    def loss_and_grads(fused: bool):
+        model.zero_grad()
+        if fused:
+            loss = model(ids_BS, labels=labels_BS)
+        else:
+            loss = F.cross_entropy(model(ids_BS).flatten(0, 1).float(), labels_BS.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads(fused=True)
+    ref_loss, ref_grads = loss_and_grads(fused=False)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert grads.keys() == ref_grads.keys() and "lm_head.weight" in grads
+    assert max(rel_err(grads[n], ref_grads[n]) for n in grads) < 1e-5

@@ -39,16 +39,16 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
-    import runtime.train as train_mod
+    from runtime.models.qwen import QwenForCausalLM
 
-    real = train_mod.label_loss_sum
+    real = QwenForCausalLM.forward
     calls = {"n": 0}
 
-    def poisoned(logits, labels):  # the 4th step's loss turns NaN
+    def poisoned(self, *args, **kwargs):  # the 4th step's loss turns NaN
         calls["n"] += 1
-        return real(logits, labels) * (float("nan") if calls["n"] == 4 else 1.0)
+        return real(self, *args, **kwargs) * (float("nan") if calls["n"] == 4 else 1.0)
 
-    monkeypatch.setattr(train_mod, "label_loss_sum", poisoned)
+    monkeypatch.setattr(QwenForCausalLM, "forward", poisoned)
     with pytest.raises(TrainingDiverged, match=r"loss nan, grad norm nan at step 4: the update was not applied; last good checkpoint: .*step_00000002"):
         run([str(_config_with(tmp_path, "checkpoint:\n  every_n_steps: 2\n")), "--max-steps", "6",
              "--output-dir", str(tmp_path)])
