@@ -24,7 +24,7 @@ from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
 from runtime.data import build_dataloader, load_tokenizer
 from runtime.distributed.expert_parallel import parallelize
-from runtime.distributed.fsdp import total_grad_norm
+from runtime.distributed.fsdp import local_grads, total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.failures import Progress
@@ -76,8 +76,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> 
     norm = total_grad_norm(grads, world_size)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.device))
+        torch._foreach_mul_(local_grads(grads), scale)
     return norm
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.config import OptimConfig
 from runtime.launch import run
@@ -70,3 +71,19 @@ def test_cli_error_is_one_clean_message(tmp_path):
     assert proc.returncode != 0
     assert "optim.lr: Input should be greater than 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_clip_grad_norm_over_mixed_dtypes_matches_the_concatenated_norm():
+    from runtime.train import clip_grad_norm
+
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3).bfloat16())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 3
+    before = [p.grad.float().clone() for p in model.parameters()]
+    expected = torch.cat([g.flatten() for g in before]).norm()
+    norm = clip_grad_norm(model, max_norm=1.0, world_size=1)
+    assert torch.allclose(norm, expected, rtol=1e-6)
+    after = torch.cat([p.grad.float().flatten() for p in model.parameters()]).norm()
+    assert abs(after.item() - 1.0) < 1e-2  # bf16 grads round the scaled values
+    for g0, p in zip(before, model.parameters()):
+        assert torch.allclose(p.grad.float(), g0 / expected, rtol=1e-2, atol=1e-3)
