@@ -70,13 +70,15 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     return model
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> torch.Tensor:
-    """Total gradient norm over all parameters (dense and expert meshes alike), clipped to max_norm."""
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> float:
+    """Total gradient norm over all parameters (dense and expert meshes alike); gradients are scaled
+    down to max_norm when it is exceeded. The norm is read on the host (the step needs it there anyway),
+    so the scale is a Python float: one vectorized multi-tensor kernel per dtype (a tensor scale of
+    another dtype than bf16 grads takes a slow per-tensor path)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = total_grad_norm(grads, world_size)
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(local_grads(grads), scale)
+    norm = float(total_grad_norm(grads, world_size))
+    if 0 < max_norm < norm:  # a non-finite norm is never clipped: that step is not applied
+        torch._foreach_mul_(local_grads(grads), max_norm / (norm + 1e-6))
     return norm
 
 
@@ -106,7 +108,7 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
         loss_total += loss.detach()
     if on_grads is not None:
         on_grads(model)
-    grad_norm = float(clip_grad_norm(model, cfg.optim.grad_clip, env.world_size))
+    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, env.world_size)
     loss_value = all_reduce_sum(loss_total.item(), env)
     # Both numbers are global (all-reduced), so every rank takes the same branch.
     skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
