@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Whole training steps of the hybrid Qwen3.5-35B-A3B (Gated DeltaNet + gated attention 3:1, 256 experts +
 # shared expert) on one GPU, ours vs transformers(+PEFT) (benchmarks/bench_e2e.py): one packed row of 8192
-# tokens, random init, no activation checkpointing, bf16 autocast, 2 warmup + 5 steps. LoRA 12 layers by
-# default; MODES="lora full" adds full fine-tuning (8 layers, fp32 masters vs bf16 parameters). Both sides run
+# tokens, random init, no activation checkpointing, bf16 autocast, 2 warmup + 5 steps. LoRA 8 layers by
+# default (LAYERS=N for another count); MODES="lora full" adds full fine-tuning (8 layers, fp32 masters vs bf16 parameters). Both sides run
 # the fla GDN kernels: ours its fla op set, transformers fla's chunk_gated_delta_rule when fla imports (the
 # row's note says which ran; without causal_conv1d its conv is torch's).
 #
@@ -26,7 +26,7 @@ export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
 for mode in ${MODES:-lora}; do
-  python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode "$mode" --steps 5 --warmup 2 \
+  python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode "$mode" --layers "${LAYERS:-8}" --steps 5 --warmup 2 \
     --tag "hybrid_$mode" --out "$OUT" > "$OUT/e2e_hybrid_$mode.log" 2>&1
   grep -E "failed:" "$OUT/e2e_hybrid_$mode.log"
 done
