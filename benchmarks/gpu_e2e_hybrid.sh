@@ -15,16 +15,7 @@
 # If call 2 reports warm: false, /tmp/site is gone (this script then stops): repeat call 1 first.
 # TileLang compiles each fla kernel shape on first use, inside step 1 (the step-1 column); its cache makes
 # the second side's compile shorter.
-set -uo pipefail
-if ! ls -d /tmp/site/z3* >/dev/null 2>&1; then
-  echo "error: /tmp/site lacks the .whl-gdn1 wheels (z3, tvm-ffi): run call 1 first (see header)"; exit 1
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl-gdn2/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
+source benchmarks/gpu_env_gdn.sh
 for mode in ${MODES:-lora}; do
   python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode "$mode" --layers "${LAYERS:-8}" --steps 5 --warmup 2 \
     --tag "hybrid_$mode" --out "$OUT" > "$OUT/e2e_hybrid_$mode.log" 2>&1

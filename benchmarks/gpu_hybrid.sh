@@ -12,16 +12,7 @@
 #       --no-cache-dir --target /tmp/site .whl-gdn1/*.whl && echo ok
 #   call 2, carry [".whl", ".whl-gdn2"]: bash benchmarks/gpu_hybrid.sh
 # If call 2 reports warm: false, /tmp/site is gone (this script then stops): repeat call 1 first.
-set -uo pipefail
-if ! ls -d /tmp/site/z3* >/dev/null 2>&1; then
-  echo "error: /tmp/site lacks the .whl-gdn1 wheels (z3, tvm-ffi): run call 1 first (see header)"; exit 1
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl-gdn2/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
+source benchmarks/gpu_env_gdn.sh
 parts=${*:-gdn layer compile stack}
 python - <<'PY' 2>&1 | tee "$OUT/hybrid_env.log"
 import torch, triton, fla, tilelang
