@@ -207,7 +207,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
             result = train_step(model, batches, optimizer, cfg, env, on_grads)
             guard.check(step, result, last_good)
-            lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's AdamW (master_dtype: bf16)
+            lr = scheduler.get_last_lr()[0]
             scheduler.step()
             record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
             records.append(record)

@@ -1,6 +1,6 @@
 """optim.master_dtype: bf16 under FSDP2 + EP on 2 gloo ranks: bf16 DTensor parameters and optimizer states,
 and a run stopped after its step-2 checkpoint resumes to the uninterrupted run's losses (DCP restores the
-torchao AdamW states, its tensor lr and the RNG state its stochastic rounding draws from)."""
+bf16 AdamW states and the RNG state its stochastic rounding draws from)."""
 
 from __future__ import annotations
 
