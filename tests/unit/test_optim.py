@@ -126,19 +126,21 @@ def test_stochastic_rounding_is_unbiased_and_keeps_exact_values():
     assert round_to_bf16_stochastically(torch.tensor([float("nan")])).isnan().all()
 
 
-def test_bf16_step_matches_torch_adamw_within_one_bf16_ulp():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_bf16_step_matches_torch_adamw_within_one_bf16_ulp(device):
     """Steps with weight decay and a changing lr, each from the same weights and (bf16-valued) states as
     torch AdamW run in fp32: every weight lands on a bf16 neighbour of torch's fp32 result (within one bf16
-    spacing of its rounding to nearest), unbiased on average."""
+    spacing of its rounding to nearest), unbiased on average. On CUDA the update is the compiled one."""
     from runtime.optim import StochasticRoundingAdamW
 
     torch.manual_seed(0)
-    ours = nn.Parameter(torch.randn(50_000).bfloat16())
+    ours = nn.Parameter(torch.randn(50_000, device=device).bfloat16())
     ref = nn.Parameter(ours.detach().float())
     kwargs = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     opt, ref_opt = StochasticRoundingAdamW([ours], lr=1e-2, **kwargs), torch.optim.AdamW([ref], lr=1e-2, **kwargs)
     for step in range(3):
-        grad = torch.randn(50_000).bfloat16()
+        grad = torch.randn(50_000, device=device).bfloat16()
         ours.grad, ref.grad = grad, grad.float()
         for group in (*opt.param_groups, *ref_opt.param_groups):
             group["lr"] = 1e-2 / (step + 1)
