@@ -252,11 +252,10 @@ def build_ours(args, hf: dict, device: torch.device) -> Setup:
 def implementations(cfg, model: torch.nn.Module, device: torch.device) -> str:
     """What our side runs, "auto" resolved as the layers resolve it on `device`."""
     m = cfg.model
-    loss = getattr(m, "loss_impl", None)  # a newer key: Configs without it compute the plain loss
     gdn = next((f", gdn {layer.op_set}" for layer in model.modules() if isinstance(layer, GatedDeltaNet)), "")
     return (f"experts {resolve_expert_backend(m.expert_backend, device)}, "
             f"attn {resolve_attn_backend(m.attn_backend, device)}{gdn}, "
-            f"loss {LOSS_IMPLS.resolve(loss) if loss else 'plain'}" + (", compiled" if cfg.compile.enabled else ""))
+            f"loss {LOSS_IMPLS.resolve(m.loss_impl)}" + (", compiled" if cfg.compile.enabled else ""))
 
 
 def build_baseline(args, hf: dict, device: torch.device) -> Setup:
