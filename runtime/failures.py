@@ -114,12 +114,25 @@ def _checkpoint_failures(err: BaseException) -> list[tuple[int, BaseException]] 
 
 
 def _interrupt_signal(err: BaseException) -> int | None:
+    """The signal of a Ctrl-C / SIGTERM behind `err`: raised itself, or the cause or context of what it
+    became (an interrupt inside torch.save surfaces as the writer's RuntimeError), on any rank's DCP failure."""
     failures = _checkpoint_failures(err)
     inner = [e for _, e in failures] if failures else [err]
-    for e in inner:
-        if isinstance(e, KeyboardInterrupt):
-            return getattr(e, "signum", signal.SIGINT)
+    for link in (link for e in inner for link in _chain(e)):
+        if isinstance(link, KeyboardInterrupt):
+            return getattr(link, "signum", signal.SIGINT)
     return None
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """err and the exceptions it was raised from or while handling, transitively."""
+    seen, todo = [], [err]
+    while todo:
+        e = todo.pop()
+        if e is not None and all(e is not s for s in seen):
+            seen.append(e)
+            todo += [e.__cause__, e.__context__]
+    return seen
 
 
 def _frames(err: BaseException) -> list:

@@ -228,6 +228,22 @@ def test_interrupt_inside_a_checkpoint_save_is_an_interrupt():
     assert failure.line == "interrupted before training started (SIGINT)"
 
 
+def test_interrupt_that_broke_the_checkpoint_writer_is_an_interrupt():
+    """Ctrl-C inside torch.save's zip writer surfaces as the writer's RuntimeError raised while handling it
+    (seen in CI: "[enforce fail at inline_container.cc] unexpected pos"), wrapped by DCP: still an interrupt."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    except RuntimeError as err:
+        wrapped = CheckpointException("write", {0: _wrap_exception(err)})
+    failure = describe(wrapped, RunContext([], output_dir=None))
+    assert (failure.kind, failure.exit_code) == ("interrupt", 128 + signal.SIGINT)
+
+
 # --- PeerBoard: who prints what ----------------------------------------------------------------------------------
 
 def _boards(world: int) -> list[PeerBoard]:
