@@ -194,13 +194,22 @@ class Watchdog:
         if self._failing.is_set():  # the other thread is already on it (its store write may hang)
             os._exit(EXIT_CODE)
         self._failing.set()
-        print(line, file=sys.stderr, flush=True)
+        _say(line)
         if store is not None:
             # A set is not acknowledged: it does not wait on a store that stopped answering.
             with contextlib.suppress(RuntimeError, OSError):
                 store.set(f"{self.prefix}/abort", f"{self.host}\t{line}")
         sys.stdout.flush()
         os._exit(EXIT_CODE)
+
+
+def _say(line: str) -> None:
+    """Writes `line` to stderr in one write, so lines of ranks sharing a pipe never interleave."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # a stderr without a file descriptor (a capture)
+        print(line, file=sys.stderr, flush=True)
 
 
 class _Watch:
@@ -239,7 +248,7 @@ class _Watch:
         # Rank 0 repeats the line when a rank of another host found the stall: that host's log may not
         # be the one users read.
         if self.wd.rank == 0 and host != self.wd.host:
-            print(line, file=sys.stderr, flush=True)
+            _say(line)
         self.wd._failing.set()
         os._exit(EXIT_CODE)
 
