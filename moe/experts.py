@@ -8,10 +8,12 @@ Shapes (E = local experts, H = hidden, I = intermediate, r = LoRA rank):
 The layout is transformers v5's fused expert layout ([out, in] like nn.Linear). The module holds
 weights only; the compute lives in `moe.backends` so backends stay interchangeable.
 
-Backends read weights through two accessors, never through attributes, so that the storage can change
+Backends read weights through accessors, never through attributes, so that the storage can change
 under them (a packed FP4 container from `quant/` instead of a tensor):
-    experts.base_weight("gate_up" | "down")  -> a tensor, or a quantized container with .dequantize()
+    experts.base_weight("gate_up" | "down")  -> a tensor, or a quant.FP4Weight (packed, frozen)
+    experts.dense_weight(proj, experts=None) -> a tensor either way (FP4: dequantized, only `experts`)
     experts.lora("gate_up" | "down")         -> LoraFactors(A_ErI, B_EOr), or None without LoRA
+quant.quantize_experts(experts, fmt) swaps the base weights for FP4Weight containers (set_base_weight).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from moe.backends import expert_backend
+from quant import FP4Weight
 
 PROJECTIONS = ("gate_up", "down")
 
@@ -86,11 +89,32 @@ class GroupedExperts(nn.Module):
     def has_lora(self) -> bool:
         return self.lora_rank > 0
 
-    def base_weight(self, proj: str) -> torch.Tensor:
-        """The base weight of `proj` in {"gate_up" [E, 2I, H], "down" [E, H, I]}."""
+    @property
+    def is_quantized(self) -> bool:
+        return isinstance(self.gate_up, FP4Weight)
+
+    def base_weight(self, proj: str) -> torch.Tensor | FP4Weight:
+        """The base weight of `proj` in {"gate_up" [E, 2I, H], "down" [E, H, I]}: a tensor, or packed."""
         if proj not in PROJECTIONS:
             raise ValueError(f"unknown expert projection {proj!r}; choose one of {PROJECTIONS}")
         return self.gate_up if proj == "gate_up" else self.down
+
+    def dense_weight(self, proj: str, experts: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The base weight of `proj` as a tensor: packed weights dequantized (to `dtype`), only the local
+        experts listed in `experts` when given ([E', out, in]); a dense weight as is (indexed)."""
+        w = self.base_weight(proj)
+        if isinstance(w, FP4Weight):
+            return w.dequantize(dtype, experts)
+        return w if experts is None else w.index_select(0, experts)
+
+    def set_base_weight(self, proj: str, weight: nn.Parameter | FP4Weight) -> None:
+        """Replaces the base weight of `proj` (quant.quantize_experts swaps in packed containers)."""
+        old = self.base_weight(proj)
+        if tuple(weight.shape) != tuple(old.shape):
+            raise ValueError(f"{proj}: new base weight {tuple(weight.shape)} != {tuple(old.shape)}")
+        delattr(self, proj)
+        setattr(self, proj, weight)
 
     def lora(self, proj: str) -> LoraFactors | None:
         """The LoRA factors of `proj` in {"gate_up", "down"}, or None without LoRA."""
@@ -107,8 +131,9 @@ class GroupedExperts(nn.Module):
         if self.gate_up.is_meta:
             return
         std = 0.02
-        nn.init.normal_(self.gate_up, std=std)
-        nn.init.normal_(self.down, std=std)
+        if not self.is_quantized:  # packed weights are filled by quant (FP4Weight.fill_), not drawn here
+            nn.init.normal_(self.gate_up, std=std)
+            nn.init.normal_(self.down, std=std)
         if self.has_lora:
             self._init_lora_A()
             nn.init.zeros_(self.gate_up_lora_B)

@@ -27,10 +27,12 @@ def expert_forward(experts, e: int, x_NH: torch.Tensor) -> torch.Tensor:
     def lora(proj: str):
         factors = experts.lora(proj)
         return None if factors is None else (factors.A_ErI[e], factors.B_EOr[e])
+    def weight(proj: str):  # packed FP4 weights: only this expert is dequantized
+        return experts.dense_weight(proj, torch.tensor([e], device=x_NH.device), x_NH.dtype)[0]
     args = (experts.lora_scaling, experts.lora_dropout, experts.training)
-    gate_up_N2I = lora_linear(x_NH, experts.base_weight("gate_up")[e], lora("gate_up"), *args)
+    gate_up_N2I = lora_linear(x_NH, weight("gate_up"), lora("gate_up"), *args)
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-    return lora_linear(F.silu(gate_NI) * up_NI, experts.base_weight("down")[e], lora("down"), *args)
+    return lora_linear(F.silu(gate_NI) * up_NI, weight("down"), lora("down"), *args)
 
 
 @EXPERT_BACKENDS.register("eager")

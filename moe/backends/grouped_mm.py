@@ -8,6 +8,10 @@ buffers hold all M*k slots, their tail is never written by a GEMM, and torch.whe
 the input and on every GEMM output so that nothing unwritten reaches a result or a gradient. Where
 torch._grouped_mm cannot run (CUDA below sm90, non-bf16 on CUDA, unaligned strides) the same sorted
 layout goes through a per-expert loop, logged once.
+
+Packed FP4 base weights (quant.FP4Weight, frozen) are dequantized per call, only for the experts that
+received rows, in the forward and again in the backward (nothing dequantized is kept between them);
+this reference path needs the eager mode's valid count, so it does not run under torch.compile.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe.backends import EXPERT_BACKENDS, compute_dtype
+from quant import FP4Weight
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -64,6 +69,40 @@ def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor
     return out
 
 
+class _PackedGroupedLinear(torch.autograd.Function):
+    """grouped_linear with a frozen FP4Weight: the gradient flows to x only."""
+
+    @staticmethod
+    def forward(ctx, x_NI, offs_E, weight: FP4Weight, fallback: bool):
+        ctx.save_for_backward(offs_E)
+        ctx.weight, ctx.fallback = weight, fallback
+        return _packed_linear(x_NI, offs_E, weight, fallback, transposed=False)
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        (offs_E,) = ctx.saved_tensors
+        return _packed_linear(dy_NO, offs_E, ctx.weight, ctx.fallback, transposed=True), None, None, None
+
+
+def _packed_linear(x_NI, offs_E, weight: FP4Weight, fallback: bool, transposed: bool) -> torch.Tensor:
+    """x @ W_e^T (or x @ W_e when transposed) with only the experts that have rows dequantized: the
+    groups of the others are empty, so dropping their offsets leaves every row in its expert's group."""
+    counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+    active = torch.nonzero(counts_E).squeeze(1)  # host sync: eager mode only
+    w_EOI = weight.dequantize(x_NI.dtype, active)
+    return grouped_linear(x_NI, w_EOI.transpose(1, 2) if transposed else w_EOI, offs_E[active], fallback)
+
+
+def _base_linear(x_NI, w_EOI, offs_E, fallback) -> torch.Tensor:
+    if isinstance(w_EOI, FP4Weight):
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("the grouped_mm backend dequantizes FP4 experts selectively, which needs "
+                                      "eager mode; under torch.compile use the scattermoe backend")
+        return _PackedGroupedLinear.apply(x_NI, offs_E, w_EOI, fallback)
+    # torch._grouped_mm has no autocast rule: operands take the activations' dtype explicitly.
+    return grouped_linear(x_NI, w_EOI.to(x_NI.dtype), offs_E, fallback)
+
+
 def _keep_valid(t_NF: torch.Tensor, valid_N1: torch.Tensor | None) -> torch.Tensor:
     """Sets the unwritten -1 rows to 0 (compiled layout); no-op when only valid rows were gathered."""
     return t_NF if valid_N1 is None else torch.where(valid_N1, t_NF, 0)
@@ -72,8 +111,7 @@ def _keep_valid(t_NF: torch.Tensor, valid_N1: torch.Tensor | None) -> torch.Tens
 def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, valid_N1, fallback):
     """Grouped x W^T (+ LoRA); in the compiled layout the unwritten -1 rows are zeroed so that no
     inf/NaN from them can reach any product or gradient (the GEMMs' backward may mix all rows)."""
-    # torch._grouped_mm has no autocast rule: operands take the activations' dtype explicitly.
-    y_NO = grouped_linear(x_NI, w_EOI.to(x_NI.dtype), offs_E, fallback)
+    y_NO = _base_linear(x_NI, w_EOI, offs_E, fallback)
     if lora is not None:
         A_ErI, B_EOr = lora
         x_lora = F.dropout(x_NI, dropout, training) if dropout > 0 else x_NI
