@@ -9,6 +9,9 @@ on every rank that holds their experts (EP splits the experts; FSDP does not sha
     w = FP4Weight.empty("mxfp4", (E, N, K), dtype=torch.bfloat16, device="meta")   # shapes only
     w.fill_(w_ENK)                   # quantize a dense weight into it (in place)
     w.dequantize()                   # [E, N, K] in w.dtype;  w.dequantize(experts=ids_E) -> [E', N, K]
+    w.packed                         # PackedFP4(fmt, qdata, scale, tensor_scale fp32 | None): what kernels read
+The buffers are integer tensors (tensor_scale stores the fp32 bits as int32), so that a model-wide
+.to(dtype) leaves them alone; read them through `packed`.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ class FP4Weight(nn.Module):
         self.fmt = fmt
         self.shape = torch.Size(shape)
         self.dtype = dtype  # what dequantize returns by default: the dtype the model was built in
-        for name, s in packed_shapes(fmt, *shape).items():
-            buffer_dtype = torch.float32 if name == "tensor_scale" else torch.uint8
-            self.register_buffer(name, torch.zeros(s, dtype=buffer_dtype, device=device), persistent=False)
-        if fmt == "mxfp4":
-            self.tensor_scale = None
+        # Integer buffers only (tensor_scale holds fp32 bits): a model-wide .to(dtype) must not cast them.
+        shapes = packed_shapes(fmt, *shape)
+        for name in ("qdata", "scale", "tensor_scale"):
+            buffer_dtype = torch.int32 if name == "tensor_scale" else torch.uint8
+            buffer = torch.zeros(shapes[name], dtype=buffer_dtype, device=device) if name in shapes else None
+            self.register_buffer(name, buffer, persistent=False)
 
     @classmethod
     def empty(cls, fmt: str, shape: tuple[int, int, int], dtype: torch.dtype,
@@ -56,7 +60,8 @@ class FP4Weight(nn.Module):
 
     @property
     def packed(self) -> PackedFP4:
-        return PackedFP4(self.fmt, self.qdata, self.scale, self.tensor_scale)
+        tensor_scale = None if self.tensor_scale is None else self.tensor_scale.view(torch.float32)
+        return PackedFP4(self.fmt, self.qdata, self.scale, tensor_scale)
 
     def packed_bytes(self) -> int:
         """Bytes held: codes, block scales and tensor scales."""
@@ -72,7 +77,7 @@ class FP4Weight(nn.Module):
         self.qdata.copy_(packed.qdata)
         self.scale.copy_(packed.scale)
         if packed.tensor_scale is not None:
-            self.tensor_scale.copy_(packed.tensor_scale)
+            self.tensor_scale.copy_(packed.tensor_scale.view(torch.int32))
         return self
 
     def dequantize(self, dtype: torch.dtype | None = None, experts: torch.Tensor | None = None) -> torch.Tensor:
