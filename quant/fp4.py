@@ -95,6 +95,6 @@ def dequantize(packed: PackedFP4, dtype: torch.dtype, experts: torch.Tensor | No
     codes = torch.stack((qdata & 0xF, qdata >> 4), dim=-1).view(E, N, 2 * K2)
     values = e2m1_to_float(codes)
     scales = block_scales(packed, experts)
-    B = 2 * K2 // scales.shape[-1]
-    w = values.view(E, N, -1, B) * scales.unsqueeze(-1)
+    blocks = scales.shape[-1]
+    w = values.view(E, N, blocks, 2 * K2 // blocks) * scales.unsqueeze(-1)
     return w.view(E, N, 2 * K2).to(dtype)

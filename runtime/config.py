@@ -127,6 +127,7 @@ class ParallelismConfig(Section):
 
 
 class QuantConfig(Section):
+    # Routed experts' frozen base weights packed in FP4 (quant/), read by the expert kernels; LoRA only.
     base_weights: Literal["none", "mxfp4", "nvfp4"] = "none"
 
 
@@ -217,9 +218,10 @@ class Config(Section):
         if p.dispatcher == "local" and p.ep > 1:
             raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
                              f"parallelism.ep is {p.ep}; use all_to_all")
-        if self.quant.base_weights != "none":
-            raise ValueError(f"quant.base_weights: {self.quant.base_weights} (packed FP4 base weights) is not "
-                             "implemented yet; use none")
+        if self.quant.base_weights != "none" and not self.lora.enabled:
+            raise ValueError(f"quant.base_weights: {self.quant.base_weights} packs the routed experts' base weights "
+                             "into frozen FP4, which a full fine-tune would have to train; set lora.enabled: true "
+                             "(LoRA on top of the packed experts) or quant.base_weights: none")
         if p.dp_shard > 0:
             shard_cp = p.dp_shard * p.cp
             if shard_cp % p.ep:

@@ -60,7 +60,7 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     qcfg = model_config(cfg)
     dims.check_experts(qcfg.num_experts)
     model = build(qcfg, DTYPES[cfg.model.dtype], env.device, path=cfg.model.path, seed=cfg.train.seed,
-                  ep_rank=dims.ep_rank(env.rank), ep=dims.ep)
+                  ep_rank=dims.ep_rank(env.rank), ep=dims.ep, quant=cfg.quant.base_weights)
     if cfg.lora.enabled:
         from runtime.lora import apply_lora
 

@@ -3,13 +3,16 @@
     model on the meta device -> keep this EP rank's experts -> load its tensors from safetensors
     straight onto the target device, or materialize there and run the seeded init
 
-    model = build(cfg, dtype, device, path=None, seed=0, ep_rank=0, ep=1)
+    model = build(cfg, dtype, device, path=None, seed=0, ep_rank=0, ep=1, quant="none")
     model = from_pretrained(hf_dir, dtype, device, **runtime_options)   # build from a HF folder
     model = random_init(cfg, dtype, device, seed=0)
 
 No full model is ever built on the host and nothing is initialized twice: meta construction skips
 every module's own init. Under EP a rank holds, reads and draws only its E/ep experts; the seeded
 init (qwen.init_weights) gives them the values the single-process model holds at those indices.
+With quant="mxfp4" | "nvfp4" the routed experts' base weights are FP4-packed (quant.FP4Weight): each
+projection of one layer's local experts is read (or drawn) in `dtype`, quantized on `device` and dropped
+before the next, so no dense copy of all experts exists at any time.
 """
 
 from __future__ import annotations
@@ -19,16 +22,21 @@ from pathlib import Path
 import torch
 
 from moe.experts import GroupedExperts
+from quant import quantize_experts
 from runtime.models.hf import config_from_hf, finish_materialize, load_hf_weights, read_hf_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM, init_weights
 
 
 def build(cfg: QwenConfig, dtype: torch.dtype, device: torch.device | str, *, path: str | Path | None = None,
-          seed: int = 0, ep_rank: int = 0, ep: int = 1) -> QwenForCausalLM:
-    """This rank's model on `device`: the checkpoint's weights from `path`, else the init seeded by `seed`."""
+          seed: int = 0, ep_rank: int = 0, ep: int = 1, quant: str = "none") -> QwenForCausalLM:
+    """This rank's model on `device`: the checkpoint's weights from `path`, else the init seeded by `seed`;
+    routed experts FP4-packed unless quant is "none"."""
     with torch.device("meta"):
         model = QwenForCausalLM(cfg, dtype=dtype)
     keep_local_experts(model, ep_rank, ep)
+    if quant != "none":
+        for block in model.moe_blocks():
+            quantize_experts(block.experts, quant)  # empty packed containers, filled by the load or the init
     if path is not None:
         load_hf_weights(model, path, dtype, device)
         return model

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from attention.rope import RopeConfig
-from moe.experts import GroupedExperts
+from moe.experts import PROJECTIONS, GroupedExperts
+from quant import FP4Weight
 from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -233,18 +234,17 @@ def _expert_sources(ckpt: SafetensorsCheckpoint, prefix: str, name: str, experts
 
 
 def _param_sources(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint):
-    """{our param FQN: (checkpoint requests, expected shapes, assemble fn)} for every base weight."""
-    modules = dict(model.named_modules())
+    """{our FQN: (checkpoint requests, expected shapes, assemble fn)} for every base weight (expert weights
+    by their GroupedExperts projection, parameters or FP4-packed alike)."""
     sources = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for name in PROJECTIONS:
+                sources[f"{prefix}.{name}"] = _expert_sources(ckpt, prefix, name, module)
     for fqn, param in model.named_parameters(remove_duplicate=True):
-        if "lora_" in fqn:
+        if "lora_" in fqn or fqn in sources:
             continue  # adapters are not part of a base checkpoint
-        match = _EXPERT_PARAM.match(fqn)
-        if match:
-            experts = modules[match["prefix"]]
-            sources[fqn] = _expert_sources(ckpt, match["prefix"], match["name"], experts)
-        else:
-            sources[fqn] = ({fqn: None}, {fqn: tuple(param.shape)}, lambda t, k=fqn: t[k])
+        sources[fqn] = ({fqn: None}, {fqn: tuple(param.shape)}, lambda t, k=fqn: t[k])
     return sources
 
 
@@ -281,8 +281,16 @@ def _load(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint, path, dtype: torc
     if mismatched:
         raise CheckpointError(f"checkpoint {path} does not fit the model; shape mismatches ({len(mismatched)}):\n  "
                               + "\n  ".join(mismatched[:20]))
-    state = {fqn: assemble(ckpt.read(requests)).to(device=device, dtype=dtype)
-             for fqn, (requests, _, assemble) in sources.items()}
+    state = {}
+    for fqn, (requests, _, assemble) in sources.items():
+        tensor = assemble(ckpt.read(requests)).to(device=device, dtype=dtype)
+        owner, _, name = fqn.rpartition(".")
+        target = getattr(model.get_submodule(owner), name)
+        if isinstance(target, FP4Weight):  # quantized now: one dense projection of one layer at a time
+            target.to_empty(device=device).fill_(tensor)
+            del tensor
+        else:
+            state[fqn] = tensor
     model.load_state_dict(state, strict=False, assign=True)
 
 
@@ -302,7 +310,7 @@ def finish_materialize(model: QwenForCausalLM, device) -> None:
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_parameters(model.config.rope, model.config.head_dim, device)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if leftover:
         raise CheckpointError(f"parameters left uninitialized after loading: {leftover[:10]}")
 
@@ -403,11 +411,37 @@ def hf_config_dict(cfg: QwenConfig, dtype: torch.dtype) -> dict:
 
 
 def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
-                    state: dict[str, torch.Tensor] | None = None) -> None:
-    """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir."""
+                    state: dict[str, torch.Tensor] | None = None, dequantize: bool = False) -> None:
+    """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir. FP4-packed
+    experts are written only with dequantize=True, as their dequantized values in the model's dtype."""
+    state = _with_dequantized_experts(model, state, dequantize)
     tensors = hf_state_dict(model, state)
     dtype = next(iter(tensors.values())).dtype
     tmp, commit = atomic_dir(out_dir)
     write_safetensors(tensors, tmp, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2))
     commit()
+
+
+def _with_dequantized_experts(model: QwenForCausalLM, state: dict[str, torch.Tensor] | None,
+                              dequantize: bool) -> dict[str, torch.Tensor] | None:
+    """`state` (or the model's) plus the dequantized packed experts; refuses unless asked to dequantize:
+    a HF base checkpoint of FP4 experts holds the FP4 values, not the weights they were quantized from."""
+    packed = {f"{prefix}.{name}": (module, module.base_weight(name))
+              for prefix, module in model.named_modules() if isinstance(module, GroupedExperts)
+              for name in PROJECTIONS if isinstance(module.base_weight(name), FP4Weight)}
+    if not packed:
+        return state
+    fmt = next(iter(packed.values()))[1].fmt
+    if not dequantize:
+        raise ValueError(f"the routed experts' base weights are {fmt}-packed: a HF checkpoint holds dense weights. "
+                         "Pass dequantize=True to write the dequantized FP4 values (not the original weights), "
+                         "or export the LoRA adapter (LoRA runs with checkpoint.export_hf write a PEFT adapter "
+                         "on the original base checkpoint)")
+    state = dict(state if state is not None else model.state_dict())
+    for fqn, (experts, weight) in packed.items():
+        if experts.num_experts != model.config.num_experts:
+            raise ValueError(f"{fqn} holds experts {experts.expert_offset}..{experts.expert_offset + experts.num_experts - 1}"
+                             f" of {model.config.num_experts} (an EP rank); dequantize from a model that holds all")
+        state[fqn] = weight.dequantize()
+    return state

@@ -32,7 +32,7 @@ from attention.gdn import GatedDeltaNet, GatedRMSNorm
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
 from moe.dispatch import build_dispatcher
-from moe.experts import GroupedExperts
+from moe.experts import PROJECTIONS, GroupedExperts
 from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
 from runtime.loss import linear_cross_entropy_sum
@@ -232,7 +232,8 @@ def init_weights(model: QwenForCausalLM, seed: int = 0) -> None:
     device, each expert from one keyed by (seed, name, global expert index). So the values do not
     depend on init order or on the EP split: an EP rank's experts equal the single-process model's
     experts at those indices, and no rank draws experts it does not hold. (CPU and CUDA generators
-    differ: the values depend on the device type.)"""
+    differ: the values depend on the device type.) FP4-packed experts get the quantized values of the
+    same draw, one projection of one layer at a time."""
     std = model.config.initializer_range
     gen = None
     for fqn, param in model.named_parameters():
@@ -241,12 +242,25 @@ def init_weights(model: QwenForCausalLM, seed: int = 0) -> None:
         if gen is None:
             gen = torch.Generator(param.device)
         if isinstance(owner, GroupedExperts):
-            for j in range(param.shape[0]):
-                gen.manual_seed(param_seed(seed, f"{fqn}/{owner.expert_offset + j}"))
-                _init_param(owner, name, param[j], gen, std)
+            _init_experts(owner, name, fqn, param, gen, seed, std)
         else:
             gen.manual_seed(param_seed(seed, fqn))
             _init_param(owner, name, param, gen, std)
+    for prefix, owner in model.named_modules():
+        if isinstance(owner, GroupedExperts) and owner.is_quantized:
+            for name in PROJECTIONS:
+                packed = owner.base_weight(name)
+                dense = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+                _init_experts(owner, name, f"{prefix}.{name}", dense, gen, seed, std)
+                packed.fill_(dense)
+                del dense
+
+
+def _init_experts(owner: GroupedExperts, name: str, fqn: str, t: torch.Tensor, gen: torch.Generator, seed: int,
+                  std: float) -> None:
+    for j in range(t.shape[0]):
+        gen.manual_seed(param_seed(seed, f"{fqn}/{owner.expert_offset + j}"))
+        _init_param(owner, name, t[j], gen, std)
 
 
 def _init_param(owner: nn.Module, name: str, t: torch.Tensor, gen: torch.Generator, std: float) -> None:

@@ -18,17 +18,18 @@ EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 STEPS = 3
 
 
-def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", **parallelism):
+def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant: str = "none", **parallelism):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
                  "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
-                 "train.max_steps": STEPS, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend}
+                 "train.max_steps": STEPS, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend,
+                 "quant.base_weights": quant}
     overrides.update({f"parallelism.{k}": v for k, v in parallelism.items()})
     cfg = load_config(EXAMPLE, overrides)
     return _verification_config(cfg, STEPS, tmp)
 
 
-def _distributed(rank, world_size, lora, tmp, parallelism):
-    cfg = tiny_config(lora, tmp, **parallelism)
+def _distributed(rank, world_size, lora, tmp, parallelism, quant="none"):
+    cfg = tiny_config(lora, tmp, quant=quant, **parallelism)
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
     env = DistEnv(rank, world_size, 0, torch.device("cpu"))
@@ -62,3 +63,22 @@ def test_distributed_matches_single_process(run_dist, tmp_path, mesh, lora):
     print("\n".join(lines))
     assert ok, "\n".join(lines)
     assert len(dist_steps) == STEPS and all(s["grads"] for s in dist_steps)
+
+
+# FP4-packed experts (LoRA on top): each EP rank quantizes its own experts, FSDP leaves the packed buffers
+# whole on every rank of the expert FSDP group; both must give the single-process run's steps.
+FP4_MESHES = {"mxfp4-ep2": ("mxfp4", 2, {"ep": 2}), "nvfp4-fsdp2": ("nvfp4", 2, {})}
+
+
+@pytest.mark.parametrize("case", sorted(FP4_MESHES))
+def test_fp4_experts_distributed_match_single_process(run_dist, tmp_path, case):
+    quant, world, parallelism = FP4_MESHES[case]
+    dist_steps = run_dist(_distributed, world, True, str(tmp_path / "dist"), parallelism, quant)[0]
+    cfg = tiny_config(True, str(tmp_path / "ref"), quant=quant, **parallelism)
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    ref_steps = reference_run(cfg, dims, STEPS, torch.device("cpu"))
+    ok, lines = compare(dist_steps, ref_steps, "float32")
+    print("\n".join(lines))
+    assert ok, "\n".join(lines)
+    assert all(s["grads"] for s in dist_steps)

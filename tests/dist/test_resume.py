@@ -72,13 +72,17 @@ def _final_model(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "final.pt", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, lora):
+@pytest.mark.parametrize("variant", ["full", "lora", "lora-nvfp4"])
+def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, variant):
     """ep=2 on 2 ranks to step 2, ep=1 in one process to step 4, ep=4 on 4 ranks to step 6: the same
     losses and final weights (with LoRA: the trained factors, experts' included) as one uninterrupted
-    process (global batch 4 rows throughout)."""
+    process (global batch 4 rows throughout). FP4-packed experts are not in the checkpoint: each run
+    quantizes its ranks' experts again, to the same bits."""
+    lora = variant != "full"
+    quant = variant.partition("-")[2] or "none"
+
     def run(world, ep, stop_at, resume, out):
-        extra = {"train.micro_batch_size": 4 // world, "checkpoint.every_n_steps": 2,
+        extra = {"train.micro_batch_size": 4 // world, "checkpoint.every_n_steps": 2, "quant.base_weights": quant,
                  **({"lora.enabled": True, "lora.rank": 4} if lora else {})}
         return run_dist(_run, world, str(out), ep, stop_at, resume, extra)[0]
 

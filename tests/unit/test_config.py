@@ -48,7 +48,7 @@ BAD = {
     "missing data": (lambda r: r.pop("data"), "data: required key is missing"),
     "warmup too long": (lambda r: r["optim"].update(warmup_steps=100), "optim.warmup_steps (100) must be smaller"),
     "ep does not divide": (lambda r: r.update(parallelism={"dp_shard": 3, "ep": 2}), "parallelism.ep (2) must divide"),
-    "fp4 not built": (lambda r: r.update(quant={"base_weights": "nvfp4"}), "is not implemented yet"),
+    "fp4 full fine-tune": (lambda r: r.update(quant={"base_weights": "nvfp4"}), "set lora.enabled: true"),
     "context parallel not built": (lambda r: r.update(parallelism={"cp": 2}), "context parallelism is not implemented"),
     "deepep not built": (lambda r: r.update(parallelism={"dispatcher": "deepep"}), "deepep is not implemented"),
     "inductor option unknown": (lambda r: r.update(compile={"enabled": True, "inductor_options": {"foo": 1}}),
