@@ -52,7 +52,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moe.experts import GroupedExperts
-from runtime.config import LoraConfig
+from runtime.config import ConfigError, LoraConfig
 from runtime.distributed.state_dict import gather_full
 from runtime.models.hf import atomic_dir
 
@@ -130,7 +130,7 @@ def _check_targets(model: nn.Module, targets: list[str]) -> None:
     absent = [t for t in targets if t not in present]
     if absent:
         hint = " ('experts' needs MoE layers; this model is dense)" if EXPERTS_TARGET in absent else ""
-        raise ValueError(f"lora.target_modules names {absent} but the model has no such module{hint}; "
+        raise ConfigError(f"lora.target_modules names {absent} but the model has no such module{hint}; "
                          f"remove them from lora.target_modules (this model offers {sorted(present)})")
 
 

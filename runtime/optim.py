@@ -28,7 +28,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from runtime.config import Config, OptimConfig
+from runtime.config import Config, ConfigError, OptimConfig
 
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,7 +51,7 @@ def apply_master_dtype(model: torch.nn.Module, master_dtype: str, device: torch.
     if master_dtype == "bf16" and device.type != "cuda":
         frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
         if frozen - {dtype}:
-            raise ValueError(f"optim.master_dtype: bf16 on {device.type} needs model.dtype: bfloat16 when some "
+            raise ConfigError(f"optim.master_dtype: bf16 on {device.type} needs model.dtype: bfloat16 when some "
                              f"parameters are frozen (they are {sorted(map(str, frozen))}): without autocast "
                              "bf16 trainable and fp32 frozen weights cannot compute together")
     for p in model.parameters():
@@ -64,7 +64,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     parameters must already be in that dtype (apply_master_dtype)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("no trainable parameters: enable lora or unfreeze the model")
+        raise ConfigError("no trainable parameters: enable lora or unfreeze the model")
     o = cfg.optim
     if o.master_dtype == "bf16":
         optimizer = _stochastic_rounding_adamw(params, o)
@@ -78,7 +78,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
 def _stochastic_rounding_adamw(params: list[torch.nn.Parameter], o: OptimConfig) -> torch.optim.Optimizer:
     # Only bf16 parameters are rounded stochastically; any other dtype would silently round to nearest.
     if wrong := sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16}):
-        raise ValueError(f"optim.master_dtype: bf16 needs bf16 trainable parameters, found {wrong}: "
+        raise ConfigError(f"optim.master_dtype: bf16 needs bf16 trainable parameters, found {wrong}: "
                          "call runtime.optim.apply_master_dtype before build_optimizer")
     return StochasticRoundingAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
