@@ -117,10 +117,11 @@ def test_launch_checks_mesh_against_world_size(monkeypatch):
         prepare([str(EXAMPLE), "--dp-shard", "2"])
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora.yaml", "qwen3-30b-a3b-full.yaml", "qwen3.5-35b-a3b-lora.yaml"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora.yaml", "qwen3-30b-a3b-full.yaml", "qwen3.5-35b-a3b-lora.yaml",
+                                  "qwen3-30b-a3b-lora-nvfp4.yaml"])
 def test_real_shape_examples_validate(name):
     cfg = load_config(EXAMPLE.parent / name)
-    assert cfg.model.path and (cfg.parallelism.ep > 1 or cfg.compile.enabled)
+    assert cfg.model.path and (cfg.parallelism.ep > 1 or cfg.compile.enabled or cfg.quant.base_weights != "none")
 
 
 # ----------------------------------------------------------------------------- model.config
