@@ -253,7 +253,8 @@ def implementations(cfg, model: torch.nn.Module, device: torch.device) -> str:
     """What our side runs, "auto" resolved as the layers resolve it on `device`."""
     m = cfg.model
     gdn = next((f", gdn {layer.op_set}" for layer in model.modules() if isinstance(layer, GatedDeltaNet)), "")
-    return (f"experts {resolve_expert_backend(m.expert_backend, device)}, "
+    packed = f" on {cfg.quant.base_weights}" if cfg.quant.base_weights != "none" else ""
+    return (f"experts {resolve_expert_backend(m.expert_backend, device)}{packed}, "
             f"attn {resolve_attn_backend(m.attn_backend, device)}{gdn}, "
             f"loss {LOSS_IMPLS.resolve(m.loss_impl)}" + (", compiled" if cfg.compile.enabled else ""))
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# FP4 expert weights on one GPU (issue 18), everything in one device call, carry [".whl"] (torchao and the
+# rest the image lacks): `bash benchmarks/gpu_fp4.sh` (H100 or H200; ~6 min). Parts: tests bench e2e.
+#   tests  tests/gpu/test_fp4_gpu.py: scattermoe on packed weights vs eager on the dequantized ones (bf16, the
+#          real expert shapes, both formats, LoRA) and the memory accounting (no dequantized copy)
+#   bench  bench_quant on the device (error, quantize time at load), bench_experts --quant (the expert layer
+#          on bf16 / MXFP4 / NVFP4 weights, LoRA, Qwen3-30B-A3B shapes)
+#   e2e    bench_e2e LoRA 12 layers: ours on bf16 experts vs transformers+PEFT, then ours on NVFP4 and MXFP4
+#          experts (ms/step and peak GiB against the bf16 row)
+# Logs in $OUT/*.log, rows in $OUT/*.json; the summary comes last.
+source benchmarks/gpu_env.sh
+parts=${*:-tests bench e2e}
+
+if [[ $parts == *tests* ]]; then
+  python -m pytest -q -rs tests/gpu/test_fp4_gpu.py tests/unit/test_quant.py > "$OUT/fp4_tests.log" 2>&1
+  tail -n 3 "$OUT/fp4_tests.log"
+fi
+if [[ $parts == *bench* ]]; then
+  python -m benchmarks.bench_quant --experts 128 --out "$OUT" > "$OUT/bench_quant.log" 2>&1
+  python -m benchmarks.bench_experts --mode lora --quant none mxfp4 nvfp4 --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
+fi
+tags=()
+e2e() {  # tag, then bench flags
+  local tag=$1
+  shift
+  tags+=("$tag")
+  python -m benchmarks.bench_e2e --mode lora --layers 12 --steps 5 --warmup 2 --tag "$tag" --out "$OUT" "$@" \
+    > "$OUT/e2e_$tag.log" 2>&1
+}
+if [[ $parts == *e2e* ]]; then
+  e2e lora_bf16
+  e2e lora_nvfp4 --set quant.base_weights=nvfp4 --no-baseline
+  e2e lora_mxfp4 --set quant.base_weights=mxfp4 --no-baseline
+fi
+echo "== summary"
+[[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
+[[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 12
+for tag in "${tags[@]}"; do
+  grep -E "^(ours|baseline) +lora |^ratio|failed:" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"
+done
