@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.context_parallel import CPShard, gather_sequence, heads_to_seq, repeat_kv_for_cp, seq_to_heads
 from attention.norm import RMSNorm
 from attention.norm_rope import qk_norm_rope
 from gpu.registry import Registry
@@ -34,6 +35,8 @@ class AttnMeta:
     # mean one document per row)
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
+    # context parallelism: this rank holds a share of every row; the whole rows' metadata is cp.meta
+    cp: CPShard | None = None
 
 
 def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -324,8 +327,24 @@ class Qwen3Attention(nn.Module):
         q_BSHD, k_BSKD = qk_norm_rope(q_BSHD, k_BSKD, self.q_norm.weight, self.k_norm.weight, cos, sin,
                                       self.eps, unit_offset=self.gated, rotary_dim=self.rotary_dim,
                                       impl=self.norm_rope_impl)
-        backend = resolve_attn_backend(self.backend, q_BSHD.device)
-        out_BSHD = ATTN_BACKENDS.get(backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
+        if meta.cp is not None:
+            out_BSHD = self._context_parallel(q_BSHD, k_BSKD, v_BSKD, meta.cp)
+        else:
+            backend = resolve_attn_backend(self.backend, q_BSHD.device)
+            out_BSHD = ATTN_BACKENDS.get(backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
         if self.gated:
             out_BSHD = out_BSHD * torch.sigmoid(gate_BSHD)
         return self.o_proj(out_BSHD.reshape(B, S, -1))
+
+    def _context_parallel(self, q_BsHD, k_BsKD, v_BsKD, cp: CPShard) -> torch.Tensor:
+        """Attention of this rank's queries over the whole rows (attention/context_parallel.py)."""
+        if cp.mode == "ulysses":
+            k_BsKD, v_BsKD = (repeat_kv_for_cp(t, self.num_heads, cp.size) for t in (k_BsKD, v_BsKD))
+            q_BShD, k_BSkD, v_BSkD = (seq_to_heads(t, cp) for t in (q_BsHD, k_BsKD, v_BsKD))
+            backend = resolve_attn_backend(self.backend, q_BsHD.device)
+            return heads_to_seq(ATTN_BACKENDS.get(backend)(q_BShD, k_BSkD, v_BSkD, cp.meta, self.scale), cp)
+        k_BSKD, v_BSKD = gather_sequence(k_BsKD, cp), gather_sequence(v_BsKD, cp)
+        q, k, v = (t.transpose(1, 2) for t in (q_BsHD, k_BSKD, v_BSKD))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cp.mask_B1sS, scale=self.scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)

@@ -14,7 +14,10 @@ Packed input: B rows of S tokens; `meta.cu_seqlens` (int32 [docs + 1], boundarie
 B*S tokens, never crossing a row: what the collator builds) says where documents start. Rows that hold
 several documents REQUIRE meta.cu_seqlens: the layer sees no position_ids, and without cu_seqlens
 (meta None, or meta.cu_seqlens None as in an SDPA-only AttnMeta) every row is one document.
-meta.max_seqlen and meta.sdpa_mask_B1SS are not used.
+meta.max_seqlen and meta.sdpa_mask_B1SS are not used. With context parallelism (meta.cp) the layer runs
+head-parallel: after the (token-wise) projections, one all-to-all per layer gives each cp rank whole rows
+for num_k_heads/cp key heads and their value heads; conv and delta rule run on them unchanged, over the
+whole rows' documents; the output comes back by the reverse exchange (exact; needs num_k_heads % cp == 0).
 
 Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py) in `GDN_OP_SETS` (config key
 model.gdn_op_set; "auto" = fla on CUDA when installed, else torch), chosen at build time, one contract:
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.attention import AttnMeta
+from attention.context_parallel import CPShard, heads_to_seq, seq_to_heads
 from gpu.registry import Registry
 
 GDN_LAYOUTS = ("qwen3_5", "qwen3_next")
@@ -157,15 +161,58 @@ class GatedDeltaNet(nn.Module):
                 b.reshape(B, S, self.num_v_heads), a.reshape(B, S, self.num_v_heads))
 
     def forward(self, x_BSH: torch.Tensor, meta: AttnMeta | None = None) -> torch.Tensor:
-        B, S, _ = x_BSH.shape
         qkv_BSD, z_BSHV, b_BSH, a_BSH = self.project(x_BSH)
-        docs = self.ops.prepare_docs(meta.cu_seqlens if meta is not None else None, B, S, x_BSH.device)
-        qkv_BSD = self.ops.causal_conv1d_silu(qkv_BSD, self.conv1d.weight.squeeze(1), docs)
-        q, k, v = qkv_BSD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        if meta is not None and meta.cp is not None:
+            o_BSHV = self._mix_head_parallel(qkv_BSD, b_BSH, a_BSH, meta.cp)
+        else:
+            cu_seqlens = meta.cu_seqlens if meta is not None else None
+            o_BSHV = self._mix(qkv_BSD, b_BSH, a_BSH, cu_seqlens, slice(None), self.num_k_heads)
+        return self.out_proj(self.norm(o_BSHV, z_BSHV).flatten(2))
+
+    def _mix(self, qkv_BSD, b_BSH, a_BSH, cu_seqlens, heads: slice, num_k_heads: int) -> torch.Tensor:
+        """conv + delta rule over whole rows for key heads `heads` (all, or a cp rank's) and their value
+        heads; qkv_BSD holds those heads' channels in [q | k | v] order."""
+        B, S, _ = qkv_BSD.shape
+        group = self.num_v_heads // self.num_k_heads
+        v_heads = slice(None) if heads == slice(None) else slice(heads.start * group, heads.stop * group)
+        docs = self.ops.prepare_docs(cu_seqlens, B, S, qkv_BSD.device)
+        qkv_BSD = self.ops.causal_conv1d_silu(qkv_BSD, self._conv_weight(heads), docs)
+        key_dim, value_dim = num_k_heads * self.head_k_dim, num_k_heads * group * self.head_v_dim
+        q, k, v = qkv_BSD.split([key_dim, key_dim, value_dim], dim=-1)
         beta_BSH = b_BSH.sigmoid()
         # fp32 decay: exp(A_log) overflows fp16 and the decay's cumsum needs the precision
-        g_BSH = -self.A_log.float().exp() * softplus(a_BSH.float() + self.dt_bias)
-        k_heads, v_heads = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
-        o_BSHV = self.ops.chunk_gated_delta_rule(q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
-                                                 v.unflatten(-1, v_heads), g_BSH, beta_BSH, docs)
-        return self.out_proj(self.norm(o_BSHV, z_BSHV).flatten(2))
+        g_BSH = -self.A_log[v_heads].float().exp() * softplus(a_BSH.float() + self.dt_bias[v_heads])
+        k_heads, v_shape = (num_k_heads, self.head_k_dim), (num_k_heads * group, self.head_v_dim)
+        return self.ops.chunk_gated_delta_rule(q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
+                                               v.unflatten(-1, v_shape), g_BSH, beta_BSH, docs)
+
+    def _conv_weight(self, heads: slice) -> torch.Tensor:
+        """The depthwise conv weight [D, W] of key heads `heads` and their value heads, [q | k | v] order."""
+        w_DW = self.conv1d.weight.squeeze(1)
+        if heads == slice(None):
+            return w_DW
+        kd, vd = self.head_k_dim, self.head_v_dim * self.num_v_heads // self.num_k_heads
+        q_rows = slice(heads.start * kd, heads.stop * kd)
+        k_rows = slice(self.key_dim + heads.start * kd, self.key_dim + heads.stop * kd)
+        v_rows = slice(2 * self.key_dim + heads.start * vd, 2 * self.key_dim + heads.stop * vd)
+        return torch.cat([w_DW[q_rows], w_DW[k_rows], w_DW[v_rows]])
+
+    def _mix_head_parallel(self, qkv_BsD, b_BsH, a_BsH, cp: CPShard) -> torch.Tensor:
+        """_mix on whole rows for this cp rank's key heads: one exchange of every key head's q, k, its
+        value heads' v, b and a (sequence -> heads), one of the output back (heads -> sequence)."""
+        if self.num_k_heads % cp.size:
+            raise ValueError(f"context parallelism runs GDN layers head-parallel: cp={cp.size} must divide "
+                             f"linear_num_key_heads={self.num_k_heads}")
+        B, s, _ = qkv_BsD.shape
+        Hk, group = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        q, k, v = qkv_BsD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        per_key_head = [q.view(B, s, Hk, -1), k.view(B, s, Hk, -1), v.view(B, s, Hk, -1),
+                        b_BsH.view(B, s, Hk, group), a_BsH.view(B, s, Hk, group)]
+        sizes = [t.shape[-1] for t in per_key_head]
+        packed_BShF = seq_to_heads(torch.cat(per_key_head, dim=-1), cp)
+        q, k, v, b, a = packed_BShF.split(sizes, dim=-1)
+        hk = Hk // cp.size
+        heads = slice(cp.rank * hk, (cp.rank + 1) * hk)
+        qkv_BSd = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        o_BShV = self._mix(qkv_BSd, b.flatten(2), a.flatten(2), cp.meta.cu_seqlens, heads, hk)
+        return heads_to_seq(o_BShV, cp)

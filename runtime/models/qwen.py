@@ -28,6 +28,7 @@ from attention.attention import (
     cu_seqlens_from_position_ids,
     resolve_attn_backend,
 )
+from attention.context_parallel import CPShard
 from attention.gdn import GatedDeltaNet, GatedRMSNorm
 from attention.norm import RMSNorm
 from attention.rope import RopeConfig, RotaryEmbedding
@@ -182,14 +183,18 @@ class QwenForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
-                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                      cp: CPShard | None = None) -> torch.Tensor:
         B, S = input_ids_BS.shape
         h_BSH = self.model.embed_tokens(input_ids_BS)
-        if position_ids_BS is not None and cu_seqlens is None and self.config.layer_types:
-            # GDN layers need document boundaries; the collator passes them, direct calls may not.
-            cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
-        backend = resolve_attn_backend(self.config.attn_backend, input_ids_BS.device)
-        meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, backend)
+        if cp is not None:  # this rank's share of the rows; the mixers read the whole rows' metadata in cp
+            meta = AttnMeta(cp=cp)
+        else:
+            if position_ids_BS is not None and cu_seqlens is None and self.config.layer_types:
+                # GDN layers need document boundaries; the collator passes them, direct calls may not.
+                cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
+            backend = resolve_attn_backend(self.config.attn_backend, input_ids_BS.device)
+            meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, backend)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         cos, sin = self.model.rotary_emb(position_ids_BS, h_BSH.dtype)
@@ -199,10 +204,11 @@ class QwenForCausalLM(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, cp: CPShard | None = None) -> torch.Tensor:
         """Logits [B, S, V]; with `labels` [B, S], the summed cross-entropy over label tokens instead,
-        computed by runtime.loss without [B, S, V] logits (inside forward, so FSDP has gathered lm_head)."""
-        h_BSH = self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen)
+        computed by runtime.loss without [B, S, V] logits (inside forward, so FSDP has gathered lm_head).
+        With `cp` (context parallelism) every tensor holds this rank's tokens of the rows (CPShard.take)."""
+        h_BSH = self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen, cp)
         if labels is None:
             return self.lm_head(h_BSH)
         return linear_cross_entropy_sum(h_BSH.flatten(0, 1), self.lm_head.weight, labels.flatten(),

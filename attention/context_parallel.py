@@ -1,0 +1,149 @@
+"""Context parallelism inside the token mixers: one rank's share of rows split along the sequence, and the
+exchanges that let attention and Gated DeltaNet layers compute exactly what they compute on whole rows.
+
+Layout (zigzag, load-balanced for causal attention): every row of S tokens is cut into 2*cp equal pieces;
+cp rank r holds pieces r and 2*cp-1-r, in that order (S_loc = S / cp tokens). A rank's early piece has
+few keys to attend to and its late piece many, so every rank does the same attention work.
+
+    shard = CPShard(group, rank, size, meta)         # meta: the AttnMeta of the WHOLE rows (built once)
+    local_BS = shard.take(t_BS)                      # this rank's tokens of a whole-row tensor
+    x_BShF = seq_to_heads(x_BSHF, shard)             # [B, S_loc, H, F] -> [B, S, H/cp, F], whole rows, heads of this rank
+    y_BSHF = heads_to_seq(y_BShF, shard)             # the inverse
+    k_BSKD = gather_sequence(k_BSKD, shard)          # [B, S_loc, ...] -> [B, S, ...] in row order (all-gather)
+
+Every exchange is a functional collective with autograd (its backward is the reverse exchange) that
+torch.compile traces. Attention modes (`parallelism.cp_attention`):
+    allgather  K and V gathered over the cp group; each rank attends with its own queries (mask from the
+               whole rows' documents and the zigzag positions)
+    ulysses    q, k, v exchanged from sequence to heads (all-to-all), the ordinary backend over the whole
+               rows and their metadata, the output exchanged back; needs q heads divisible by cp and kv
+               heads dividing or divisible by cp (kv heads are repeated up to cp)
+GDN layers always run head-parallel (the ulysses exchange; conv and delta rule per head over whole rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+CP_ATTENTION_MODES = ("allgather", "ulysses")
+# renamed in torch 2.13; the GPU image's torch 2.11 has only the old name
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def zigzag_index(seq_len: int, size: int, rank: int, device=None) -> torch.Tensor:
+    """Row positions of cp rank `rank`'s tokens, in its local order: pieces rank and 2*size-1-rank."""
+    if seq_len % (2 * size):
+        raise ValueError(f"context parallelism cuts every row into 2*cp = {2 * size} equal pieces, but rows have "
+                         f"{seq_len} tokens; set data.seq_len to a multiple of {2 * size}")
+    piece = seq_len // (2 * size)
+    first = torch.arange(rank * piece, (rank + 1) * piece, device=device)
+    second = torch.arange((2 * size - 1 - rank) * piece, (2 * size - rank) * piece, device=device)
+    return torch.cat([first, second])
+
+
+def _row_order(seq_len: int, size: int, device) -> torch.Tensor:
+    """For every row position, its place in the concatenation of all ranks' local tokens (rank major)."""
+    concat = torch.cat([zigzag_index(seq_len, size, r, device) for r in range(size)])
+    return torch.empty_like(concat).scatter_(0, concat, torch.arange(concat.numel(), device=device))
+
+
+@dataclass
+class CPShard:
+    """This rank's share of a batch of whole rows, and what the mixers need to compute over whole rows.
+
+    meta: the whole rows' attention metadata (attention.attention.AttnMeta: packed mask, cu_seqlens); mode:
+    the attention exchange; position_ids_BS: the whole rows' positions (documents restart at 0)."""
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    meta: object
+    position_ids_BS: torch.Tensor
+    mode: str = "allgather"
+    index_S: torch.Tensor = field(init=False)
+    row_order_S: torch.Tensor = field(init=False)
+    mask_B1sS: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self):
+        if self.mode not in CP_ATTENTION_MODES:
+            raise ValueError(f"unknown cp attention mode {self.mode!r}; choose one of {CP_ATTENTION_MODES}")
+        S, device = self.position_ids_BS.shape[1], self.position_ids_BS.device
+        self.index_S = zigzag_index(S, self.size, self.rank, device)
+        self.row_order_S = _row_order(S, self.size, device)
+        # built once per batch, shared by every attention layer
+        self.mask_B1sS = self._attention_mask() if self.mode == "allgather" else None
+
+    @property
+    def seq_len(self) -> int:
+        return self.position_ids_BS.shape[1]
+
+    def take(self, t_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a whole-row tensor [B, S, ...] -> [B, S_loc, ...]."""
+        return t_BS.index_select(1, self.index_S)
+
+    def _attention_mask(self) -> torch.Tensor:
+        """allgather mode: local query i sees row key j iff j <= pos(i) and both lie in one document."""
+        doc_BS = torch.cumsum((self.position_ids_BS == 0).to(torch.int32), dim=-1)
+        q_pos_s = self.index_S
+        k_pos_S = torch.arange(self.seq_len, device=q_pos_s.device)
+        causal_sS = k_pos_S.unsqueeze(0) <= q_pos_s.unsqueeze(1)
+        same_doc_BsS = self.take(doc_BS).unsqueeze(-1) == doc_BS.unsqueeze(-2)
+        return (same_doc_BsS & causal_sS).unsqueeze(1)
+
+
+def _to_row_order(concat_B_S: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    """[B, cp*S_loc, ...] rank-major concatenation -> [B, S, ...] in row order."""
+    return concat_B_S.index_select(1, shard.row_order_S)
+
+
+def gather_sequence(x_BsF: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    """All ranks' tokens in row order: [B, S_loc, ...] -> [B, S, ...]; backward reduce-scatters."""
+    gathered = _all_gather_autograd(x_BsF.transpose(0, 1).contiguous(), 0, shard.group)
+    return _to_row_order(gathered.transpose(0, 1), shard)
+
+
+def seq_to_heads(x_BsHF: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    """[B, S_loc, H, F] -> [B, S, H/cp, F]: whole rows, heads rank*H/cp .. (rank+1)*H/cp - 1."""
+    B, s, H, F = x_BsHF.shape
+    if H % shard.size:
+        raise ValueError(f"{H} heads do not split over cp={shard.size}")
+    # [cp (destination), s, B, H/cp, F]: each rank receives its head group of every rank's tokens
+    send = x_BsHF.view(B, s, shard.size, H // shard.size, F).permute(2, 1, 0, 3, 4).contiguous()
+    received = funcol.all_to_all_single_autograd(send.flatten(0, 1), None, None, shard.group)
+    concat = received.view(shard.size * s, B, H // shard.size, F).transpose(0, 1)  # rank-major tokens
+    return _to_row_order(concat, shard)
+
+
+def heads_to_seq(y_BShF: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    """The inverse of seq_to_heads: [B, S, H/cp, F] -> [B, S_loc, H, F]."""
+    B, S, h, F = y_BShF.shape
+    s = S // shard.size
+    # back to rank-major token order: the tokens each rank sent, in the order it sent them
+    concat = y_BShF.index_select(1, _rank_major(shard))
+    send = concat.transpose(0, 1).contiguous()  # [cp * s, B, h, F]: block r goes back to rank r
+    received = funcol.all_to_all_single_autograd(send, None, None, shard.group)
+    # [cp (source head group), s, B, h, F] -> [B, s, cp * h, F]
+    return received.view(shard.size, s, B, h, F).permute(2, 1, 0, 3, 4).reshape(B, s, shard.size * h, F)
+
+
+def _rank_major(shard: CPShard) -> torch.Tensor:
+    """Row positions in rank-major order (rank 0's tokens, then rank 1's, ...)."""
+    return torch.cat([zigzag_index(shard.seq_len, shard.size, r, shard.index_S.device) for r in range(shard.size)])
+
+
+def repeat_kv_for_cp(k_BsKD: torch.Tensor, q_heads: int, size: int) -> torch.Tensor:
+    """KV heads made divisible by cp for the head exchange: repeated (GQA grouping kept) when cp is a
+    multiple of their count; errors name the head counts otherwise."""
+    kv_heads = k_BsKD.shape[2]
+    if q_heads % size:
+        raise ValueError(f"cp_attention: ulysses splits the {q_heads} query heads over cp={size}, which does not "
+                         "divide them; use parallelism.cp_attention: allgather or another cp")
+    if kv_heads % size == 0:
+        return k_BsKD
+    if size % kv_heads:
+        raise ValueError(f"cp_attention: ulysses needs the {kv_heads} kv heads to divide cp={size} or be divisible "
+                         "by it; use parallelism.cp_attention: allgather or another cp")
+    return k_BsKD.repeat_interleave(size // kv_heads, dim=2)

@@ -1,0 +1,91 @@
+"""Context-parallel token mixers (attention/context_parallel.py) against the same layer on whole rows in one
+process (fp32, gloo): outputs, input gradients and parameter gradients (summed over the cp ranks, as FSDP
+reduces them). Rows hold packed documents that cross piece boundaries, and one that starts exactly at one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from attention.attention import AttnMeta, Qwen3Attention, build_attn_meta
+from attention.context_parallel import CPShard, zigzag_index
+from attention.gdn import GatedDeltaNet
+from attention.rope import RopeConfig, RotaryEmbedding
+
+S = 32
+DOC_LENGTHS = [5, 3, 13, 11]  # with cp=2 the pieces are 8 long: the third document starts at a boundary
+
+
+def _position_ids(B: int) -> torch.Tensor:
+    row = torch.cat([torch.arange(n) for n in DOC_LENGTHS])
+    return row.expand(B, S).clone()
+
+
+def _meta(position_ids: torch.Tensor) -> AttnMeta:
+    B = position_ids.shape[0]
+    starts = torch.tensor([0] + list(torch.tensor(DOC_LENGTHS).cumsum(0)[:-1]))
+    cu = torch.cat([starts + b * S for b in range(B)] + [torch.tensor([B * S])]).to(torch.int32)
+    return build_attn_meta(position_ids, cu, max(DOC_LENGTHS), "sdpa")
+
+
+def _layer(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind.startswith("gdn"):
+        layout = "qwen3_next" if kind == "gdn_next" else "qwen3_5"
+        return GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6, layout=layout, op_set="torch")
+    gated = kind == "attn_gated"
+    return Qwen3Attention(32, 4, 2, 8, 1e-6, gated=gated, rotary_dim=4 if gated else None)
+
+
+def _run(layer, x, position_ids, meta):
+    if isinstance(layer, GatedDeltaNet):
+        return layer(x, meta)
+    cos, sin = RotaryEmbedding(RopeConfig(), layer.rotary_dim or layer.head_dim)(position_ids, x.dtype)
+    return layer(x, cos, sin, meta)
+
+
+def _whole_rows(kind: str, B: int = 2):
+    layer = _layer(kind)
+    torch.manual_seed(1)
+    x = torch.randn(B, S, 32, requires_grad=True)
+    position_ids = _position_ids(B)
+    y = _run(layer, x, position_ids, _meta(position_ids))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    return layer, x, y, dy
+
+
+def _cp_rank(rank, world_size, kind, mode):
+    layer, x, y_ref, dy = _whole_rows(kind)
+    grads_ref = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    position_ids = _position_ids(x.shape[0])
+    shard = CPShard(dist.group.WORLD, rank, world_size, _meta(position_ids), position_ids, mode)
+    x_local = shard.take(x.detach()).requires_grad_()
+    y = _run(layer, x_local, shard.take(position_ids), AttnMeta(cp=shard))
+    y.backward(shard.take(dy))
+    out = {"y": (y, shard.take(y_ref)), "dx": (x_local.grad, shard.take(x.grad))}
+    for name, p in layer.named_parameters():
+        dist.all_reduce(p.grad)
+        out[name] = (p.grad, grads_ref[name])
+    return {k: float((a.detach() - b).norm() / b.norm().clamp_min(1e-30)) for k, (a, b) in out.items()}
+
+
+CASES = [("attn", "allgather", 2), ("attn", "allgather", 4), ("attn_gated", "allgather", 2),
+         ("attn", "ulysses", 2), ("attn", "ulysses", 4), ("attn_gated", "ulysses", 2),
+         ("gdn", "allgather", 2), ("gdn_next", "allgather", 2)]
+
+
+@pytest.mark.parametrize("kind,mode,cp", CASES, ids=[f"{k}-{m}-cp{c}" for k, m, c in CASES])
+def test_context_parallel_mixer_equals_whole_rows(run_dist, kind, mode, cp):
+    for errors in run_dist(_cp_rank, cp, kind, mode):
+        assert max(errors.values()) <= 1e-5, errors
+
+
+def test_zigzag_pieces_cover_every_position_once():
+    pieces = [zigzag_index(24, 3, r) for r in range(3)]
+    assert torch.equal(torch.sort(torch.cat(pieces)).values, torch.arange(24))
+    assert pieces[0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    with pytest.raises(ValueError, match="multiple of 6"):
+        zigzag_index(20, 3, 0)
