@@ -107,6 +107,8 @@ class ParallelismConfig(Section):
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = Field(-1, ge=-1)  # -1: whatever the world size leaves
     cp: int = Field(1, ge=1)
+    # Attention under cp > 1 (attention/context_parallel.py): K/V all-gather, or Ulysses head exchange.
+    cp_attention: Literal["allgather", "ulysses"] = "allgather"
     ep: int = Field(1, ge=1)
     # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
     dispatcher: str = "all_to_all"
@@ -209,10 +211,10 @@ class Config(Section):
         if self.model.config is not None and self.data.tokenizer is None:
             raise ValueError("model.config (random init) has no tokenizer: set data.tokenizer")
         p = self.parallelism
-        # Accepted by the schema (the mesh already carries the axes) but not built yet: refuse rather
-        # than train wrongly (cp ranks would each see the whole sequence and double its gradients).
-        if p.cp > 1:
-            raise ValueError("parallelism.cp > 1: context parallelism is not implemented yet; use cp: 1")
+        # Accepted by the schema but not built yet: refuse rather than train wrongly.
+        if p.cp > 1 and self.data.seq_len % (2 * p.cp):
+            raise ValueError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
+                             f"data.seq_len (now {self.data.seq_len}) to a multiple of {2 * p.cp}")
         if p.dispatcher == "deepep":
             raise ValueError("parallelism.dispatcher: deepep is not implemented yet; use all_to_all")
         if p.dispatcher == "local" and p.ep > 1:

@@ -91,17 +91,22 @@ class StepResult:
 
 
 def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None) -> StepResult:
-    num_tokens = sum(b.input_ids.numel() for b in batches)
-    global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env)
+    cp = model.context_parallel  # the cp ranks of a data slice hold the same whole rows
+    cp_size = cp.size if cp is not None else 1
+    num_tokens = sum(b.input_ids.numel() for b in batches) // cp_size
+    global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env) // cp_size
     if global_labels == 0:  # every rank sees the same sum, so all skip alike
         return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else nullcontext())
     loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
     for batch in batches:
         batch = batch.to(env.device)
+        if cp is not None:
+            batch = cp.shard(batch)  # the one place a batch is split along the sequence
         with autocast:
             loss_sum = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
-                             max_seqlen=batch.max_seqlen, labels=batch.labels)
+                             max_seqlen=batch.max_seqlen, labels=batch.labels,
+                             cp=batch.cp if cp is not None else None)
             # The router balance losses ride on the MoE outputs' backward (moe.layer._AttachAuxLoss).
             loss = loss_sum / global_labels
         loss.backward()

@@ -15,6 +15,7 @@ from moe.dispatch import build_dispatcher
 from runtime.config import Config
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile
+from runtime.distributed.context_parallel import ContextParallel
 from runtime.distributed.fsdp import apply_fsdp
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
@@ -33,9 +34,11 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> QwenForCausalLM:
-    """MoE wiring (EP dispatcher with meshes), activation checkpointing, compile, FSDP2 (with meshes),
-    in the order they compose: compile wraps the checkpointed blocks, FSDP wraps the compiled ones."""
+    """MoE wiring (EP dispatcher with meshes), context parallelism (cp > 1), activation checkpointing,
+    compile, FSDP2 (with meshes), in the order they compose: compile wraps the checkpointed blocks, FSDP
+    wraps the compiled ones."""
     wire_moe_blocks(model, dims, meshes, cfg)
+    model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)

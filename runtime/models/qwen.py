@@ -181,6 +181,9 @@ class QwenForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # runtime.distributed.context_parallel.ContextParallel when cp > 1 (set by parallelize): the trainer
+        # splits each batch along the sequence with it
+        self.context_parallel = None
 
     def hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,

@@ -89,3 +89,53 @@ def test_zigzag_pieces_cover_every_position_once():
     assert pieces[0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
     with pytest.raises(ValueError, match="multiple of 6"):
         zigzag_index(20, 3, 0)
+
+
+def _shard_twice(rank, world_size):
+    from runtime.data import Batch
+    from runtime.distributed.context_parallel import ContextParallel
+
+    cp = ContextParallel(dist.group.WORLD, rank, world_size, "allgather", "sdpa")
+    position_ids = _position_ids(2)
+    ids = torch.arange(2 * S).view(2, S)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    batch = Batch(ids, labels, position_ids, _meta(position_ids).cu_seqlens, max(DOC_LENGTHS),
+                  int((labels != -100).sum()))
+    local = cp.shard(batch)
+    with pytest.raises(TypeError, match="already split along the sequence"):
+        cp.shard(local)
+    return local.input_ids, local.num_label_tokens
+
+
+def test_a_batch_is_split_once_and_the_shards_cover_it(run_dist):
+    shards = run_dist(_shard_twice, 2)
+    ids = torch.cat([s[0] for s in shards], dim=1)
+    assert torch.equal(torch.sort(ids, dim=1).values, torch.arange(2 * S).view(2, S))
+    assert sum(s[1] for s in shards) == 2 * (S - 3)
+
+
+def _cfg(**parallelism):
+    from runtime.config import load_config
+    from tests.dist.test_parity import EXAMPLE
+    return load_config(EXAMPLE, {f"parallelism.{k}": v for k, v in parallelism.items()})
+
+
+@pytest.mark.parametrize("parallelism,model,match", [
+    ({"cp": 4, "cp_attention": "ulysses"}, {"num_attention_heads": 6}, "the 6 query heads over cp=4"),
+    ({"cp": 4, "cp_attention": "ulysses"}, {"num_key_value_heads": 6, "num_attention_heads": 12},
+     "the 6 kv heads to divide cp=4"),
+    ({"cp": 4}, {"hybrid": True}, "linear_num_key_heads=2"),
+], ids=["q heads", "kv heads", "gdn heads"])
+def test_context_parallel_refuses_heads_that_do_not_split(parallelism, model, match):
+    from runtime.config import ConfigError
+    from runtime.distributed.context_parallel import check_context_parallel
+    from runtime.models.hf import config_from_hf
+    from tests.conftest import TINY_HYBRID, TINY_MOE
+
+    if model.pop("hybrid", False):
+        hf = {**TINY_HYBRID, "model_type": "qwen3_5_moe_text", "layer_types": ["linear_attention", "full_attention"]}
+    else:
+        hf = {**TINY_MOE, "model_type": "qwen3_moe", **model}
+    with pytest.raises(ConfigError, match=match):
+        check_context_parallel(_cfg(**parallelism), config_from_hf(hf))

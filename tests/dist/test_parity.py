@@ -12,14 +12,16 @@ from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.verify import _verification_config, compare, record_run, reference_run
+from tests.conftest import TINY_HYBRID
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 STEPS = 3
 
 
-def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant: str = "none", **parallelism):
-    overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
+def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant: str = "none",
+                model: dict | None = None, **parallelism):
+    overrides = {**({"model.config": model} if model else {}),"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
                  "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
                  "train.max_steps": STEPS, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend,
                  "quant.base_weights": quant}
@@ -28,8 +30,8 @@ def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant:
     return _verification_config(cfg, STEPS, tmp)
 
 
-def _distributed(rank, world_size, lora, tmp, parallelism, quant="none"):
-    cfg = tiny_config(lora, tmp, quant=quant, **parallelism)
+def _distributed(rank, world_size, lora, tmp, parallelism, quant="none", model=None):
+    cfg = tiny_config(lora, tmp, quant=quant, model=model, **parallelism)
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
     env = DistEnv(rank, world_size, 0, torch.device("cpu"))
@@ -47,6 +49,12 @@ MESHES = {
     "ep2_full_ac": (2, {"ep": 2, "activation_checkpoint": "full"}),
     # the Triton kernels (interpreted on the CPU) behind the EP dispatcher's sentinel layout
     "fsdp4_ep2_scattermoe": (4, {"ep": 2, "expert_backend": "scattermoe"}),
+    # context parallelism: rows split over cp ranks (zigzag), attention by K/V all-gather or Ulysses
+    "cp2": (2, {"cp": 2}),
+    "cp4": (4, {"cp": 4}),
+    "cp2_ep2": (4, {"cp": 2, "ep": 2}),
+    "cp2_ulysses_full_ac": (2, {"cp": 2, "cp_attention": "ulysses", "activation_checkpoint": "full"}),
+    "cp4_ulysses": (4, {"cp": 4, "cp_attention": "ulysses"}),
 }
 
 
@@ -83,3 +91,23 @@ def test_fp4_experts_distributed_match_single_process(run_dist, tmp_path, case):
     print("\n".join(lines))
     assert ok, "\n".join(lines)
     assert all(s["grads"] for s in dist_steps)
+
+
+# Hybrid models under context parallelism: GDN layers head-parallel (whole rows' documents, packed rows
+# whose documents cross the cp pieces), gated attention by either exchange.
+HYBRID = {**TINY_HYBRID, "vocab_size": 520, "layer_types": ["linear_attention", "full_attention"] * 2}
+HYBRIDS = {"qwen3_5_moe-cp2": ({**HYBRID, "model_type": "qwen3_5_moe_text"}, {"cp": 2}),
+           "qwen3_next-cp2-ulysses": ({**HYBRID, "model_type": "qwen3_next", "norm_topk_prob": True},
+                                      {"cp": 2, "cp_attention": "ulysses"})}
+
+
+@pytest.mark.parametrize("case", sorted(HYBRIDS))
+def test_hybrid_context_parallel_matches_single_process(run_dist, tmp_path, case):
+    model, parallelism = HYBRIDS[case]
+    dist_steps = run_dist(_distributed, 2, False, str(tmp_path / "dist"), parallelism, "none", model)[0]
+    cfg = tiny_config(False, str(tmp_path / "ref"), model=model, **parallelism)
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, 2)
+    ok, lines = compare(dist_steps, reference_run(cfg, dims, STEPS, torch.device("cpu")), "float32")
+    print("\n".join(lines))
+    assert ok, "\n".join(lines)
