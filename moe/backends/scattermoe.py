@@ -33,6 +33,9 @@ docs/benchmarks.md, experts). Only small experts (out*in < 1M, where launches do
 into the K loop. lora_dropout > 0 in training raises NotImplementedError (use the eager backend for it).
 fp32 operands: every Triton dot runs in IEEE fp32 unless torch allows TF32 for fp32 matmuls
 (moe/kernels/precision.py); torch._grouped_mm is used for bf16 only (cutlass_ok), never for fp32.
+FP4-packed base weights (quant.FP4Weight, frozen) enter as moe.kernels.fp4.PackedWeight views: every GEMM
+that reads them (gate_up, down, g, dx) decodes them tile by tile in its K loop (the backward reads the
+transposed view); nothing dequantized is ever materialized, and no dW is computed for them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from moe.backends import EXPERT_BACKENDS, compute_dtype
+from moe.kernels.fp4 import PackedWeight
 from moe.kernels.grouped_linear import (
     LoraView,
     cutlass_ok,
@@ -49,6 +53,7 @@ from moe.kernels.grouped_linear import (
 )
 from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
 from moe.kernels.routing import SlotOrder, combine, gather_rows, sort_slots
+from quant import FP4Weight
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
 
@@ -96,7 +101,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     has_lora = gu_A is not None
     # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
     down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
-    w_down_T = w_down.transpose(1, 2)
+    w_down_T = _transposed(w_down)
     # dy in expert-sorted order only for dW_down (CUTLASS cannot gather); then g and dB_down read it too.
     # Otherwise they gather dy's rows in-kernel (dy fits in L2; the [S, H] copy is never written).
     dyg_SH = gather_rows(dy_MH, slots) if need["down"] else None
@@ -122,12 +127,28 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     del dyg_SH, dy_rows
     if need["x"]:
         gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
-        dxs_SH, _ = expert_linear(dgu_S2I, slots, w_gu.transpose(1, 2), gu_T, gather=False, ia_Sr=dgub_Sr)
+        dxs_SH, _ = expert_linear(dgu_S2I, slots, _transposed(w_gu), gu_T, gather=False, ia_Sr=dgub_Sr)
         grads["x"] = combine(dxs_SH, slots, None)
         del dxs_SH
     if need["gu"]:
         grads["gu"] = _weight_grad(dgu_S2I, gather_rows(x_MH, slots), slots)
     return tuple(grads.values())
+
+
+def _transposed(w: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
+    """[E, N, K] -> [E, K, N] as a view (a packed weight flips its read order)."""
+    return w.t() if isinstance(w, PackedWeight) else w.transpose(1, 2)
+
+
+def _tensors_only(w_gu, w_down) -> tuple:
+    """What save_for_backward can hold: a packed weight travels on ctx instead (None in its slot)."""
+    return tuple(None if isinstance(w, PackedWeight) else w for w in (w_gu, w_down))
+
+
+def _restore(saved: tuple, packed: tuple) -> tuple:
+    """saved tensors with the packed weights put back in their slots (2 and 3)."""
+    w_gu, w_down = (p if p is not None else t for p, t in zip(packed, saved[2:4]))
+    return (*saved[:2], w_gu, w_down, *saved[4:])
 
 
 class _ScatterMoE(torch.autograd.Function):
@@ -137,25 +158,41 @@ class _ScatterMoE(torch.autograd.Function):
     def forward(ctx, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots: SlotOrder,
                 scaling: float):
         y_MH, *activations = _forward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots, scaling)
-        ctx.save_for_backward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, *activations)
+        ctx.save_for_backward(x_MH, weights_Mk, *_tensors_only(w_gu, w_down), gu_A, gu_B, down_A, down_B,
+                              *activations)
+        ctx.packed = tuple(w if isinstance(w, PackedWeight) else None for w in (w_gu, w_down))
         ctx.slots, ctx.scaling = slots, scaling
         return y_MH
 
     @staticmethod
     def backward(ctx, dy_MH):
-        grads = _backward(dy_MH, ctx.saved_tensors, ctx.slots, ctx.scaling, ctx.needs_input_grad[:8])
+        saved = _restore(ctx.saved_tensors, ctx.packed)
+        grads = _backward(dy_MH, saved, ctx.slots, ctx.scaling, ctx.needs_input_grad[:8])
         return (*grads, None, None)
 
 
 # ----------------------------------------------------------------------------- opaque ops (torch.compile)
 # Under torch.compile the same computation runs as three custom ops the trace keeps whole (the Triton
 # launches inside are invisible to it): the sort, the forward (y plus the saved activations as outputs)
-# and the backward (a gradient, or an empty tensor where none is needed).
+# and the backward (a gradient, or an empty tensor where none is needed). A packed FP4 weight enters as
+# its codes (in the weight's slot), block scales and tensor scales, with `fmt` naming the format ("" dense).
 
 
 def _slots_of(ids_Mk: torch.Tensor, num_experts: int, order_S, inv_S, offsets_E1, rows_S) -> SlotOrder:
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_Mk.contiguous().view(-1),
                      topk=ids_Mk.shape[1], num_experts=num_experts, rows_S=rows_S)
+
+
+def _weight(w: torch.Tensor, scale: torch.Tensor | None, tensor_scale: torch.Tensor | None,
+            fmt: str) -> torch.Tensor | PackedWeight:
+    return PackedWeight(w, scale, tensor_scale, fmt) if fmt else w
+
+
+def _weight_parts(w: torch.Tensor | PackedWeight) -> tuple:
+    """(weight or codes, block scales, tensor scales) of an operand, for the ops' flat signatures."""
+    if isinstance(w, PackedWeight):
+        return w.qdata, w.scale, w.tensor_scale
+    return w, None, None
 
 
 @torch.library.custom_op("moert::scattermoe_sort", mutates_args=())
@@ -180,19 +217,21 @@ def _rank_sized(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("moert::scattermoe_fwd", mutates_args=())
 def _fwd_op(x_MH: torch.Tensor, weights_Mk: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor,
             gu_A: torch.Tensor | None, gu_B: torch.Tensor | None, down_A: torch.Tensor | None,
-            down_B: torch.Tensor | None, ids_Mk: torch.Tensor, order_S: torch.Tensor, inv_S: torch.Tensor,
-            offsets_E1: torch.Tensor, rows_S: torch.Tensor, scaling: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            down_B: torch.Tensor | None, gu_scale: torch.Tensor | None, gu_tscale: torch.Tensor | None,
+            down_scale: torch.Tensor | None, down_tscale: torch.Tensor | None, ids_Mk: torch.Tensor,
+            order_S: torch.Tensor, inv_S: torch.Tensor, offsets_E1: torch.Tensor, rows_S: torch.Tensor,
+            scaling: float, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S)
-    y_MH, gu_S2I, hw_SI, xa_Sr, hwa_Sr = _forward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B,
-                                                  slots, scaling)
+    y_MH, gu_S2I, hw_SI, xa_Sr, hwa_Sr = _forward(x_MH, weights_Mk, _weight(w_gu, gu_scale, gu_tscale, fmt),
+                                                  _weight(w_down, down_scale, down_tscale, fmt), gu_A, gu_B,
+                                                  down_A, down_B, slots, scaling)
     return y_MH, gu_S2I, hw_SI, _rank_sized(xa_Sr, x_MH), _rank_sized(hwa_Sr, x_MH)
 
 
 @_fwd_op.register_fake
-def _(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, ids_Mk, order_S, inv_S, offsets_E1, rows_S,
-      scaling):
-    S, I2 = order_S.shape[0], w_gu.shape[1]
+def _(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale, down_scale, down_tscale,
+      ids_Mk, order_S, inv_S, offsets_E1, rows_S, scaling, fmt):
+    S, I2 = order_S.shape[0], w_gu.shape[1]  # dim 1 is the output dim, packed or not
     r_shape = (S, gu_A.shape[1]) if gu_A is not None else (0,)
     return (x_MH.new_empty(x_MH.shape), x_MH.new_empty(S, I2), x_MH.new_empty(S, I2 // 2),
             x_MH.new_empty(r_shape), x_MH.new_empty(r_shape))
@@ -201,37 +240,41 @@ def _(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, ids_Mk, order_
 @torch.library.custom_op("moert::scattermoe_bwd", mutates_args=())
 def _bwd_op(dy_MH: torch.Tensor, x_MH: torch.Tensor, weights_Mk: torch.Tensor, w_gu: torch.Tensor,
             w_down: torch.Tensor, gu_A: torch.Tensor | None, gu_B: torch.Tensor | None,
-            down_A: torch.Tensor | None, down_B: torch.Tensor | None, gu_S2I: torch.Tensor, hw_SI: torch.Tensor,
-            xa_Sr: torch.Tensor, hwa_Sr: torch.Tensor, ids_Mk: torch.Tensor, order_S: torch.Tensor,
-            inv_S: torch.Tensor, offsets_E1: torch.Tensor, rows_S: torch.Tensor, scaling: float,
-            needs: list[bool]) -> list[torch.Tensor]:
+            down_A: torch.Tensor | None, down_B: torch.Tensor | None, gu_scale: torch.Tensor | None,
+            gu_tscale: torch.Tensor | None, down_scale: torch.Tensor | None, down_tscale: torch.Tensor | None,
+            gu_S2I: torch.Tensor, hw_SI: torch.Tensor, xa_Sr: torch.Tensor, hwa_Sr: torch.Tensor,
+            ids_Mk: torch.Tensor, order_S: torch.Tensor, inv_S: torch.Tensor, offsets_E1: torch.Tensor,
+            rows_S: torch.Tensor, scaling: float, fmt: str, needs: list[bool]) -> list[torch.Tensor]:
     slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S)
-    saved = (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr)
+    saved = (x_MH, weights_Mk, _weight(w_gu, gu_scale, gu_tscale, fmt), _weight(w_down, down_scale, down_tscale, fmt),
+             gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr)
     grads = _backward(dy_MH, saved, slots, scaling, tuple(needs))
     return [g if g is not None else x_MH.new_empty(0) for g in grads]
 
 
 @_bwd_op.register_fake
-def _(dy_MH, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk,
-      order_S, inv_S, offsets_E1, rows_S, scaling, needs):
+def _(dy_MH, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale, down_scale,
+      down_tscale, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk, order_S, inv_S, offsets_E1, rows_S, scaling, fmt, needs):
     inputs = (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B)
     return [t.new_empty(t.shape) if need and t is not None else x_MH.new_empty(0)
             for t, need in zip(inputs, needs)]
 
 
 def _setup_context(ctx, inputs, output):
-    x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, ids_Mk, order_S, inv_S, offsets_E1, rows_S, \
-        scaling = inputs
+    (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale, down_scale, down_tscale,
+     ids_Mk, order_S, inv_S, offsets_E1, rows_S, scaling, fmt) = inputs
     _, gu_S2I, hw_SI, xa_Sr, hwa_Sr = output
-    ctx.save_for_backward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr,
-                          hwa_Sr, ids_Mk, order_S, inv_S, offsets_E1, rows_S)
-    ctx.scaling = scaling
+    ctx.save_for_backward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale,
+                          down_scale, down_tscale, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk, order_S, inv_S,
+                          offsets_E1, rows_S)
+    ctx.scaling, ctx.fmt = scaling, fmt
 
 
 def _op_backward(ctx, dy_MH, *_unused_activation_grads):
     needs = [bool(n) for n in ctx.needs_input_grad[:8]]
-    grads = torch.ops.moert.scattermoe_bwd(dy_MH, *ctx.saved_tensors, ctx.scaling, needs)
-    return (*[g if n else None for g, n in zip(grads, needs)], *[None] * 6)
+    grads = torch.ops.moert.scattermoe_bwd(dy_MH, *ctx.saved_tensors, ctx.scaling, ctx.fmt, needs)
+    # no gradient for the scales, the routing and the scalars
+    return (*[g if n else None for g, n in zip(grads, needs)], *[None] * 11)
 
 
 _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -243,10 +286,6 @@ def _check(experts) -> None:
             f"scattermoe: lora_dropout={experts.lora_dropout} in training mode is not implemented (the fused "
             "kernels read x once for the base and the LoRA path); set lora_dropout=0 or use the eager "
             "backend")
-    for proj in ("gate_up", "down"):
-        w = experts.base_weight(proj)
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"scattermoe needs plain expert weight tensors, got {type(w).__name__} for {proj}")
 
 
 @EXPERT_BACKENDS.register("scattermoe")
@@ -261,13 +300,20 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
         # The dtype test first: a no-op .to() still costs a dispatcher round trip, per operand and step.
         return t if t is None or t.dtype == dtype else t.to(dtype)
 
+    def base(proj: str) -> torch.Tensor | PackedWeight:  # packed weights are decoded to `dtype` in the kernels
+        w = experts.base_weight(proj)
+        return PackedWeight.of(w) if isinstance(w, FP4Weight) else cast(w)
+
     gu = experts.lora("gate_up") or (None, None)
     down = experts.lora("down") or (None, None)
-    operands = (cast(x_MH), weights_Mk, cast(experts.base_weight("gate_up")), cast(experts.base_weight("down")),
-                *map(cast, gu), *map(cast, down))
+    w_gu, w_down = base("gate_up"), base("down")
     if torch.compiler.is_compiling():
+        (w_gu, *gu_scales), (w_down, *down_scales) = _weight_parts(w_gu), _weight_parts(w_down)
+        fmt = experts.base_weight("gate_up").fmt if experts.is_quantized else ""
         order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts)
-        return torch.ops.moert.scattermoe_fwd(*operands, expert_ids_Mk, order_S, inv_S, offsets_E1, rows_S,
-                                              experts.lora_scaling)[0]
+        return torch.ops.moert.scattermoe_fwd(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down),
+                                              *gu_scales, *down_scales, expert_ids_Mk, order_S, inv_S, offsets_E1,
+                                              rows_S, experts.lora_scaling, fmt)[0]
     slots = sort_slots(expert_ids_Mk, experts.num_experts)
-    return _ScatterMoE.apply(*operands, slots, experts.lora_scaling)
+    return _ScatterMoE.apply(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down), slots,
+                             experts.lora_scaling)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from gpu.launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
+from moe.kernels.fp4 import FMT_CODES, PackedWeight, fp4_weight_tile
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, autotune, bench, faster, m_bucket, prune_gemm
@@ -137,6 +138,29 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K,
 
 
 @triton.jit
+def _k_loop_fp4(in_ptrs, step_in, q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, s_q_e, s_q_o, s_s_e, s_s_o, a_ptrs,
+                step_a, mask_R, K, acc, acc_r, LORA_IN_LOOP: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, W_FMT: tl.constexpr, W_BLOCK: tl.constexpr,
+                W_PACKED_T: tl.constexpr):
+    """_k_loop with a packed FP4 weight: each weight tile is decoded in registers (fp4.fp4_weight_tile) and
+    rounded to the input's dtype, the value torchao's dequantization gives, before the MMA."""
+    k_K = tl.arange(0, BLOCK_K)
+    for i in range(tl.cdiv(K, BLOCK_K)):
+        kk_K = i * BLOCK_K + k_K
+        k_in = kk_K < K
+        x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
+        w = fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, kk_K, k_in, s_q_e, s_q_o, s_s_e, s_s_o,
+                            W_FMT, W_BLOCK, W_PACKED_T).to(x.dtype)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        if LORA_IN_LOOP:
+            a = tl.load(a_ptrs, mask=k_in[:, None] & mask_R[None, :], other=0.0)
+            acc_r = tl.dot(x, a, acc_r, input_precision=DOT_PRECISION)
+            a_ptrs += step_a
+        in_ptrs += step_in
+    return acc, acc_r
+
+
+@triton.jit
 def _columns(pid_n, N, GLU_FWD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Weight rows of this column block and their validity (loads mask, stores drop the rest).
 
@@ -198,20 +222,24 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD", "TMA", "DOT_PRECISION"],
+                                            "GLU_FWD", "TMA", "DOT_PRECISION", "W_FMT", "W_PACKED_T"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
 def _grouped_linear_kernel(
         in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
-        w_ptr, s_w_e, s_w_n, s_w_k, a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
+        w_ptr, s_w_e, s_w_n, s_w_k, ws_ptr, s_ws_e, s_ws_o, wts_ptr,
+        a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
         ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr,
         scaling, S, E, N, R, M_BUCKET, K: tl.constexpr,
         GATHER: tl.constexpr, HAS_LORA: tl.constexpr, LORA_IN_LOOP: tl.constexpr, GLU_FWD: tl.constexpr,
         TMA: tl.constexpr, W_T: tl.constexpr, BLOCK_E: tl.constexpr,
         BLOCK_R: tl.constexpr, PERSISTENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr = "tf32"):
-    """Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
+        DOT_PRECISION: tl.constexpr = "tf32", W_FMT: tl.constexpr = 0, W_BLOCK: tl.constexpr = 1,
+        W_PACKED_T: tl.constexpr = False):
+    """W_FMT: the weight is dense (0) or packed FP4 (fp4.FMT_CODES: w_ptr the codes [E, O, I/2] with strides
+    s_w_e, s_w_n over E and O, ws_ptr the block scales, wts_ptr the NVFP4 tensor scales; W_PACKED_T: the
+    logical weight is the stored one transposed), decoded in the K loop (_k_loop_fp4). Epilogue: GLU_FWD (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none,
     in the K loop (LORA_IN_LOOP, ia written) or read from ia. TMA: expert-sorted input
     rows and the weight tiles by tensor descriptors (W_T: the weight is a transposed view, its
     descriptor is over the [E, K, N] tensor underneath). PERSISTENT: one program per SM walks the
@@ -254,7 +282,7 @@ def _grouped_linear_kernel(
         wrow_N, mask_N = _columns(pid_n, N, GLU_FWD, BLOCK_N)
         k_K = tl.arange(0, BLOCK_K)
         in_ptrs = in_ptr + rows_M[:, None] * s_in_m + k_K[None, :] * s_in_k
-        w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k
+        w_ptrs = w_ptr + e64 * s_w_e + wrow_N[None, :] * s_w_n + k_K[:, None] * s_w_k  # dense weights
         r_R = tl.arange(0, BLOCK_R)
         mask_R = r_R < R
         if LORA_IN_LOOP:
@@ -272,7 +300,11 @@ def _grouped_linear_kernel(
             b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        if TMA:
+        if W_FMT != 0:
+            acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, w_ptr, ws_ptr, wts_ptr, e64, wrow_N, mask_N, s_w_e,
+                                     s_w_n, s_ws_e, s_ws_o, a_ptrs, BLOCK_K * s_a_k, mask_R, K, acc, acc_r,
+                                     LORA_IN_LOOP, BLOCK_K, DOT_PRECISION, W_FMT, W_BLOCK, W_PACKED_T)
+        elif TMA:
             acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K,
                               DOT_PRECISION)
         else:
@@ -295,17 +327,29 @@ def _grouped_linear_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
 
 
-def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lora: LoraView | None,
-            ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool, glu_fwd: bool = False,
-            aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
-    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store."""
+def _weight_args(w_ENK: torch.Tensor | PackedWeight) -> tuple[tuple, dict]:
+    """The kernel's weight arguments (pointer and strides, FP4 scales) and constexprs, dense or packed."""
+    if isinstance(w_ENK, PackedWeight):
+        q, sc = w_ENK.qdata, w_ENK.scale
+        return ((q, q.stride(0), q.stride(1), 0, sc, sc.stride(0), sc.stride(1), w_ENK.tensor_scale),
+                {"W_FMT": FMT_CODES[w_ENK.fmt], "W_BLOCK": w_ENK.block_size, "W_PACKED_T": w_ENK.transposed})
+    return (w_ENK, *w_ENK.stride(), None, 0, 0, None), {}
+
+
+def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, N: int,
+            lora: LoraView | None, ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool,
+            glu_fwd: bool = False, aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
+    """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store. A packed
+    FP4 weight (fp4.PackedWeight) is read through the pointer K loop (no TMA)."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
     S = slots.num_slots
     lora_in_loop = lora is not None and not lora.split
     # TMA: expert-sorted rows only (sm90 TMA cannot gather); the fused LoRA's K loop stays on pointers.
-    tma = not gather and not glu_fwd and not lora_in_loop and _tma_ok(in_, w_ENK)
+    weight_args, weight_constexprs = _weight_args(w_ENK)
+    tma = (not gather and not glu_fwd and not lora_in_loop and not weight_constexprs
+           and _tma_ok(in_, w_ENK))
     if tma:
         ensure_scratch_allocator()
 
@@ -317,12 +361,13 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, N: int, lo
 
     launch(_grouped_linear_kernel, grid, (
         in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
-        w_ENK, *w_ENK.stride(), A, *_strides(A, 3), B, *_strides(B, 3),
+        *weight_args, A, *_strides(A, 3), B, *_strides(B, 3),
         ia_Sr, _strides(ia_Sr, 2)[0], out, out.stride(0), aux, _strides(aux, 2)[0], rw_S,
         lora.scaling if lora is not None else 0.0, S, E, N, R, m_bucket(S)), {
         "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora_in_loop,
         "GLU_FWD": glu_fwd, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
-        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DOT_PRECISION": dot_precision(in_.dtype)})
+        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DOT_PRECISION": dot_precision(in_.dtype),
+        **weight_constexprs})
 
 
 def _tma_ok(in_SK: torch.Tensor, w_ENK: torch.Tensor) -> bool:
@@ -414,6 +459,8 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> t
     The bare grouped GEMM: torch._grouped_mm (CUTLASS) or our kernel (TMA operands, persistent), the
     one measured faster for this weight on this device (tuning.faster: once per run, the same on every
     rank); ours where CUTLASS does not apply. Rows at -1 positions are left unspecified, as everywhere."""
+    if isinstance(w_ENK, PackedWeight):  # decoded in our kernel's K loop: CUTLASS would need a dense copy
+        return _triton_gemm(in_SK, slots, w_ENK)
     rows_ok = cutlass_ok(in_SK, w_ENK)
 
     def candidates():  # this call's rows may not suit CUTLASS: then nothing is timed yet

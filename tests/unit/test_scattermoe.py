@@ -300,8 +300,8 @@ def test_custom_ops_pass_opcheck():
     w.requires_grad_(True)
     torch.library.opcheck(torch.ops.moert.scattermoe_sort.default, (ids, 4))
     slots = sort_slots(ids, 4)
-    params = (ex.gate_up, ex.down, *ex.lora("gate_up"), *ex.lora("down"))
-    tail = (ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S, ex.lora_scaling)
+    params = (ex.gate_up, ex.down, *ex.lora("gate_up"), *ex.lora("down"), None, None, None, None)  # dense: no scales
+    tail = (ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S, ex.lora_scaling, "")
     torch.library.opcheck(torch.ops.moert.scattermoe_fwd.default, (x, w, *params, *tail))
 
 
