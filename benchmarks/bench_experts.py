@@ -10,7 +10,8 @@ training step; also for the forward alone), the peak memory above the resident t
 TFLOP/s (valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base
 weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1)
 and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts,
-every other slot is -1). Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
+every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` (asked for by --modes) run LoRA r=16 on FP4-packed
+experts. Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
 `transformers` (its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead;
 benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path
 forced; it picks it by itself only for small experts). MHz is the SM clock after the steady timing.
@@ -56,8 +57,11 @@ from benchmarks.harness import (
 )
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
+from quant import quantize_experts
 
 MODES = {"full": 0, "lora16": 16}  # LoRA rank; a LoRA mode freezes the base weights
+# LoRA r=16 on FP4-packed experts (quant.base_weights), run when asked for by --modes
+FP4_MODES = {"lora16-mxfp4": 16, "lora16-nvfp4": 16}
 EAGER_MAX_SECONDS = 5.0  # an eager fwd+bwd slower than this is reported from its one timed call
 TRANSFORMERS = "transformers"  # the baseline's row name
 
@@ -110,7 +114,7 @@ def layer_flops(valid_slots: int, H: int, I: int, rank: int, train_base: bool) -
 def make_case(shape: str, T: int, mode: str, ep: int):
     """(experts, x, ids, weights, flops): the layer an EP rank of `ep` sees, owning the first E/ep experts."""
     s = SHAPES[shape]
-    rank = MODES[mode]
+    rank = {**MODES, **FP4_MODES}[mode]
     gen = torch.Generator(device=CASE.device).manual_seed(0)
     w, ids = torch.randn(T, s.experts, device=CASE.device, generator=gen).softmax(-1).topk(s.top_k, dim=-1)
     E_local = s.experts // ep
@@ -120,6 +124,8 @@ def make_case(shape: str, T: int, mode: str, ep: int):
     if rank:
         ex.base_weight("gate_up").requires_grad_(False)
         ex.base_weight("down").requires_grad_(False)
+    if mode in FP4_MODES:
+        quantize_experts(ex, mode.partition("-")[2])
     x = torch.randn(T, s.hidden, device=CASE.device, dtype=CASE.dtype, requires_grad=True)
     w = w.to(CASE.dtype).requires_grad_(True)
     flops = layer_flops(int((ids >= 0).sum()), s.hidden, s.intermediate, rank, train_base=not rank)
@@ -221,8 +227,10 @@ def run_shape(shape: str, T: int, backends: list[str], modes: list[str], iters: 
     rows = []
     for mode in modes:
         for ep in (1, 2, 4):
-            extra = ["scattermoe-fused"] if "scattermoe" in backends and MODES[mode] and ep == 1 else []
-            for name in backends + extra:
+            extra = ["scattermoe-fused"] if "scattermoe" in backends and mode == "lora16" and ep == 1 else []
+            # the baseline has no FP4 experts: its bf16 row of mode lora16 is the comparison
+            names = [b for b in backends if not (mode in FP4_MODES and b == TRANSFORMERS)]
+            for name in names + extra:
                 row = Row(shape, T, mode, ep, name)
                 try:
                     bench_row(row, iters, warmup=3, matmul=matmul)
@@ -468,7 +476,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(MOE_SHAPES), help="names in benchmarks.harness.SHAPES")
     ap.add_argument("--tokens", type=int, help="T (default 8192; --quick 2048)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join([*MODES, *FP4_MODES]))
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: per-kernel CUDA times of fwd+bwd steps (torch.profiler)")
     ap.add_argument("--ep", type=int, default=1, help="with --profile: the -1 slot layout of this ep")

@@ -41,7 +41,8 @@ def checkpoint_experts(path: str, layer: int, device: str) -> dict[str, torch.Te
         if fused in ckpt:
             t = ckpt.read({fused: None, f"{prefix}.down_proj": None})
             return {"gate_up": t[fused].to(device), "down": t[f"{prefix}.down_proj"].to(device)}
-        keys = sorted({k.split(".")[5] for k in ckpt.keys() if k.startswith(prefix + ".")}, key=int)
+        stored = ckpt.keys()
+        keys = sorted({k.split(".")[5] for k in stored if k.startswith(prefix + ".")}, key=int)
         def stack(*parts):
             names = [f"{prefix}.{e}.{p}.weight" for e in keys for p in parts]
             t = ckpt.read(dict.fromkeys(names))

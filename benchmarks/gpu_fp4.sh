@@ -3,7 +3,7 @@
 # rest the image lacks): `bash benchmarks/gpu_fp4.sh` (H100 or H200; ~6 min). Parts: tests bench e2e.
 #   tests  tests/gpu/test_fp4_gpu.py: scattermoe on packed weights vs eager on the dequantized ones (bf16, the
 #          real expert shapes, both formats, LoRA) and the memory accounting (no dequantized copy)
-#   bench  bench_quant on the device (error, quantize time at load), bench_experts --quant (the expert layer
+#   bench  bench_quant on the device (error, quantize time at load), bench_experts --modes lora16-mxfp4,... (the expert layer
 #          on bf16 / MXFP4 / NVFP4 weights, LoRA, Qwen3-30B-A3B shapes)
 #   e2e    bench_e2e LoRA 12 layers: ours on bf16 experts vs transformers+PEFT, then ours on NVFP4 and MXFP4
 #          experts (ms/step and peak GiB against the bf16 row)
@@ -17,7 +17,7 @@ if [[ $parts == *tests* ]]; then
 fi
 if [[ $parts == *bench* ]]; then
   python -m benchmarks.bench_quant --experts 128 --out "$OUT" > "$OUT/bench_quant.log" 2>&1
-  python -m benchmarks.bench_experts --mode lora --quant none mxfp4 nvfp4 --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
+  python -m benchmarks.bench_experts --shapes qwen3-30b-a3b,qwen3.5-35b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 --backends transformers,scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
 fi
 tags=()
 e2e() {  # tag, then bench flags
@@ -34,7 +34,7 @@ if [[ $parts == *e2e* ]]; then
 fi
 echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
-[[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 12
+[[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 24
 for tag in "${tags[@]}"; do
   grep -E "^(ours|baseline) +lora |^ratio|failed:" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"
 done
