@@ -90,6 +90,20 @@ class DataConfig(Section):
     skip_bad_records: bool = False
     # Chat records longer than seq_len: drop them (counted at load) or keep their first seq_len tokens.
     overlong: Literal["drop", "truncate"] = "drop"
+    # Held-out documents for the eval loss: a file (same format rules as path), or this fraction of the
+    # training documents, chosen by `seed` and never trained on. Neither: no eval.
+    eval: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _one_eval_source(self):
+        if self.eval is not None and self.eval_fraction > 0:
+            raise ValueError("set data.eval (a held-out file) or data.eval_fraction (a share of data.path), not both")
+        return self
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval is not None or self.eval_fraction > 0
 
 
 class LoraConfig(Section):
@@ -175,6 +189,8 @@ class TrainConfig(Section):
     # stopping once max_nan_skips steps in a row were skipped.
     nan_policy: Literal["stop", "skip"] = "stop"
     max_nan_skips: int = Field(3, ge=1)
+    # Eval loss every N optimizer steps (0: only at the end of the run), when data.eval / eval_fraction is set.
+    eval_every_n_steps: int = Field(0, ge=0)
 
 
 class CheckpointConfig(Section):
@@ -183,12 +199,24 @@ class CheckpointConfig(Section):
     resume: bool = False
     save_final: bool = True
     export_hf: bool = False  # also write HF safetensors (full) or a PEFT adapter (LoRA) at the end
+    # LoRA runs: also write a HF checkpoint with the adapters merged into the base weights (experts too)
+    export_merged: bool = False
+
+
+class WandbConfig(Section):
+    project: str
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "online"
 
 
 class LoggingConfig(Section):
     every_n_steps: int = Field(1, ge=1)
     progress_bar: bool = True
     jsonl: bool = True
+    # Trackers (rank 0 only; optional packages: pip install 'moe-runtime[trackers]'): TensorBoard event files
+    # under <output_dir>/tensorboard, Weights & Biases runs (offline mode works without network).
+    tensorboard: bool = False
+    wandb: WandbConfig | None = None
 
 
 class Config(Section):
@@ -220,6 +248,12 @@ class Config(Section):
         if p.dispatcher == "local" and p.ep > 1:
             raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
                              f"parallelism.ep is {p.ep}; use all_to_all")
+        if self.checkpoint.export_merged and not self.lora.enabled:
+            raise ValueError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
+                             "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")
+        if self.train.eval_every_n_steps and not self.data.has_eval:
+            raise ValueError("train.eval_every_n_steps is set but there is no eval data; set data.eval (a file) or "
+                             "data.eval_fraction")
         if self.quant.base_weights != "none" and not self.lora.enabled:
             raise ValueError(f"quant.base_weights: {self.quant.base_weights} packs the routed experts' base weights "
                              "into frozen FP4, which a full fine-tune would have to train; set lora.enabled: true "
