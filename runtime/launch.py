@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CliParser(prog="python -m runtime.launch", description=__doc__.split("\n")[0])
     p.add_argument("config", help="YAML config file")
     p.add_argument("--ep", type=int, help="expert-parallel size (parallelism.ep)")
-    p.add_argument("--cp", type=int, help="context-parallel size (parallelism.cp; only 1 until context parallelism is built)")
+    p.add_argument("--cp", type=int, help="context-parallel size (parallelism.cp)")
     p.add_argument("--dp-shard", type=int, help="FSDP size (parallelism.dp_shard; -1 fills the world)")
     p.add_argument("--dp-replicate", type=int, help="HSDP replicas (parallelism.dp_replicate)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (train.max_steps)")
