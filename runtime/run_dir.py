@@ -8,7 +8,9 @@ data work:
   concurrent run on the same folder fails at start; the kernel drops the lock when the process dies
   (kill -9 included), so no stale lock survives a crash;
 - the run id lives in `<output_dir>/run.json`: a fresh run writes a new one, a resumed run keeps it.
-  Checkpoints and metrics records carry it, and pruning only touches checkpoints of this run id.
+  Checkpoints and metrics records carry it, and pruning only touches checkpoints of this run id;
+- `write_run_config` (rank 0) writes the resolved config to `<output_dir>/config.yaml` atomically, so a
+  run folder says how it was made (runtime.export rebuilds the model from it); `read_run_config` reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 LOCK_NAME = ".lock"
 RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"  # the run's resolved config (flags and --set applied, paths absolute)
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d{8})$")  # a finished checkpoint; a save in progress is .tmp-step_*
 
@@ -106,3 +109,24 @@ def release_run_dir(run_dir: RunDir) -> None:
     if run_dir.lock_fd is not None:
         os.close(run_dir.lock_fd)  # closing the descriptor drops the flock
         run_dir.lock_fd = None
+
+
+def write_run_config(root: str | Path, config: dict) -> Path:
+    """The resolved config as YAML, written atomically (a resumed run rewrites it with its own flags)."""
+    import yaml
+
+    path = Path(root) / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.tmp")
+    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def read_run_config(root: str | Path) -> dict:
+    """The config dict a run wrote; RunDirError naming the folder when it has none."""
+    import yaml
+
+    path = Path(root) / CONFIG_FILE
+    if not path.is_file():
+        raise RunDirError(f"{root} holds no {CONFIG_FILE}: not a run folder of this runtime (train.output_dir)")
+    return yaml.safe_load(path.read_text())

@@ -34,7 +34,7 @@ from runtime.models.build import build
 from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer
-from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir
+from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
 
 log = logging.getLogger("runtime")
 
@@ -182,6 +182,8 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
 def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
            resume: bool, on_grads, progress: Progress) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
+    if env.is_main:
+        write_run_config(run_dir.root, cfg.model_dump(mode="json"))
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg)
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
