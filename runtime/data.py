@@ -39,6 +39,13 @@ document, untrained chat tokens, padding). position_ids restart at 0 at every do
 cu_seqlens (int32, [num_docs + 1]) holds the document boundaries over the flattened B*S tokens and
 never crosses a row; max_seqlen and num_label_tokens are python ints, computed here once per batch.
 
+Eval data (`data.eval`, `data.eval_fraction`): a held-out file read like data.path, or a share of
+data.path's documents chosen by data.seed (split_eval) and removed from the training corpus, so they
+are never trained on. `eval_batches` packs them in file order (no shuffle) and gives every data rank
+the same number of batches: of each dp_world * B rows rank r takes rows [r*B, (r+1)*B) (as in training),
+and ranks past the end get label-less padding rows, so every rank runs the same forwards (FSDP and EP
+collectives stay matched) and the union over ranks is exactly one process's eval set.
+
 Data parallelism and resume: the packed rows form one global stream that depends only on the data,
 the tokenizer, seq_len and the seed. Each step takes dp_world * B rows of it and rank r gets rows
 [r*B, (r+1)*B), so one process with B' = dp_world * B sees exactly the union of what the ranks see.
@@ -390,6 +397,24 @@ class Corpus:
         base = int(self.offsets[doc])
         return self.tokens[base + start: base + end], self.trained[base + start: base + end]
 
+    def subset(self, docs: np.ndarray) -> Corpus:
+        """The documents `docs` (indices, kept in that order) as a corpus of their own."""
+        pieces = [self.piece(d, 0, n) for d, n in zip(docs.tolist(), self.lengths[docs].tolist())]
+        return Corpus.from_documents([(ids.tolist(), trained.tolist()) for ids, trained in pieces])
+
+
+def split_eval(corpus: Corpus, fraction: float, seed: int) -> tuple[Corpus, Corpus]:
+    """(training documents, held-out documents): round(fraction * N) documents, at least one, drawn by
+    `seed`; both keep their file order. DataError when either side would be empty."""
+    n = corpus.num_documents
+    held = max(1, round(fraction * n))
+    if held >= n:
+        raise DataError(f"data.eval_fraction={fraction} of {n} documents leaves none to train on; lower it or "
+                        "give a held-out file as data.eval")
+    picked = np.zeros(n, dtype=bool)
+    picked[np.random.default_rng([seed % 2**63, 1]).permutation(n)[:held]] = True
+    return corpus.subset(np.flatnonzero(~picked)), corpus.subset(np.flatnonzero(picked))
+
 
 Document = tuple[list[int], list[bool]]  # token ids, and per token whether it is a prediction target
 
@@ -620,6 +645,7 @@ class PackedLoader:
         self.num_overlong_dropped, self.num_overlong_truncated = num_overlong_dropped, num_overlong_truncated
         self.epoch, self.row = 0, 0  # the next global row to hand out
         self._packed: tuple[int, list[Row]] | None = None
+        self.held_out: Corpus | None = None  # data.eval_fraction's documents, never trained on
 
     @property
     def num_documents(self) -> int:
@@ -671,15 +697,42 @@ class PackedLoader:
         self.epoch, self.row = int(state["epoch"]), int(state["row"])
 
 
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def build_dataloader(cfg: DataConfig, tokenizer, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1,
                      seed_offset: int = 0) -> PackedLoader:
-    """The loader of data rank `dp_rank` of `dp_world`; `seed_offset` shifts data.seed (e.g. for eval)."""
+    """The loader of data rank `dp_rank` of `dp_world`; `seed_offset` shifts data.seed. With
+    data.eval_fraction the held-out documents are left out (and kept as `loader.held_out`)."""
     corpus, stats = build_corpus(cfg, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    held_out = None
+    if cfg.eval_fraction > 0:
+        corpus, held_out = split_eval(corpus, cfg.eval_fraction, cfg.seed)
+        log.info("%s: %d documents held out for eval (data.eval_fraction=%g)", cfg.path, held_out.num_documents,
+                 cfg.eval_fraction)
+    pad_id = _pad_id(tokenizer)
     loader = PackedLoader(corpus, cfg.seq_len, micro_batch_size, pad_id, cfg.seed + seed_offset, cfg.shuffle,
                           dp_rank=dp_rank, dp_world=dp_world, num_skipped=stats.num_skipped,
                           num_overlong_dropped=stats.num_overlong_dropped,
                           num_overlong_truncated=stats.num_overlong_truncated)
+    loader.held_out = held_out
     log.info("%s: %d documents, %d tokens, %d packed rows of %d in epoch 0", cfg.path, corpus.num_documents,
              int(corpus.offsets[-1]), len(loader.epoch_rows(0)), cfg.seq_len)
     return loader
+
+
+def eval_batches(cfg: DataConfig, tokenizer, micro_batch_size: int, held_out: Corpus | None = None,
+                 dp_rank: int = 0, dp_world: int = 1) -> list[Batch]:
+    """This data rank's eval batches (see the module docstring): the held-out documents of a training
+    loader, or data.eval read as data.path is."""
+    if held_out is None:
+        held_out, _ = build_corpus(cfg.model_copy(update={"path": cfg.eval}), tokenizer)
+    rows = pack_rows(held_out.lengths, np.arange(held_out.num_documents), cfg.seq_len)
+    per_step = dp_world * micro_batch_size
+    batches = []
+    for first in range(0, len(rows), per_step):
+        mine = rows[first + dp_rank * micro_batch_size: first + (dp_rank + 1) * micro_batch_size]
+        mine += [[] for _ in range(micro_batch_size - len(mine))]  # label-less padding rows
+        batches.append(collate(mine, held_out, cfg.seq_len, _pad_id(tokenizer)))
+    return batches

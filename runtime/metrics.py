@@ -91,10 +91,11 @@ class MetricsLogger:
     """Rank-0 sink for per-step metrics: JSONL file, progress bar, periodic log lines."""
 
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, progress_bar: bool, jsonl: bool,
-                 every_n_steps: int = 1, start_step: int = 0, run_id: str = ""):
+                 every_n_steps: int = 1, start_step: int = 0, run_id: str = "", trackers=None):
         self.enabled = enabled
         self.every = every_n_steps
         self.run_id = run_id
+        self.trackers = trackers  # runtime.trackers.Trackers: TensorBoard / W&B, or None
         self.file = None
         self.progress = None
         if not enabled:
@@ -113,11 +114,18 @@ class MetricsLogger:
             self.progress.start()
 
     def log(self, record: dict) -> None:
+        """A training step's record, or an eval record ({"step", "eval_loss", "eval_tokens"})."""
         if not self.enabled:
             return
         if self.file is not None:
             self.file.write(json_line({"run_id": self.run_id, **record}))
             self.file.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
+        if "eval_loss" in record:
+            log.info("step %d eval loss %.4g over %d label tokens", record["step"], record["eval_loss"],
+                     record["eval_tokens"])
+            return
         status = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k in ("loss", "lr", "grad_norm", "tok_s", "mfu"))
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
@@ -129,6 +137,8 @@ class MetricsLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def json_line(record: dict) -> str:

@@ -4,8 +4,9 @@ exists, so that a run that cannot finish fails before step 1 and not at its firs
 Contract of `preflight(cfg, rank)`, called by runtime.launch on every rank after the config is loaded:
 - raises PreflightError, one line `<what> (<key> = <path>: <reason>); <fix>`, when train.output_dir or
   its checkpoints folder cannot be created or written (probed by writing and removing a small file; the
-  folders are left in place, the run would create them anyway), or when data.path, the tokenizer folder or
-  model.path does not exist or cannot be read. Every rank checks its own view of the file system (nodes
+  folders are left in place, the run would create them anyway), or when data.path, data.eval, the
+  tokenizer folder or model.path does not exist or cannot be read; raises ConfigError when a tracker
+  (logging.tensorboard / wandb) is asked for and its package is absent. Every rank checks its own view of the file system (nodes
   may mount differently); on one node all ranks fail alike and runtime.launch prints the error once;
 - on rank 0 only, logs one warning line (never an error: the estimate is rough and disks get freed) when
   the free space under the checkpoints folder is below what the run's checkpoints need at once.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from runtime.config import Config
 from runtime.run_dir import CHECKPOINTS
+from runtime.trackers import check_trackers
 
 log = logging.getLogger("runtime")
 
@@ -43,6 +45,9 @@ def preflight(cfg: Config, rank: int) -> None:
     if cfg.data.tokenizer:  # else the tokenizer is model.path's, checked above
         check_input(cfg.data.tokenizer, "data.tokenizer", "a tokenizer folder (tokenizer.json, tokenizer_config.json)")
     check_input(cfg.data.path, "data.path", "a JSONL/Parquet file, a folder of them, or a datasets.save_to_disk folder")
+    if cfg.data.eval:
+        check_input(cfg.data.eval, "data.eval", "a held-out JSONL/Parquet file or folder, like data.path")
+    check_trackers(cfg)
     output = Path(cfg.train.output_dir)
     check_writable_dir(output, "train.output_dir")
     if writes_checkpoints(cfg):

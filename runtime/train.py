@@ -22,11 +22,12 @@ import torch
 
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
-from runtime.data import build_dataloader, load_tokenizer
+from runtime.data import build_dataloader, eval_batches, load_tokenizer
 from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.fsdp import local_grads, total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
+from runtime.evaluation import evaluate
 from runtime.failures import Progress
 from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
@@ -35,6 +36,7 @@ from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
+from runtime.trackers import Trackers
 
 log = logging.getLogger("runtime")
 
@@ -204,8 +206,12 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
             log.info("resumed from %s (step %d)", latest, start)
     peak = device_peak_flops(env.device)
     flops_tok = flops_per_token(model.config, cfg.data.seq_len)
+    eval_data = (eval_batches(cfg.data, tokenizer, cfg.train.micro_batch_size, loader.held_out,
+                              dims.dp_rank(env.rank), dims.dp_world) if cfg.data.has_eval else None)
+    trackers = Trackers.start(cfg, run_dir.run_id, mesh_summary(dims), env.is_main)
     metrics = MetricsLogger(cfg.train.output_dir, cfg.train.max_steps, env.is_main, cfg.logging.progress_bar,
-                            cfg.logging.jsonl, cfg.logging.every_n_steps, start_step=start, run_id=run_dir.run_id)
+                            cfg.logging.jsonl, cfg.logging.every_n_steps, start_step=start, run_id=run_dir.run_id,
+                            trackers=trackers)
     guard = StepGuard(cfg.train.nan_policy, cfg.train.max_nan_skips)
     records, timer = [], StepTimer()
     try:
@@ -219,6 +225,9 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
             record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
             records.append(record)
             metrics.log(record)
+            if eval_data is not None and (step == cfg.train.max_steps or step % (cfg.train.eval_every_n_steps or
+                                                                                 cfg.train.max_steps) == 0):
+                metrics.log(evaluate(model, eval_data, env, step))  # in metrics.jsonl and the trackers
             every = cfg.checkpoint.every_n_steps
             if every and step % every == 0 and step < cfg.train.max_steps:
                 last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
@@ -234,6 +243,12 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     finally:
         metrics.close()
     return records
+
+
+def mesh_summary(dims: ParallelDims) -> dict:
+    """The resolved mesh, as the trackers record it once."""
+    return {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+            "cp": dims.cp, "ep": dims.ep, "efsdp": dims.efsdp}
 
 
 def step_record(step: int, result: StepResult, lr: float, elapsed: float, dims: ParallelDims, env: DistEnv,
