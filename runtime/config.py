@@ -313,7 +313,7 @@ def config_from_dict(raw: dict, overrides: dict[str, Any] | None = None, source:
 
 
 def _resolve_paths(cfg: Config, base: Path) -> None:
-    for section, key in (("model", "path"), ("data", "path"), ("data", "tokenizer")):
+    for section, key in (("model", "path"), ("data", "path"), ("data", "tokenizer"), ("data", "eval")):
         sec = getattr(cfg, section)
         value = getattr(sec, key)
         if value and not Path(value).is_absolute() and (base / value).exists():
