@@ -120,7 +120,7 @@ def test_launch_checks_mesh_against_world_size(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora.yaml", "qwen3-30b-a3b-full.yaml", "qwen3.5-35b-a3b-lora.yaml",
-                                  "qwen3-30b-a3b-lora-nvfp4.yaml"])
+                                  "qwen3-30b-a3b-lora-nvfp4.yaml", "qwen3.5-35b-a3b-long-context.yaml"])
 def test_real_shape_examples_validate(name):
     cfg = load_config(EXAMPLE.parent / name)
     assert cfg.model.path and (cfg.parallelism.ep > 1 or cfg.compile.enabled or cfg.quant.base_weights != "none")
