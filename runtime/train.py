@@ -237,6 +237,10 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
             from runtime.checkpoint import export_final
 
             export_final(model, cfg, env.rank, meshes)
+        if cfg.checkpoint.export_merged:
+            from runtime.export import export_merged
+
+            export_merged(model, cfg, env.rank, meshes)
         if any(guard.counts.values()):
             log.info("skipped steps: %d without label tokens, %d non-finite", guard.counts["no_labels"],
                      guard.counts["non_finite"])

@@ -425,11 +425,13 @@ def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes
 
 def _with_dequantized_experts(model: QwenForCausalLM, state: dict[str, torch.Tensor] | None,
                               dequantize: bool) -> dict[str, torch.Tensor] | None:
-    """`state` (or the model's) plus the dequantized packed experts; refuses unless asked to dequantize:
-    a HF base checkpoint of FP4 experts holds the FP4 values, not the weights they were quantized from."""
+    """`state` (or the model's) plus the dequantized packed experts that it does not already hold as dense
+    tensors (a merged export passes them); refuses unless asked to dequantize: a HF base checkpoint of FP4
+    experts holds the FP4 values, not the weights they were quantized from."""
     packed = {f"{prefix}.{name}": (module, module.base_weight(name))
               for prefix, module in model.named_modules() if isinstance(module, GroupedExperts)
-              for name in PROJECTIONS if isinstance(module.base_weight(name), FP4Weight)}
+              for name in PROJECTIONS if isinstance(module.base_weight(name), FP4Weight)
+              and (state is None or f"{prefix}.{name}" not in state)}
     if not packed:
         return state
     fmt = next(iter(packed.values()))[1].fmt
