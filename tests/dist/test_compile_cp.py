@@ -6,11 +6,8 @@ tolerances)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from runtime.distributed.mesh import ParallelDims
-from runtime.verify import TOLERANCES, compare, reference_run
-from tests.dist.test_compile_ep import STEPS, _config, _eager_and_compiled
+from tests.dist.test_compile_ep import _eager_and_compiled, check_against_eager_and_reference
 
 MESHES = {
     "cp2": (2, {"cp": 2}),
@@ -25,15 +22,4 @@ def test_compiled_cp_matches_eager(run_dist, tmp_path, mesh):
     for _, _, graphs, breaks in results:
         assert not breaks, breaks
         assert len(set(graphs)) == 1, f"compiled graphs after each step: {graphs} (a recompile)"
-    eager, compiled = results[0][:2]
-    ok, lines = compare(compiled, eager, "bfloat16")
-    assert ok, "compiled vs eager, same mesh:\n" + "\n".join(lines)
-    cfg = _config(str(tmp_path / "ref"), False, parallelism)
-    p = cfg.parallelism
-    ref = reference_run(cfg, ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world), STEPS,
-                        torch.device("cpu"))
-    tol = TOLERANCES["bfloat16"]
-    for step, (c, r) in enumerate(zip(compiled, ref), 1):
-        assert abs(c["loss"] - r["loss"]) <= tol["loss"] * abs(r["loss"]), (step, c["loss"], r["loss"])
-        assert abs(c["grad_norm"] - r["grad_norm"]) <= tol["grad"] * r["grad_norm"], (step, c["grad_norm"],
-                                                                                      r["grad_norm"])
+    check_against_eager_and_reference(results, tmp_path, world, parallelism)

@@ -58,19 +58,24 @@ MESHES = {
 }
 
 
+def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, quant: str = "none",
+                 model: dict | None = None) -> None:
+    """STEPS distributed steps on `world` gloo ranks against the single-process run of the same config."""
+    dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model)[0]
+    cfg = tiny_config(lora, str(tmp_path / "ref"), quant=quant, model=model, **parallelism)
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
+    ok, lines = compare(dist_steps, reference_run(cfg, dims, STEPS, torch.device("cpu")), "float32")
+    print("\n".join(lines))
+    assert ok, "\n".join(lines)
+    assert len(dist_steps) == STEPS and all(s["grads"] for s in dist_steps)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_distributed_matches_single_process(run_dist, tmp_path, mesh, lora):
     world, parallelism = MESHES[mesh]
-    dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism)[0]
-    cfg = tiny_config(lora, str(tmp_path / "ref"), **parallelism)
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    ref_steps = reference_run(cfg, dims, STEPS, torch.device("cpu"))
-    ok, lines = compare(dist_steps, ref_steps, "float32")
-    print("\n".join(lines))
-    assert ok, "\n".join(lines)
-    assert len(dist_steps) == STEPS and all(s["grads"] for s in dist_steps)
+    check_parity(run_dist, tmp_path, world, lora, parallelism)
 
 
 # FP4-packed experts (LoRA on top): each EP rank quantizes its own experts, FSDP leaves the packed buffers
@@ -84,15 +89,7 @@ FP4_MESHES = {"mxfp4-ep2": ("mxfp4", 2, {"ep": 2}), "nvfp4-fsdp2": ("nvfp4", 2, 
 @pytest.mark.parametrize("case", sorted(FP4_MESHES))
 def test_fp4_experts_distributed_match_single_process(run_dist, tmp_path, case):
     quant, world, parallelism = FP4_MESHES[case]
-    dist_steps = run_dist(_distributed, world, True, str(tmp_path / "dist"), parallelism, quant)[0]
-    cfg = tiny_config(True, str(tmp_path / "ref"), quant=quant, **parallelism)
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    ref_steps = reference_run(cfg, dims, STEPS, torch.device("cpu"))
-    ok, lines = compare(dist_steps, ref_steps, "float32")
-    print("\n".join(lines))
-    assert ok, "\n".join(lines)
-    assert all(s["grads"] for s in dist_steps)
+    check_parity(run_dist, tmp_path, world, True, parallelism, quant)
 
 
 # Hybrid models under context parallelism: GDN layers head-parallel (whole rows' documents, packed rows
@@ -106,10 +103,4 @@ HYBRIDS = {"qwen3_5_moe-cp2": ({**HYBRID, "model_type": "qwen3_5_moe_text"}, {"c
 @pytest.mark.parametrize("case", sorted(HYBRIDS))
 def test_hybrid_context_parallel_matches_single_process(run_dist, tmp_path, case):
     model, parallelism = HYBRIDS[case]
-    dist_steps = run_dist(_distributed, 2, False, str(tmp_path / "dist"), parallelism, "none", model)[0]
-    cfg = tiny_config(False, str(tmp_path / "ref"), model=model, **parallelism)
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, 2)
-    ok, lines = compare(dist_steps, reference_run(cfg, dims, STEPS, torch.device("cpu")), "float32")
-    print("\n".join(lines))
-    assert ok, "\n".join(lines)
+    check_parity(run_dist, tmp_path, 2, False, parallelism, model=model)

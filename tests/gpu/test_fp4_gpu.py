@@ -17,15 +17,10 @@ from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.kernels.fp4 import dequantize_fp4
 from quant import FP4Weight, quantize_experts
+from tests.gpu.test_scattermoe_gpu import SHAPES  # E, H, I, k of the expert tests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SHAPES = {  # E, H, I, k
-    "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "qwen3.5-35b-a3b": (256, 2048, 512, 8),
-    "olmoe": (64, 2048, 1024, 8),
-    "mixtral-8x7b": (8, 4096, 14336, 2),
-}
 TOL = 1e-2
 
 

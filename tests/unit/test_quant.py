@@ -59,12 +59,15 @@ def test_packed_bytes_and_what_a_model_wide_cast_leaves_alone():
     assert dict(w.state_dict()) == {}  # not in checkpoints: re-quantized from the base at resume
 
 
-def _experts_pair(fmt: str, lora: bool):
-    """Packed experts and a dense frozen copy holding their dequantized values (the reference)."""
+def _experts_pair(fmt: str, rank: int, hidden: int = 64, intermediate: int = 32, std: float = 0.02):
+    """Packed experts (4, LoRA of `rank` with B != 0) and a frozen dense copy holding their dequantized
+    values (the reference)."""
     torch.manual_seed(0)
-    packed = GroupedExperts(4, 64, 32, lora_rank=4 if lora else 0)
-    if lora:
-        with torch.no_grad():
+    packed = GroupedExperts(4, hidden, intermediate, lora_rank=rank, lora_alpha=2 * rank if rank else None)
+    with torch.no_grad():
+        packed.gate_up.normal_(0, std)
+        packed.down.normal_(0, std)
+        if rank:
             packed.gate_up_lora_B.normal_(std=0.1)
             packed.down_lora_B.normal_(std=0.1)
     dense = copy.deepcopy(packed)
@@ -79,7 +82,7 @@ def _experts_pair(fmt: str, lora: bool):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend", ["eager", "grouped_mm"])
 def test_backends_on_packed_experts_equal_eager_on_the_dequantized_weights(backend, fmt, lora):
-    packed, dense = _experts_pair(fmt, lora)
+    packed, dense = _experts_pair(fmt, 4 if lora else 0)
     M, k = 12, 2
     x = torch.randn(M, 64, requires_grad=True)
     ids = torch.randint(0, 4, (M, k))
@@ -101,7 +104,7 @@ def test_backends_on_packed_experts_equal_eager_on_the_dequantized_weights(backe
 
 
 def test_grouped_mm_dequantizes_only_the_experts_with_rows(monkeypatch):
-    packed, _ = _experts_pair("mxfp4", lora=True)
+    packed, _ = _experts_pair("mxfp4", 4)
     seen = []
     real = FP4Weight.dequantize
 

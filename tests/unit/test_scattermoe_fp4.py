@@ -5,7 +5,6 @@ H and I are multiples of the FP4 blocks (32) but not of the interpreter's kernel
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -18,11 +17,10 @@ triton = pytest.importorskip("triton")
 
 from moe.backends import expert_backend
 from moe.backends import scattermoe as scattermoe_module
-from moe.experts import GroupedExperts
 from moe.kernels import tuning
 from moe.kernels.fp4 import dequantize_fp4
-from quant import FP4Weight, quantize_experts
-from tests.unit.test_quant import _torchao_dequantize
+from quant import FP4Weight
+from tests.unit.test_quant import _experts_pair, _torchao_dequantize
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); tests/gpu/test_fp4_gpu.py covers the GPU", allow_module_level=True)
@@ -50,22 +48,9 @@ def test_dequantize_kernel_equals_torchao_bit_for_bit(fmt):
     assert torch.equal(_int(dequantize_fp4(packed, torch.float32, some)), _int(ours[some]))
 
 
-def _pair(fmt: str, rank: int, E: int = 4):
-    """Packed experts and a frozen dense copy holding their dequantized values."""
-    torch.manual_seed(0)
-    packed = GroupedExperts(E, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None)
-    with torch.no_grad():
-        packed.gate_up.normal_(0, 0.2)
-        packed.down.normal_(0, 0.2)
-        if rank:
-            packed.gate_up_lora_B.normal_(0, 0.2)
-            packed.down_lora_B.normal_(0, 0.2)
-    dense = copy.deepcopy(packed)
-    quantize_experts(packed, fmt)
-    with torch.no_grad():
-        for proj in ("gate_up", "down"):
-            dense.base_weight(proj).copy_(packed.dense_weight(proj)).requires_grad_(False)
-    return packed, dense
+def _pair(fmt: str, rank: int):
+    """Packed experts and a frozen dense copy holding their dequantized values (test_quant's pair)."""
+    return _experts_pair(fmt, rank, hidden=H, intermediate=I, std=0.2)
 
 
 def _routing(M: int, E: int, k: int = 2):
