@@ -95,7 +95,7 @@ class StepResult:
 def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None) -> StepResult:
     cp = model.context_parallel  # the cp ranks of a data slice hold the same whole rows
     cp_size = cp.size if cp is not None else 1
-    num_tokens = sum(b.input_ids.numel() for b in batches) // cp_size
+    num_tokens = sum(b.input_ids.numel() for b in batches)  # this data slice's, shared by its cp ranks
     global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env) // cp_size
     if global_labels == 0:  # every rank sees the same sum, so all skip alike
         return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")

@@ -240,8 +240,9 @@ def _grouped_linear_kernel(
     """W_FMT: the weight is dense (0) or packed FP4 (fp4.FMT_CODES: w_ptr the codes [E, O, I/2] with strides
     s_w_e, s_w_n over E and O, ws_ptr the block scales, wts_ptr the NVFP4 tensor scales; W_PACKED_T: the
     logical weight is the stored one transposed), decoded in the K loop (_k_loop_fp4). Epilogue: GLU_FWD
-    (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none, in the K loop (LORA_IN_LOOP, ia written) or read from ia. TMA: expert-sorted input
-    rows and the weight tiles by tensor descriptors (W_T: the weight is a transposed view, its
+    (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none, in the K loop
+    (LORA_IN_LOOP, ia written) or read from ia. TMA: expert-sorted input rows and the weight tiles by tensor
+    descriptors (W_T: the weight is a transposed view, its
     descriptor is over the [E, K, N] tensor underneath). PERSISTENT: one program per SM walks the
     tiles (row block major, so the programs running together share input rows and expert weights).
     K is a constexpr (a model has a few reduction sizes) so that the unmasked K loop is chosen at
