@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
+# (hybrid verify runs GDN on the torch op set unless the FLA wheels are installed as gpu_e2e_hybrid.sh says):
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth]
+#   verify      runtime.verify (bf16 tolerances) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
+#               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
+#               then a resume on another ep (ep=2 -> ep=N)
+#   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters)
+#               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12)
+#   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
+#   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
+# Logs under $OUT; the summary table comes last.
+source benchmarks/gpu_env.sh
+N=$(nvidia-smi -L | wc -l)
+parts=${*:-verify throughput scaling bandwidth}
+TINY=examples/tiny-qwen3-moe.yaml
+BIG=benchmarks/configs/qwen3-30b-a3b-random.yaml
+summary=()
+
+verify() {  # tag, world, then runtime.verify flags
+  local tag=$1 world=$2
+  shift 2
+  [ "$world" -le "$N" ] || { summary+=("verify $tag: skipped (needs $world GPUs)"); return; }
+  torchrun --standalone --nproc_per_node "$world" -m runtime.verify "$@" --steps 3 > "$OUT/verify_$tag.log" 2>&1
+  summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $?)")
+}
+
+tokens_row() {  # tag, world, run dir: median tok/s/GPU, MFU, peak GiB over steps 4..
+  python - "$1" "$2" "$3" <<'PY'
+import json, statistics, sys
+tag, world, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rows = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"loss"' in l]
+steady = [r for r in rows if r["step"] >= 4] or rows
+tps = statistics.median(r["tok_s"] for r in steady) / world
+mfu = statistics.median(r.get("mfu") or 0 for r in steady)
+peak = max(r.get("peak_mem_gib") or 0 for r in rows)
+print(f"{tag}: {tps:,.0f} tok/s/GPU  MFU {mfu:.3f}  peak {peak:.1f} GiB  ({len(rows)} steps)")
+PY
+}
+
+train_run() {  # tag, world, then runtime.launch flags
+  local tag=$1 world=$2
+  shift 2
+  [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
+  rm -rf "$OUT/$tag"
+  torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
+    > "$OUT/$tag.log" 2>&1 && summary+=("$(tokens_row "$tag" "$world" "$OUT/$tag")") \
+    || summary+=("$tag: failed, see $tag.log: $(grep -E '^error' "$OUT/$tag.log" | head -n 1)")
+}
+
+if [[ $parts == *verify* ]]; then
+  verify "ep$N" "$N" --ep "$N" "$TINY"
+  verify "ep$N-lora" "$N" --ep "$N" "$TINY" --set lora.enabled=true
+  verify "fsdp$N-ep2" "$N" --ep 2 "$TINY"
+  verify "fsdp$N-ep2-lora" "$N" --ep 2 "$TINY" --set lora.enabled=true
+  verify cp2 2 --cp 2 "$TINY"
+  verify cp2-ep2 4 --cp 2 --ep 2 "$TINY"
+  verify cp2-ep2-ulysses 4 --cp 2 --ep 2 "$TINY" --set parallelism.cp_attention=ulysses
+  verify hybrid-cp2 2 --cp 2 "$TINY" --set "model.config={model_type: qwen3_5_moe_text, vocab_size: 520, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, shared_expert_intermediate_size: 48, num_experts: 8, num_experts_per_tok: 2, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 16, linear_value_head_dim: 16, linear_conv_kernel_dim: 4, max_position_embeddings: 256, layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
+  verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
+  # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N
+  rm -rf "$OUT/reshard"
+  torchrun --standalone --nproc_per_node 2 -m runtime.launch --ep 2 "$TINY" --max-steps 2 --output-dir "$OUT/reshard" \
+    > "$OUT/reshard_a.log" 2>&1
+  torchrun --standalone --nproc_per_node "$N" -m runtime.launch --ep "$N" "$TINY" --max-steps 4 --resume \
+    --output-dir "$OUT/reshard" > "$OUT/reshard_b.log" 2>&1
+  summary+=("resume ep2 -> ep$N: rc $? $(grep -c '"loss"' "$OUT/reshard/metrics.jsonl") steps logged")
+fi
+if [[ $parts == *throughput* ]]; then
+  train_run "full-ep$N" "$N" --ep "$N"
+  train_run "lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32
+fi
+if [[ $parts == *scaling* ]]; then
+  for ep in 1 2 4 8; do
+    [ "$ep" -le "$N" ] && train_run "scaling-ep$ep" "$ep" --ep "$ep" --set model.num_layers_override=8
+  done
+fi
+if [[ $parts == *bandwidth* ]]; then
+  torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --out "$OUT" > "$OUT/bench_ep.log" 2>&1
+  summary+=("bench_ep: $(tail -n 3 "$OUT/bench_ep.log" | tr '\n' ' ')")
+fi
+echo "== summary ($N GPUs)"
+printf '%s\n' "${summary[@]}"
