@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", help="run folder for logs and checkpoints (train.output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
     p.add_argument("--debug", action="store_true", help="print the traceback of user errors too (or RUNTIME_DEBUG=1)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the memory one rank needs (parameters, gradients, optimizer, activations, the largest "
+                        "temporaries) and exit, before any weight or process group (runtime/estimate.py)")
+    p.add_argument("--world-size", type=int,
+                   help="with --estimate: the number of ranks the run will have (default: WORLD_SIZE, else 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
                    help="override any config key, e.g. --set model.expert_backend=scattermoe --set lora.rank=32 "
                         "(VALUE is read as YAML; repeatable; applied after the flags above)")
@@ -87,6 +92,7 @@ def prepare(argv: list[str] | None = None):
     args = parse_args(argv)
     cfg = load_config(args.config, config_overrides(args))
     _, world, _ = env_world()
+    world = args.world_size or world
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
     return args, cfg, dims
@@ -99,6 +105,11 @@ def run(argv: list[str] | None = None, context: RunContext | None = None) -> lis
 
     context = context or RunContext()
     args, cfg, dims = prepare(argv)
+    if args.estimate:
+        from runtime.estimate import report
+
+        print(report(cfg, dims))  # for the GPU run (bf16 autocast), wherever it is asked
+        return []
     context.output_dir = cfg.train.output_dir
     preflight(cfg, env_world()[0])
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
