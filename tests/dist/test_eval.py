@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from runtime.config import load_config
@@ -63,3 +64,21 @@ def test_held_out_documents_are_never_trained_on():
     assert train + held == docs(full.corpus)  # every document once: in training or held out
     assert loader.held_out.num_documents == round(0.02 * full.corpus.num_documents) > 0
     assert docs(build_dataloader(cfg.data, tokenizer, 1).held_out) == held  # chosen by data.seed: always the same
+
+
+def test_a_held_out_file_is_evaluated_whole(tmp_path):
+    from runtime.preflight import PreflightError, preflight
+
+    lines = (EXAMPLE.parent / "tiny" / "data" / "train.jsonl").read_text().splitlines()[:30]
+    (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = load_config(EXAMPLE, {"data.seq_len": 64, "data.eval": str(tmp_path / "eval.jsonl")})
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    batches = eval_batches(cfg.data, tokenizer, 2)
+    held = build_dataloader(cfg.data.model_copy(update={"path": cfg.data.eval}), tokenizer, 1).corpus
+    assert sum(b.num_label_tokens for b in batches) == sum(  # every label token of the file, once
+        int(held.trained[held.offsets[d] + 1:held.offsets[d + 1]].sum()) for d in range(held.num_documents))
+    assert build_dataloader(cfg.data, tokenizer, 1).held_out is None  # the training data stays whole
+    missing = load_config(EXAMPLE, {"data.eval": str(tmp_path / "nope.jsonl"),
+                                    "train.output_dir": str(tmp_path / "out")})
+    with pytest.raises(PreflightError, match="data.eval"):
+        preflight(missing, 0)
