@@ -12,15 +12,15 @@ Per rank, in the dtypes the trainer uses (runtime.train.build_model, runtime.opt
     gradients    the trainable parameters' shards, in their dtype
     optimizer    AdamW's two moments of the trainable shards (fp32, or bf16 with master_dtype: bf16)
     activations  what the layers keep for backward, per token of this rank (micro_batch * seq_len / cp),
-                 counted from what each op saves (activation_bytes_per_token), by
-                 parallelism.activation_checkpoint; plus, under autocast, the bf16 copies of fp32
+                 counted from what each op saves (activation_bytes_per_token; under EP the experts'
+                 buffers of every received row, -1 slots included), by parallelism.activation_checkpoint; plus, under autocast, the bf16 copies of fp32
                  trainable weights that forward casts and backward reads
     temporaries  the largest buffers that live at once besides: the chunked loss (one chunk's fp32
                  logits, their softmax and gradient, lm_head's fp32 gradient when it trains) at the end of
                  forward, and FSDP's gathered unit (a block's parameters in bf16, twice with prefetch)
 The peak is parameters + optimizer + the larger of (activations + loss temporaries + FSDP unit) at the end
-of forward and (gradients + FSDP unit) at the end of backward. docs/estimate.md compares it with measured
-peaks.
+of forward and (gradients + FSDP unit) in backward; with full activation checkpointing backward also holds
+every block's input and one block recomputed whole. docs/estimate.md compares it with measured peaks.
 """
 
 from __future__ import annotations
@@ -101,7 +101,13 @@ def _gathered_block_values(model: QwenForCausalLM, dims: ParallelDims) -> int:
     return int(max(gathered(block) for block in model.model.layers.values()))
 
 
-def activation_bytes_per_token(qcfg: QwenConfig, layer: int, c: int, lora_rank: int, mode: str) -> int:
+def ep_visits(num_experts_per_tok: int, ep: int) -> float:
+    """EP ranks a token is sent to, on average: ep * (1 - (1 - 1/ep)^k) for uniform routing over the ranks."""
+    return ep * (1 - (1 - 1 / ep) ** num_experts_per_tok)
+
+
+def activation_bytes_per_token(qcfg: QwenConfig, layer: int, c: int, lora_rank: int, mode: str,
+                               ep: int = 1) -> int:
     """Bytes one token keeps for backward in decoder block `layer`, compute dtype of `c` bytes.
 
     none: every tensor the ops save (the RMSNorms' fp32 input and output, projection inputs, q/k before the
@@ -127,14 +133,18 @@ def activation_bytes_per_token(qcfg: QwenConfig, layer: int, c: int, lora_rank: 
         lora_sites = 4
     if qcfg.is_moe_layer(layer):
         k, I = qcfg.num_experts_per_tok, qcfg.moe_intermediate_size
-        mlp = 4 * qcfg.num_experts + k * (c * 3 * I + c) + 2 * k * c * lora_rank
+        # under EP a token arrives at `visits` ranks as a row of k slots each; the expert buffers are
+        # allocated for every slot of a received row, -1 slots included (scattermoe's [M*k, *] layout)
+        visits = ep_visits(k, ep)
+        received = c * H * visits if ep > 1 else 0
+        mlp = 4 * qcfg.num_experts + received + visits * k * (c * 3 * I + c + 2 * c * lora_rank)
         if qcfg.shared_expert_intermediate_size:
             mlp += c * 3 * qcfg.shared_expert_intermediate_size
     else:
         mlp = c * 4 * qcfg.intermediate_size
     lora = lora_sites * c * lora_rank
     kept = mixer + mlp + lora + norms
-    return kept - 2 * 4 * H if mode == "selective" else kept
+    return int(kept - 2 * 4 * H if mode == "selective" else kept)
 
 
 def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstimate:
@@ -155,7 +165,7 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
     rank = cfg.lora.rank if cfg.lora.enabled else 0
     mode = cfg.parallelism.activation_checkpoint
-    per_token = sum(activation_bytes_per_token(qcfg, i, compute, rank, mode) for i in range(qcfg.num_layers))
+    per_token = sum(activation_bytes_per_token(qcfg, i, compute, rank, mode, dims.ep) for i in range(qcfg.num_layers))
     activations = tokens * (per_token + compute * qcfg.hidden_size)  # + the final norm's input
     end_of_forward = {}
     if cuda and master_bytes == 4 and trainable:
@@ -166,6 +176,10 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     end_of_forward["chunked loss"] = int(3.5 * LOGITS_CHUNK_BYTES) + (
         4 * qcfg.vocab_size * qcfg.hidden_size if lm_head_trains else 0)
     end_of_backward = {}
+    if mode == "full":  # the first backward recomputes the last block whole, next to every block's input
+        end_of_backward["block inputs kept"] = activations
+        end_of_backward["recomputed block"] = tokens * max(
+            activation_bytes_per_token(qcfg, i, compute, rank, "none", dims.ep) for i in range(qcfg.num_layers))
     if shards > 1:  # bf16 (FSDP's param_dtype), the current block and the prefetched next
         unit = 2 * 2 * _gathered_block_values(model, dims)
         end_of_forward["FSDP gathered blocks"] = end_of_backward["FSDP gathered blocks"] = unit
