@@ -231,6 +231,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
             every = cfg.checkpoint.every_n_steps
             if every and step % every == 0 and step < cfg.train.max_steps:
                 last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
+            timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
         if cfg.checkpoint.save_final:
             save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:
