@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_experts [--quick] [--out DIR] [--backends eager,transformers,grouped_mm,scattermoe]
     python -m benchmarks.bench_experts --dry          # CPU smoke run at a tiny shape; its numbers mean nothing
+    python -m benchmarks.bench_experts --quant mxfp4,nvfp4 --modes lora16   # bf16 and packed experts, side by side
 
 Per MoE shape (harness.SHAPES; T=8192 tokens, --quick: T=2048 and two shapes), backend and mode it reports
 the median time over CUDA events after warmup (autotuning happens in the warmup; each call starts on an
@@ -10,8 +11,8 @@ training step; also for the forward alone), the peak memory above the resident t
 TFLOP/s (valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base
 weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1)
 and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts,
-every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` (asked for by --modes) run LoRA r=16 on FP4-packed
-experts. Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
+every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` (asked for by --modes, or --quant mxfp4,nvfp4,
+which adds them and the bf16 lora16 rows beside them) run LoRA r=16 on FP4-packed experts. Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
 `transformers` (its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead;
 benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path
 forced; it picks it by itself only for small experts). MHz is the SM clock after the steady timing.
@@ -60,8 +61,22 @@ from moe.experts import GroupedExperts
 from quant import quantize_experts
 
 MODES = {"full": 0, "lora16": 16}  # LoRA rank; a LoRA mode freezes the base weights
-# LoRA r=16 on FP4-packed experts (quant.base_weights), run when asked for by --modes
+# LoRA r=16 on FP4-packed experts (quant.base_weights), run when asked for by --modes or --quant
 FP4_MODES = {"lora16-mxfp4": 16, "lora16-nvfp4": 16}
+QUANT = ("none", "mxfp4", "nvfp4")
+
+
+def with_quant(modes: list[str], quant: str) -> list[str]:
+    """--quant none|mxfp4|nvfp4 (comma-separated): the modes plus the LoRA mode on experts packed in each
+    format, with its bf16 lora16 rows in the same run for the comparison."""
+    formats = [q for q in quant.split(",") if q != "none"]
+    unknown = [q for q in formats if q not in QUANT]
+    if unknown:
+        raise SystemExit(f"--quant: unknown {unknown}; choose from {','.join(QUANT)}")
+    if not formats:
+        return modes
+    added = ["lora16", *(f"lora16-{fmt}" for fmt in formats)]
+    return modes + [m for m in added if m not in modes]
 EAGER_MAX_SECONDS = 5.0  # an eager fwd+bwd slower than this is reported from its one timed call
 TRANSFORMERS = "transformers"  # the baseline's row name
 
@@ -477,6 +492,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="T (default 8192; --quick 2048)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join([*MODES, *FP4_MODES]))
+    ap.add_argument("--quant", default="none",
+                    help="none | mxfp4 | nvfp4, comma-separated: also the LoRA mode on FP4-packed experts (lora16-<fmt>)"
+                         " beside the bf16 lora16 rows")
     ap.add_argument("--profile", action="store_true",
                     help="instead of the table: per-kernel CUDA times of fwd+bwd steps (torch.profiler)")
     ap.add_argument("--ep", type=int, default=1, help="with --profile: the -1 slot layout of this ep")
@@ -489,7 +507,7 @@ def main() -> None:
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = args.tokens or (2048 if args.quick else 8192)
-    backends, modes = args.backends.split(","), args.modes.split(",")
+    backends, modes = args.backends.split(","), with_quant(args.modes.split(","), args.quant)
     if args.dry:
         CASE.device, CASE.dtype = "cpu", torch.float32
         shapes, T, args.iters = ["tiny"], args.tokens or 64, 2

@@ -195,6 +195,15 @@ def _weight_parts(w: torch.Tensor | PackedWeight) -> tuple:
     return w, None, None
 
 
+def _op_format(w_gu, w_down) -> str:
+    """The ops' one format string: "" (both dense) or the format both weights are packed in."""
+    formats = {w.fmt if isinstance(w, PackedWeight) else "" for w in (w_gu, w_down)}
+    if len(formats) > 1:
+        raise NotImplementedError(f"scattermoe under torch.compile: gate_up and down base weights in different "
+                                  f"formats ({sorted(formats)}); quantize both (quant.quantize_experts) or neither")
+    return formats.pop()
+
+
 @torch.library.custom_op("moert::scattermoe_sort", mutates_args=())
 def _sort_op(ids_Mk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                              torch.Tensor]:
@@ -308,8 +317,8 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     down = experts.lora("down") or (None, None)
     w_gu, w_down = base("gate_up"), base("down")
     if torch.compiler.is_compiling():
+        fmt = _op_format(w_gu, w_down)
         (w_gu, *gu_scales), (w_down, *down_scales) = _weight_parts(w_gu), _weight_parts(w_down)
-        fmt = experts.base_weight("gate_up").fmt if experts.is_quantized else ""
         order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts)
         return torch.ops.moert.scattermoe_fwd(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down),
                                               *gu_scales, *down_scales, expert_ids_Mk, order_S, inv_S, offsets_E1,

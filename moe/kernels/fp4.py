@@ -4,9 +4,11 @@ grouped GEMM's K loop, and a standalone dequantize kernel (tests, fallbacks).
 Packed layout (quant/fp4.py): qdata uint8 [E, O, I/2] (element 2j in the low nibble), scale uint8 [E, O, I/B]
 (e8m0 bits, B = 32, or e4m3 bits, B = 16), NVFP4 tensor_scale fp32 [E]. The kernels read the logical weight
 W [E, N, K] = the stored [E, O, I] (transposed=False: the forward) or its transpose (the backward's W^T),
-element by element from the codes: value = e2m1 * 2^(s - 127) (MXFP4) or e2m1 * (tensor_scale * e4m3)
-(NVFP4, fp32, in that order), then rounded to the activations' dtype: torchao's dequantized values, bit for
-bit. Decoding is integer arithmetic and bit casts (no fp8 types: the interpreter lacks them).
+byte by byte from the codes (one contiguous byte load and one block-scale decode per pair of elements, the
+pairs interleaved into the tile by join + reshape): value = e2m1 * 2^(s - 127) (MXFP4) or
+e2m1 * (tensor_scale * e4m3) (NVFP4, fp32, in that order), then rounded to the activations' dtype: torchao's
+dequantized values, bit for bit. Decoding is integer arithmetic and bit casts (no fp8 types: the interpreter
+lacks them).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from gpu.launch import cdiv, launch
+from moe.kernels.tuning import INTERPRET
 from quant import FP4Weight
 
 FMT_CODES = {"dense": 0, "mxfp4": 1, "nvfp4": 2}
@@ -72,41 +75,55 @@ def e8m0_to_float(s):
 
 @triton.jit
 def e4m3_to_float(b):
-    """e4m3fn bytes (int32) -> fp32: sign bit 7, exponent bits 6-3 (bias 7), mantissa bits 2-0."""
+    """e4m3fn bytes (int32) -> fp32: sign bit 7, exponent bits 6-3 (bias 7), mantissa bits 2-0; 0x7F and
+    0xFF are NaN (e4m3fn has no infinities)."""
     sign = (b >> 7) & 1
     exponent = (b >> 3) & 15
     mantissa = b & 7
     normal = (((exponent + 120) << 23) | (mantissa << 20) | (sign << 31)).to(tl.float32, bitcast=True)
     subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
     subnormal = tl.where(sign == 1, -subnormal, subnormal)
-    return tl.where(exponent == 0, subnormal, normal)
+    value = tl.where(exponent == 0, subnormal, normal)
+    return tl.where((b & 0x7F) == 0x7F, tl.full(b.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), value)
 
 
 @triton.jit
-def fp4_values(q_ptr, s_ptr, ts_ptr, e64, o, i, mask, s_q_e, s_q_o, s_s_e, s_s_o,
-               FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The fp32 values of stored elements (e64, o, i) (broadcastable int index tensors), 0 where masked."""
-    byte = tl.load(q_ptr + e64 * s_q_e + o * s_q_o + i // 2, mask=mask, other=0).to(tl.int32)
-    value = e2m1_to_float((byte >> ((i % 2) * 4)) & 15)
-    s = tl.load(s_ptr + e64 * s_s_e + o * s_s_o + i // BLOCK_SIZE, mask=mask, other=127).to(tl.int32)
+def fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o, j, mask, s_q_e, s_q_o, s_s_e, s_s_o,
+              FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The fp32 values of the two elements of stored bytes (e64, o, j) (broadcastable int index tensors; byte j
+    holds elements i = 2j (returned first) and 2j + 1), 0 where masked. One byte and one scale load per
+    pair: the byte loads are contiguous along j."""
+    byte = tl.load(q_ptr + e64 * s_q_e + o * s_q_o + j, mask=mask, other=0).to(tl.int32)
+    # other=0: a masked element is code 0 times a finite scale (e4m3 0 or e8m0 2^-127), +0.
+    s = tl.load(s_ptr + e64 * s_s_e + o * s_s_o + j // (BLOCK_SIZE // 2), mask=mask, other=0).to(tl.int32)
     if FMT == 1:
         scale = e8m0_to_float(s)
     else:
         scale = tl.load(ts_ptr + e64) * e4m3_to_float(s)
-    return tl.where(mask, value * scale, 0.0)
+    return e2m1_to_float(byte & 15) * scale, e2m1_to_float(byte >> 4) * scale
 
 
 @triton.jit
-def fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, n_N, mask_N, k_K, mask_K, s_q_e, s_q_o, s_s_e, s_s_o,
-                    FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Tile [BLOCK_K, BLOCK_N] of the logical W_e^T (rows k, columns n) in fp32, from the packed weight:
-    W[n, k] is stored at (o, i) = (n, k), or (k, n) when TRANSPOSED."""
-    mask = mask_K[:, None] & mask_N[None, :]
+def fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, k0, K, s_q_e, s_q_o, s_s_e, s_s_o,
+                    FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Tile [BLOCK_K, BLOCK_N] of the logical W_e^T (rows k0 + [0, BLOCK_K), columns n) in DTYPE, from the
+    packed weight; 0 outside [K, N]. W[n, k] is stored at (o, i) = (n, k): the columns are the weight rows
+    wrow_N (any row indices, mask_N); or, TRANSPOSED, at (k, n): the columns are n0 + [0, BLOCK_N) (n0
+    even). Bytes hold element pairs along the stored I, so the tile is decoded as pairs [.., BLOCK/2] and
+    interleaved (join + reshape; a transpose for the forward's orientation)."""
     if TRANSPOSED:
-        return fp4_values(q_ptr, s_ptr, ts_ptr, e64, k_K[:, None], n_N[None, :], mask, s_q_e, s_q_o, s_s_e, s_s_o,
-                          FMT, BLOCK_SIZE)
-    return fp4_values(q_ptr, s_ptr, ts_ptr, e64, n_N[None, :], k_K[:, None], mask, s_q_e, s_q_o, s_s_e, s_s_o,
-                      FMT, BLOCK_SIZE)
+        k_K = k0 + tl.arange(0, BLOCK_K)
+        j_J = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        mask = (k_K < K)[:, None] & (j_J < N // 2)[None, :]
+        lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, k_K[:, None], j_J[None, :], mask, s_q_e, s_q_o, s_s_e,
+                           s_s_o, FMT, BLOCK_SIZE)
+        return tl.reshape(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (BLOCK_K, BLOCK_N))
+    j_J = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = mask_N[:, None] & (j_J < K // 2)[None, :]
+    lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, wrow_N[:, None], j_J[None, :], mask, s_q_e, s_q_o, s_s_e, s_s_o,
+                       FMT, BLOCK_SIZE)
+    return tl.trans(tl.reshape(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (BLOCK_N, BLOCK_K)))
 
 
 @triton.jit
@@ -115,12 +132,19 @@ def _dequantize_kernel(q_ptr, s_ptr, ts_ptr, experts_ptr, out_ptr, O, I, s_q_e, 
     j = tl.program_id(0)
     e64 = tl.load(experts_ptr + j).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    b = tl.program_id(2) * (BLOCK_I // 2) + tl.arange(0, BLOCK_I // 2)
+    mask = (o < O)[:, None] & (b < I // 2)[None, :]
+    lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o[:, None], b[None, :], mask, s_q_e, s_q_o, s_s_e, s_s_o,
+                       FMT, BLOCK_SIZE)
+    dtype = out_ptr.dtype.element_ty
+    w = tl.reshape(tl.join(lo.to(dtype), hi.to(dtype)), (BLOCK_O, BLOCK_I))
     i = tl.program_id(2) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = (o < O)[:, None] & (i < I)[None, :]
-    w = fp4_values(q_ptr, s_ptr, ts_ptr, e64, o[:, None], i[None, :], mask, s_q_e, s_q_o, s_s_e, s_s_o,
-                   FMT, BLOCK_SIZE)
     out = out_ptr + j.to(tl.int64) * O * I + o[:, None] * I + i[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out, w, mask=(o < O)[:, None] & (i < I)[None, :])
+
+
+# (BLOCK_O, BLOCK_I) of the dequantize kernel: small under the interpreter.
+_DEQUANT_TILE = (16, 64) if INTERPRET else (32, 256)
 
 
 def dequantize_fp4(weight: FP4Weight, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,7 +156,7 @@ def dequantize_fp4(weight: FP4Weight, dtype: torch.dtype, experts: torch.Tensor 
     out = torch.empty(experts.numel(), O, I, dtype=dtype, device=p.qdata.device)
     if experts.numel() == 0:
         return out
-    block_o, block_i = 16, 64
+    block_o, block_i = _DEQUANT_TILE
     launch(_dequantize_kernel, (experts.numel(), cdiv(O, block_o), cdiv(I, block_i)), (
         p.qdata, p.scale, p.tensor_scale, experts.to(torch.int32), out, O, I, p.qdata.stride(0), p.qdata.stride(1),
         p.scale.stride(0), p.scale.stride(1)), {

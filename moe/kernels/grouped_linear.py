@@ -22,6 +22,9 @@ Public launchers:
     expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS or ours, the faster)
     swiglu_backward(g_SI, slots, gate_up_S2I, weights_Mk, gu_B_E2Ir)
                                                        -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
+A base weight w_ENK may also be an FP4-packed fp4.PackedWeight (its .t() the backward's transposed view):
+its tiles are decoded in registers in the pointer K loop (W_FMT constexpr; no TMA, never CUTLASS), and a
+dense weight compiles to the same code as without that branch.
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
 Every tl.dot takes its input precision from the DOT_PRECISION constexpr, set per launch by
@@ -138,19 +141,18 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K,
 
 
 @triton.jit
-def _k_loop_fp4(in_ptrs, step_in, q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, s_q_e, s_q_o, s_s_e, s_s_o, a_ptrs,
-                step_a, mask_R, K, acc, acc_r, LORA_IN_LOOP: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, W_FMT: tl.constexpr, W_BLOCK: tl.constexpr,
+def _k_loop_fp4(in_ptrs, step_in, q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, s_q_e, s_q_o, s_s_e, s_s_o,
+                a_ptrs, step_a, mask_R, K, acc, acc_r, LORA_IN_LOOP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FMT: tl.constexpr, W_BLOCK: tl.constexpr,
                 W_PACKED_T: tl.constexpr):
     """_k_loop with a packed FP4 weight: each weight tile is decoded in registers (fp4.fp4_weight_tile) and
     rounded to the input's dtype, the value torchao's dequantization gives, before the MMA."""
     k_K = tl.arange(0, BLOCK_K)
     for i in range(tl.cdiv(K, BLOCK_K)):
-        kk_K = i * BLOCK_K + k_K
-        k_in = kk_K < K
+        k_in = k_K < K - i * BLOCK_K
         x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
-        w = fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, kk_K, k_in, s_q_e, s_q_o, s_s_e, s_s_o,
-                            W_FMT, W_BLOCK, W_PACKED_T).to(x.dtype)
+        w = fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, i * BLOCK_K, K, s_q_e, s_q_o, s_s_e,
+                            s_s_o, W_FMT, W_BLOCK, W_PACKED_T, BLOCK_N, BLOCK_K, in_ptrs.dtype.element_ty)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         if LORA_IN_LOOP:
             a = tl.load(a_ptrs, mask=k_in[:, None] & mask_R[None, :], other=0.0)
@@ -302,9 +304,10 @@ def _grouped_linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if W_FMT != 0:
-            acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, w_ptr, ws_ptr, wts_ptr, e64, wrow_N, mask_N, s_w_e,
-                                     s_w_n, s_ws_e, s_ws_o, a_ptrs, BLOCK_K * s_a_k, mask_R, K, acc, acc_r,
-                                     LORA_IN_LOOP, BLOCK_K, DOT_PRECISION, W_FMT, W_BLOCK, W_PACKED_T)
+            acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, w_ptr, ws_ptr, wts_ptr, e64, wrow_N, mask_N,
+                                     pid_n * BLOCK_N, N, s_w_e, s_w_n, s_ws_e, s_ws_o, a_ptrs, BLOCK_K * s_a_k,
+                                     mask_R, K, acc, acc_r, LORA_IN_LOOP, BLOCK_N, BLOCK_K, DOT_PRECISION, W_FMT,
+                                     W_BLOCK, W_PACKED_T)
         elif TMA:
             acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K,
                               DOT_PRECISION)
@@ -328,13 +331,18 @@ def _grouped_linear_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_M[:, None] & mask_N[None, :])
 
 
+# A dense weight's constexprs: the kernel's defaults, passed anyway: W_FMT and W_PACKED_T are autotune keys,
+# and gpu.launch's direct launcher reads every key from the launch's arguments (a missing one: KeyError).
+_DENSE_WEIGHT = {"W_FMT": FMT_CODES["dense"], "W_BLOCK": 1, "W_PACKED_T": False}
+
+
 def _weight_args(w_ENK: torch.Tensor | PackedWeight) -> tuple[tuple, dict]:
     """The kernel's weight arguments (pointer and strides, FP4 scales) and constexprs, dense or packed."""
     if isinstance(w_ENK, PackedWeight):
         q, sc = w_ENK.qdata, w_ENK.scale
         return ((q, q.stride(0), q.stride(1), 0, sc, sc.stride(0), sc.stride(1), w_ENK.tensor_scale),
                 {"W_FMT": FMT_CODES[w_ENK.fmt], "W_BLOCK": w_ENK.block_size, "W_PACKED_T": w_ENK.transposed})
-    return (w_ENK, *w_ENK.stride(), None, 0, 0, None), {}
+    return (w_ENK, *w_ENK.stride(), None, 0, 0, None), _DENSE_WEIGHT
 
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, N: int,
@@ -349,8 +357,10 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWei
     lora_in_loop = lora is not None and not lora.split
     # TMA: expert-sorted rows only (sm90 TMA cannot gather); the fused LoRA's K loop stays on pointers.
     weight_args, weight_constexprs = _weight_args(w_ENK)
-    tma = (not gather and not glu_fwd and not lora_in_loop and not weight_constexprs
-           and _tma_ok(in_, w_ENK))
+    packed = isinstance(w_ENK, PackedWeight)
+    # The forward SwiGLU's interleaved columns are weight rows: never of a transposed packed view.
+    assert not (packed and glu_fwd and w_ENK.transposed), "GLU_FWD over a transposed packed weight"
+    tma = not gather and not glu_fwd and not lora_in_loop and not packed and _tma_ok(in_, w_ENK)
     if tma:
         ensure_scratch_allocator()
 
@@ -412,7 +422,7 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
     return ia_Sr
 
 
-def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, lora: LoraView | None,
+def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor | PackedWeight, lora: LoraView | None,
                    weights_Mk: torch.Tensor):
     """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and hw[p] = w[slot(p)] * silu(gate) * up, for valid
     positions p (w the routing weight of the slot)."""
@@ -426,7 +436,7 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor, l
     return gu_S2I, h_SI, xa_Sr
 
 
-def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor, lora: LoraView | None,
+def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, lora: LoraView | None,
                   gather: bool, ia_Sr: torch.Tensor | None = None):
     """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None).
     A split LoRA's intermediate may be passed in (ia_Sr) when the caller already has it."""
@@ -454,7 +464,7 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
+def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight) -> torch.Tensor:
     """out[p] = in[p] @ W_e^T over expert-sorted rows, no LoRA, no epilogue: [S, N].
 
     The bare grouped GEMM: torch._grouped_mm (CUTLASS) or our kernel (TMA operands, persistent), the
@@ -480,7 +490,7 @@ def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) ->
     return torch._grouped_mm(in_SK, w_ENK.transpose(1, 2), offs=slots.offsets_E1[1:])
 
 
-def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) -> torch.Tensor:
+def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight) -> torch.Tensor:
     out_SN = in_SK.new_empty(slots.num_slots, w_ENK.shape[1])
     _launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
     return out_SN

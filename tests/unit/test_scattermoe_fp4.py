@@ -1,7 +1,9 @@
 """scattermoe on FP4-packed experts vs the eager reference on the dequantized weights (CPU, Triton interpreter,
 fp32 compute, tiny shapes), and the Triton dequantize kernel vs torchao bit for bit.
 
-H and I are multiples of the FP4 blocks (32) but not of the interpreter's kernel blocks in every dim."""
+H and I are multiples of the FP4 blocks (32, 16); the `ragged` cases force kernel tiles that they are not
+multiples of (partial tiles in N, K and the SwiGLU's columns), and the bare packed GEMM is checked on its own
+at ragged edges in both orientations (the forward's W, the backward's transposed view)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from gpu import launch as gpu_launch
 from moe.backends import expert_backend
 from moe.backends import scattermoe as scattermoe_module
+from moe.kernels import grouped_linear as gl
 from moe.kernels import tuning
-from moe.kernels.fp4 import dequantize_fp4
+from moe.kernels.fp4 import PackedWeight, dequantize_fp4
+from moe.kernels.routing import sort_slots
 from quant import FP4Weight
 from tests.unit.test_quant import _experts_pair, _torchao_dequantize
 
@@ -48,9 +53,35 @@ def test_dequantize_kernel_equals_torchao_bit_for_bit(fmt):
     assert torch.equal(_int(dequantize_fp4(packed, torch.float32, some)), _int(ours[some]))
 
 
-def _pair(fmt: str, rank: int):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decoding_every_code_and_scale_byte(fmt):
+    """Every e2m1 code under every scale byte (e8m0 0 = 2^-127 and 255 = NaN; e4m3 subnormals, -0 and the
+    NaNs 0x7F / 0xFF) equals quant's torch dequantization (torch's own float8 view for e4m3)."""
+    block = 32 if fmt == "mxfp4" else 16
+    weight = FP4Weight.empty(fmt, (2, 256, 2 * block), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    weight.qdata.copy_(torch.randint(0, 256, weight.qdata.shape, generator=g, dtype=torch.uint8))
+    weight.qdata[:, :, :8] = torch.arange(0, 256, 17, dtype=torch.uint8)[:8]  # codes (k, 15 - k) in every row
+    weight.scale.copy_(torch.stack([torch.arange(256), torch.arange(256).flip(0)], -1).to(torch.uint8))
+    if fmt == "nvfp4":
+        weight.tensor_scale.copy_(torch.tensor([0.75, 3e-3]).view(torch.int32))
+    ours, ref = dequantize_fp4(weight, torch.float32), weight.dequantize(torch.float32)
+    assert torch.equal(ours.isnan(), ref.isnan()) and ref.isnan().any()
+    assert torch.equal(_int(ours.nan_to_num(0.0)), _int(ref.nan_to_num(0.0)))  # signed zeros too
+
+
+def test_compiled_ops_take_one_format_for_both_weights():
+    packed, dense = _pair("mxfp4", 0)
+    gu, down = (PackedWeight.of(packed.base_weight(p)) for p in ("gate_up", "down"))
+    assert scattermoe_module._op_format(gu, down) == "mxfp4"
+    assert scattermoe_module._op_format(dense.gate_up, dense.down) == ""
+    with pytest.raises(NotImplementedError, match="different formats"):
+        scattermoe_module._op_format(gu, dense.down)
+
+
+def _pair(fmt: str, rank: int, hidden: int = H, intermediate: int = I):
     """Packed experts and a frozen dense copy holding their dequantized values (test_quant's pair)."""
-    return _experts_pair(fmt, rank, hidden=H, intermediate=I, std=0.2)
+    return _experts_pair(fmt, rank, hidden=hidden, intermediate=intermediate, std=0.2)
 
 
 def _routing(M: int, E: int, k: int = 2):
@@ -61,12 +92,28 @@ def _routing(M: int, E: int, k: int = 2):
     return ids, torch.rand(M, k, generator=g)
 
 
-def _check(fmt: str, rank: int, split: bool, monkeypatch, compiled: bool = False):
+@pytest.fixture
+def one_config(monkeypatch):
+    """Makes the grouped GEMM's autotuner hold only `config` (and forget what it had chosen)."""
+    tuner = gl._grouped_linear_kernel
+
+    def use(config):
+        monkeypatch.setattr(tuner, "configs", [config])
+        monkeypatch.setattr(tuner, "cache", {})
+    return use
+
+
+# (format, H, I, BLOCK_M, BLOCK_N, BLOCK_K) of the ragged cases: H, I not multiples of BLOCK_N (nor the
+# SwiGLU's BLOCK_N / 2 columns for nvfp4) and the reductions H, I, 2I not all multiples of BLOCK_K.
+RAGGED = {"mxfp4": (96, 32, 16, 64, 64), "nvfp4": (48, 48, 16, 64, 32)}
+
+
+def _check(fmt: str, rank: int, split: bool, monkeypatch, compiled: bool = False, shape: tuple = (H, I)):
     if rank:
         monkeypatch.setattr(scattermoe_module, "_SPLIT_MIN_WEIGHT_ELEMS", 0 if split else 10**9)
-    packed, dense = _pair(fmt, rank)
+    packed, dense = _pair(fmt, rank, *shape)
     ids, w = _routing(10, 4)
-    x = torch.randn(10, H, requires_grad=True)
+    x = torch.randn(10, shape[0], requires_grad=True)
     w.requires_grad_()
     fn = expert_backend("scattermoe")
     if compiled:
@@ -88,6 +135,79 @@ def _check(fmt: str, rank: int, split: bool, monkeypatch, compiled: bool = False
 @pytest.mark.parametrize("lora", ["frozen", "lora-split", "lora-fused"])
 def test_scattermoe_on_packed_experts_equals_eager_on_dequantized(fmt, lora, monkeypatch):
     _check(fmt, 0 if lora == "frozen" else R, lora == "lora-split", monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lora", ["frozen", "lora-split", "lora-fused"])
+def test_scattermoe_on_packed_experts_with_ragged_tiles(fmt, lora, monkeypatch, one_config):
+    H_, I_, *blocks = RAGGED[fmt]
+    one_config(tuning._gemm_config(*blocks, 4, 1, persistent=True))
+    _check(fmt, 0 if lora == "frozen" else R, lora == "lora-split", monkeypatch, shape=(H_, I_))
+
+
+@pytest.mark.parametrize("fmt,O,I_", [("mxfp4", 40, 96), ("nvfp4", 40, 48)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["W", "W^T"])
+@pytest.mark.parametrize("block_k", [16, 64])
+def test_bare_packed_gemm_at_ragged_edges(fmt, O, I_, transposed, block_k, one_config):
+    """out[p] = in[p] @ W_e^T over expert-sorted rows, W the packed [O, I] weight (forward) or its transposed
+    view (backward): partial tiles in N and K, a tile spanning parts of FP4 blocks (16 < 32) or several (64),
+    an expert without rows and -1 slots (their rows unspecified)."""
+    one_config(tuning._gemm_config(16, 32, block_k, 4, 1, persistent=True))
+    torch.manual_seed(0)
+    weight = FP4Weight.from_dense(torch.randn(3, O, I_) * 0.1, fmt)
+    w_ENK, dense_ENK = PackedWeight.of(weight), weight.dequantize(torch.float32)
+    if transposed:
+        w_ENK, dense_ENK = w_ENK.t(), dense_ENK.transpose(1, 2)
+    assert w_ENK.shape == tuple(dense_ENK.shape)
+    E, _, K = w_ENK.shape
+    ids = torch.randint(0, 3, (20, 2), generator=torch.Generator().manual_seed(3))
+    ids[ids == 1] = -1  # expert 1 gets no row
+    slots = sort_slots(ids, E)
+    in_SK = torch.randn(slots.num_slots, K)
+    out = gl._triton_gemm(in_SK, slots, w_ENK)
+    assert gl.expert_gemm(in_SK, slots, w_ENK).shape == out.shape  # the packed weight's one route
+    offsets = slots.offsets_E1.tolist()
+    for e in range(E):
+        lo, hi = offsets[e], offsets[e + 1]
+        ref = in_SK[lo:hi] @ dense_ENK[e].T
+        assert (out[lo:hi] - ref).norm() <= TOL * ref.norm().clamp_min(1e-30), (e, lo, hi)
+    assert offsets[1] == offsets[2]  # expert 1 empty
+
+
+def test_every_grouped_launch_gives_the_direct_launcher_its_autotune_keys(monkeypatch):
+    """On a GPU, gpu.launch's direct launcher keys each autotuned launch by every autotune key, read from
+    the launch's arguments: a key neither positional nor among the constexprs (W_FMT on a dense weight, say)
+    is a KeyError there, which the interpreter's plain kernel[grid] launch never shows. Dense and packed,
+    split and fused LoRA, forward and backward."""
+    missing, launched = set(), set()
+    real = gpu_launch.launch
+
+    def spy(kernel, grid, args, constexprs):
+        layers = gpu_launch._layers(kernel)
+        if layers.autotuner is not None:
+            names = list(layers.jit.arg_names)
+            launched.add(layers.jit.__name__)
+            missing.update((layers.jit.__name__, key) for key in layers.autotuner.keys
+                           if names.index(key) >= len(args) and key not in constexprs)
+        return real(kernel, grid, args, constexprs)
+
+    import moe.kernels.fp4 as fp4_module
+    import moe.kernels.grouped_xty as xty_module
+    for module in (gl, xty_module, fp4_module):
+        monkeypatch.setattr(module, "launch", spy)
+    for fmt in ("mxfp4", None):
+        for split in (True, False):
+            monkeypatch.setattr(scattermoe_module, "_SPLIT_MIN_WEIGHT_ELEMS", 0 if split else 10**9)
+            packed, dense = _pair("mxfp4", R)
+            experts = packed if fmt else dense
+            if fmt is None:  # a full fine-tune with LoRA: every dW too
+                experts.base_weight("gate_up").requires_grad_(True)
+                experts.base_weight("down").requires_grad_(True)
+            ids, w = _routing(6, 4)
+            x = torch.randn(6, H, requires_grad=True)
+            expert_backend("scattermoe")(x, ids, w.requires_grad_(), experts).sum().backward()
+    assert "_grouped_linear_kernel" in launched
+    assert not missing, missing
 
 
 def test_scattermoe_on_packed_experts_compiles(monkeypatch):
