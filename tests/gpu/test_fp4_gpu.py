@@ -55,7 +55,7 @@ def fwd_bwd(ex, backend: str, x, ids, w, dy) -> dict[str, torch.Tensor]:
     w = w.detach().clone().requires_grad_()
     y = expert_backend(backend)(x, ids, w, ex)
     y.backward(dy.to(y.dtype))
-    out = {"y": y, "x": x.grad, "w": w.grad}
+    out = {"y": y.detach(), "x": x.grad, "w": w.grad}
     out.update({name: getattr(ex, name).grad for name in LORA_NAMES if ex.has_lora})
     return out
 
@@ -80,12 +80,14 @@ def test_scattermoe_on_packed_experts_matches_eager_fp32(shape, fmt, rank):
         assert err <= TOL, f"{shape} {fmt} {name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("config", WIDE, ids=[str(c) for c in WIDE])
-def test_each_config_on_each_packed_path(config, fmt, one_config):  # noqa: F811 (the fixture)
+def test_each_config_on_each_packed_path(config, one_config):  # noqa: F811 (the fixture)
     """Each candidate config forced on every GEMM that reads a packed weight (Qwen3-30B-A3B shapes), against
     CUTLASS on the dequantized bf16 weights (the same MMA inputs): gate_up (gathered rows, SwiGLU epilogue),
-    down (W), g and dx (the transposed packed view), and down / dx with a split and a fused LoRA."""
+    down (W), g and dx (the transposed packed view), and down / dx with a split and a fused LoRA. NVFP4 only:
+    the formats differ in the element-wise scale decode alone, not in what a config changes (tiles, layouts,
+    the persistent loop), and each config compiles ~7 kernels."""
+    fmt = "nvfp4"
     one_config(config)
     slots, t = operands()
     n, s, R = int(slots.offsets_E1[-1]), 2.0, t["ia"].shape[1]
@@ -152,6 +154,11 @@ def test_packed_experts_hold_and_need_no_dense_copy(fmt):
     T = 2048  # activations ~0.15 GB, against 1.2 GB for one dense copy of the experts
     w, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(k, dim=-1)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # A first call tunes the kernels (Triton's do_bench holds a 256 MB cache-flush buffer meanwhile).
+    expert_backend("scattermoe")(x, ids, w.bfloat16(), packed).sum().backward()
+    x.grad = None
+    for p in packed.parameters():
+        p.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
