@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# FP4 expert weights on one GPU (issue 18), everything in one device call, carry [".whl"] (torchao and the
-# rest the image lacks): `bash benchmarks/gpu_fp4.sh` (H100 or H200; ~6 min). Parts: tests bench e2e.
+# FP4 expert weights on one GPU (issue 18), carry [".whl"] (torchao and the rest the image lacks), H100 or H200,
+# in two device calls (the tests compile many kernel variants; together they may pass one call's 600 s):
+#   bash benchmarks/gpu_fp4.sh tests        then        bash benchmarks/gpu_fp4.sh bench e2e
+# The tests include the dense scattermoe GPU tests: the FP4 change touched the kernel every backend launch uses.
 #   tests  tests/gpu/test_fp4_gpu.py: scattermoe on packed weights vs eager on the dequantized ones (bf16, the
 #          real expert shapes, both formats, LoRA) and the memory accounting (no dequantized copy)
 #   bench  bench_quant on the device (error, quantize time at load), bench_experts --modes lora16-mxfp4,... (the expert layer
@@ -12,7 +14,8 @@ source benchmarks/gpu_env.sh
 parts=${*:-tests bench e2e}
 
 if [[ $parts == *tests* ]]; then
-  python -m pytest -q -rs tests/gpu/test_fp4_gpu.py tests/unit/test_quant.py > "$OUT/fp4_tests.log" 2>&1
+  python -m pytest -q -rs tests/gpu/test_fp4_gpu.py tests/gpu/test_scattermoe_gpu.py \
+    tests/gpu/test_grouped_gemm_paths_gpu.py tests/unit/test_quant.py > "$OUT/fp4_tests.log" 2>&1
   tail -n 3 "$OUT/fp4_tests.log"
 fi
 if [[ $parts == *bench* ]]; then
