@@ -4,6 +4,8 @@ as a plain process.
 
 Flags override the YAML; `--set` overrides any key. Config and mesh errors are raised before any process
 group exists, then runtime.preflight checks the file system (output dir writable, inputs readable, disk).
+`--estimate [--world-size N]` prints the memory one rank would hold (runtime.estimate) and exits there,
+before any weight, process group or preflight.
 A failure ends as runtime.failure_report says: one `error:` line from rank 0, exit code != 0.
 """
 
