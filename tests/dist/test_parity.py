@@ -81,9 +81,9 @@ def test_distributed_matches_single_process(run_dist, tmp_path, mesh, lora):
 # FP4-packed experts (LoRA on top): each EP rank quantizes its own experts, FSDP leaves the packed buffers
 # whole on every rank of the expert FSDP group; both must give the single-process run's steps.
 FP4_MESHES = {"mxfp4-ep2": ("mxfp4", 2, {"ep": 2}), "nvfp4-fsdp2": ("nvfp4", 2, {}),
-              "mxfp4-fsdp4-ep2": ("mxfp4", 4, {"ep": 2}),
-              # the fused FP4 kernels (interpreted) behind the EP dispatcher's sentinel layout
-              "nvfp4-ep2-scattermoe": ("nvfp4", 2, {"ep": 2, "expert_backend": "scattermoe"})}
+              "mxfp4-fsdp4-ep2": ("mxfp4", 4, {"ep": 2})}
+# (FP4 on the scattermoe kernels at ep2 passed here too, at 2 min of interpreter time per CI run: the kernels'
+# parity with eager, -1 slots included, is tests/unit/test_scattermoe_fp4.py's, the EP layout fsdp4_ep2_scattermoe's)
 
 
 @pytest.mark.parametrize("case", sorted(FP4_MESHES))
