@@ -5,7 +5,7 @@ Packed layout (quant/fp4.py): qdata uint8 [E, O, I/2] (element 2j in the low nib
 (e8m0 bits, B = 32, or e4m3 bits, B = 16), NVFP4 tensor_scale fp32 [E]. The kernels read the logical weight
 W [E, N, K] = the stored [E, O, I] (transposed=False: the forward) or its transpose (the backward's W^T),
 byte by byte from the codes (one contiguous byte load and one block-scale decode per pair of elements, the
-pairs interleaved into the tile by join + reshape): value = e2m1 * 2^(s - 127) (MXFP4) or
+pairs interleaved into the tile by join + permute + reshape): value = e2m1 * 2^(s - 127) (MXFP4) or
 e2m1 * (tensor_scale * e4m3) (NVFP4, fp32, in that order), then rounded to the activations' dtype: torchao's
 dequantized values, bit for bit. Decoding is integer arithmetic and bit casts (no fp8 types: the interpreter
 lacks them).
@@ -110,20 +110,21 @@ def fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, k0, K, s_q
     """Tile [BLOCK_K, BLOCK_N] of the logical W_e^T (rows k0 + [0, BLOCK_K), columns n) in DTYPE, from the
     packed weight; 0 outside [K, N]. W[n, k] is stored at (o, i) = (n, k): the columns are the weight rows
     wrow_N (any row indices, mask_N); or, TRANSPOSED, at (k, n): the columns are n0 + [0, BLOCK_N) (n0
-    even). Bytes hold element pairs along the stored I, so the tile is decoded as pairs [.., BLOCK/2] and
-    interleaved (join + reshape; a transpose for the forward's orientation)."""
+    even). Bytes hold element pairs along the stored I, so the tile is decoded as pairs [BLOCK/2, ..] and
+    interleaved by join + permute + reshape: Triton 3.6 fails to compile (sm90, "Illegal shared layout") a
+    dot operand made by join + reshape alone, or followed by a transpose (docs/validation.md)."""
     if TRANSPOSED:
         k_K = k0 + tl.arange(0, BLOCK_K)
         j_J = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-        mask = (k_K < K)[:, None] & (j_J < N // 2)[None, :]
-        lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, k_K[:, None], j_J[None, :], mask, s_q_e, s_q_o, s_s_e,
+        mask = (j_J < N // 2)[:, None] & (k_K < K)[None, :]
+        lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, k_K[None, :], j_J[:, None], mask, s_q_e, s_q_o, s_s_e,
                            s_s_o, FMT, BLOCK_SIZE)
-        return tl.reshape(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (BLOCK_K, BLOCK_N))
+        return tl.reshape(tl.permute(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (1, 0, 2)), (BLOCK_K, BLOCK_N))
     j_J = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    mask = mask_N[:, None] & (j_J < K // 2)[None, :]
-    lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, wrow_N[:, None], j_J[None, :], mask, s_q_e, s_q_o, s_s_e, s_s_o,
+    mask = (j_J < K // 2)[:, None] & mask_N[None, :]
+    lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, wrow_N[None, :], j_J[:, None], mask, s_q_e, s_q_o, s_s_e, s_s_o,
                        FMT, BLOCK_SIZE)
-    return tl.trans(tl.reshape(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (BLOCK_N, BLOCK_K)))
+    return tl.reshape(tl.permute(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
