@@ -75,6 +75,31 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     return optimizer, scheduler
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
+    """optimizer.step() on every gradient times grad_scale (the clipping factor, or 1.0). Our AdamW and
+    torch's fused AdamW multiply inside their update kernel; a separate multiply would read and write
+    every gradient once more (milliseconds per step at billions of parameters). Other optimizers get
+    the separate multiply. The gradients are dropped after the step, so which way they are left is moot."""
+    if isinstance(optimizer, StochasticRoundingAdamW):
+        optimizer.step(grad_scale=grad_scale)
+        return
+    if grad_scale == 1.0:
+        optimizer.step()
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if optimizer.defaults.get("fused") and params:
+        # torch's AMP protocol (what GradScaler sets): fused Adam(W) divides each gradient by `grad_scale`
+        # in its kernel.
+        optimizer.grad_scale = torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=_local(params[0]).device)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return
+    torch._foreach_mul_([_local(p.grad) for p in params], grad_scale)
+    optimizer.step()
+
+
 def _stochastic_rounding_adamw(params: list[torch.nn.Parameter], o: OptimConfig) -> torch.optim.Optimizer:
     # Only bf16 parameters are rounded stochastically; any other dtype would silently round to nearest.
     if wrong := sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16}):
@@ -92,13 +117,13 @@ def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are zero
 
 
-def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, bias_c1, bias_c2_sqrt, beta1: float, beta2: float,
-                  eps: float, weight_decay: float) -> None:
-    """torch.optim.AdamW's update of every parameter, in fp32 from bf16 tensors: states stored rounded to
-    nearest, parameters stochastically. lr and the bias corrections are 0-dim tensors, so a new value
-    each step does not recompile."""
+def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, bias_c1, bias_c2_sqrt, grad_scale, beta1: float,
+                  beta2: float, eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's update of every parameter on its gradient times grad_scale, in fp32 from bf16
+    tensors: states stored rounded to nearest, parameters stochastically. lr, the bias corrections and
+    grad_scale are 0-dim tensors, so a new value each step does not recompile."""
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        g32 = g.float()
+        g32 = g.float() * grad_scale
         m32 = m.float().lerp(g32, 1 - beta1)
         v32 = v.float().lerp(g32 * g32, 1 - beta2)
         m.copy_(m32)
@@ -123,7 +148,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: float = 1.0):
+        """One update of every parameter with a gradient, on its gradient times grad_scale (the multiply
+        is inside the update: the gradients are read once and left as they were)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -131,17 +158,17 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                self._step_group(group, params)
+                self._step_group(group, params, grad_scale)
         return loss
 
-    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _step_group(self, group: dict, params: list[torch.Tensor], grad_scale: float) -> None:
         states = [self._state(p) for p in params]
         for state in states:
             state["step"] += 1
         beta1, beta2 = group["betas"]
         step = float(states[0]["step"])  # a group steps together: one count for all
         scalars = [torch.tensor(x, dtype=torch.float32) for x in
-                   (group["lr"], 1 - beta1**step, math.sqrt(1 - beta2**step))]
+                   (group["lr"], 1 - beta1**step, math.sqrt(1 - beta2**step), grad_scale)]
         on_cuda = _local(params[0]).is_cuda
         update = _compiled_adamw_update if on_cuda else _adamw_update
         update([_local(p) for p in params], [_local(p.grad) for p in params],

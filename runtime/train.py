@@ -24,7 +24,7 @@ from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
 from runtime.data import build_dataloader, eval_batches, load_tokenizer
 from runtime.distributed.expert_parallel import parallelize
-from runtime.distributed.fsdp import local_grads, total_grad_norm
+from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
@@ -34,7 +34,7 @@ from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_p
 from runtime.models.build import build
 from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
-from runtime.optim import apply_master_dtype, build_optimizer
+from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
 from runtime.trackers import Trackers
 
@@ -72,16 +72,15 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     return model
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, world_size: int) -> float:
-    """Total gradient norm over all parameters (dense and expert meshes alike); gradients are scaled
-    down to max_norm when it is exceeded. The norm is read on the host (the step needs it there anyway),
-    so the scale is a Python float: one vectorized multi-tensor kernel per dtype (a tensor scale of
-    another dtype than bf16 grads takes a slow per-tensor path)."""
+def grad_norm_and_clip_scale(model: torch.nn.Module, max_norm: float, world_size: int) -> tuple[float, float]:
+    """(total gradient norm over all parameters, dense and expert meshes alike; the factor that scales the
+    gradients down to max_norm when it is exceeded, else 1.0). The optimizer applies the factor inside its
+    update (runtime.optim.optimizer_step). The norm is read on the host: the step needs it there anyway."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = float(total_grad_norm(grads, world_size))
     if 0 < max_norm < norm:  # a non-finite norm is never clipped: that step is not applied
-        torch._foreach_mul_(local_grads(grads), max_norm / (norm + 1e-6))
-    return norm
+        return norm, max_norm / (norm + 1e-6)
+    return norm, 1.0
 
 
 @dataclass
@@ -115,12 +114,12 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
         loss_total += loss.detach()
     if on_grads is not None:
         on_grads(model)
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, env.world_size)
+    grad_norm, grad_scale = grad_norm_and_clip_scale(model, cfg.optim.grad_clip, env.world_size)
     loss_value = all_reduce_sum(loss_total.item(), env)
     # Both numbers are global (all-reduced), so every rank takes the same branch.
     skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
     if skipped is None:
-        optimizer.step()
+        optimizer_step(optimizer, grad_scale)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, grad_norm, num_tokens, skipped)
 

@@ -48,7 +48,7 @@ def full_grads(model: torch.nn.Module, meshes: Meshes | None) -> dict[str, torch
     in expert order. A collective on every rank; all ranks get the result."""
     from runtime.distributed.state_dict import gather_full, is_expert_param
 
-    # clone: clipping later scales p.grad in place
+    # clone: an optimizer step may scale p.grad in place (clipping)
     return {fqn: gather_full(p.grad, is_expert_param(model, fqn), meshes).detach().float().cpu().clone()
             for fqn, p in model.named_parameters() if p.grad is not None}
 

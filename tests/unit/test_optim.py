@@ -168,7 +168,7 @@ def test_one_compiled_graph_serves_every_step():
     states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
     for step in range(1, 4):
         scalars = [torch.tensor(x) for x in (1e-3 / step, 1 - 0.9**step, (1 - 0.95**step) ** 0.5)]
-        update(params, [torch.randn_like(p) for p in params], *states, *scalars, 0.9, 0.95, 1e-8, 0.0)
+        update(params, [torch.randn_like(p) for p in params], *states, *scalars, torch.tensor(1.0), 0.9, 0.95, 1e-8, 0.0)
     assert counter.frame_count == 1
 
 
@@ -195,3 +195,58 @@ def test_bf16_optimizer_state_dict_round_trip_continues_identically():
     opt2.load_state_dict(saved)
     steps(q, opt2, 2, seed=2)
     assert torch.equal(p, q)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+def _adamw_pair(kind: str, device: str):
+    """Two identical (parameter, optimizer) pairs of one kind: 'plain' / 'fused' torch AdamW in fp32, 'sr' ours."""
+    from runtime.optim import StochasticRoundingAdamW
+
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(4096, device=device, dtype=torch.bfloat16 if kind == "sr" else torch.float32))
+        kwargs = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+        opt = (StochasticRoundingAdamW([p], **kwargs) if kind == "sr"
+               else torch.optim.AdamW([p], fused=kind == "fused", **kwargs))
+        pairs.append((p, opt))
+    return pairs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["plain", "fused", "sr"])
+@pytest.mark.parametrize("scale", [0.5, 0.3, 1.0])
+def test_optimizer_step_with_a_grad_scale_equals_a_step_on_scaled_gradients(kind, device, scale):
+    """Clipping folded into the update (our AdamW, torch's fused AdamW through its grad_scale) gives the
+    step, and the AdamW states, that pre-scaled gradients give: bit for bit where the scaling is exact
+    (0.5, 1.0), within rounding otherwise. The states carry the scale (the first update alone is nearly
+    scale-invariant)."""
+    from runtime.optim import optimizer_step
+
+    (ours, opt), (ref, ref_opt) = _adamw_pair(kind, device)
+    grad = torch.randn_like(ours)
+    ours.grad, ref.grad = grad.clone(), (grad.float() * scale).to(grad.dtype)
+    torch.manual_seed(1)  # the same stochastic rounding draws on both sides
+    optimizer_step(opt, scale)
+    torch.manual_seed(1)
+    ref_opt.step()
+    exact = scale in (0.5, 1.0)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(opt.state[ours][key], ref_opt.state[ref][key], rtol=0 if exact else 2e-2, atol=0)
+    # bf16 pre-scaled grads round; stochastic rounding may then land on the other neighbour
+    atol = 0 if exact else 2e-2 if kind == "sr" else 1e-6
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=atol)
+
+
+def test_fused_adamw_is_left_without_a_grad_scale():
+    """The AMP attribute lent to torch's fused AdamW for one step does not stay (a later plain step, or a
+    GradScaler, would find it)."""
+    from runtime.optim import optimizer_step
+
+    (p, opt), _ = _adamw_pair("fused", "cpu")
+    p.grad = torch.randn_like(p)
+    optimizer_step(opt, 0.25)
+    assert not hasattr(opt, "grad_scale")
