@@ -163,7 +163,8 @@ def profile(step, args, step_ms: float, cuda: bool, steps: int = 2, top: int = 1
             torch.cuda.synchronize()
     profiled_ms = (time.perf_counter() - start) * 1e3 / steps
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = [e for e in prof.events() if e.device_type == kind]
+    # GPU-side user annotations (e.g. "Optimizer.step#...") span kernels that are counted on their own
+    events = [e for e in prof.events() if e.device_type == kind and not e.is_user_annotation]
     # A kernel's own time; on the CPU an op's time less its children's, so nested ops are not counted twice.
     us = [e.time_range.elapsed_us() if cuda else e.self_cpu_time_total for e in events]
     totals = defaultdict(float)
