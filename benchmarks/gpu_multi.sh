@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (hybrid verify runs GDN on the torch op set unless the FLA wheels are installed as gpu_e2e_hybrid.sh says):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth]
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [hostbound]
 #   verify      runtime.verify (bf16 tolerances) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
 #               then a resume on another ep (ep=2 -> ep=N)
@@ -9,6 +9,8 @@
 #               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
+#   hostbound   issue 17 item 6 under EP: the same model at 8 layers, LoRA, ep=N, eager / compiled / compiled
+#               with inductor's CUDA graphs (the regions of static shape around the token exchange)
 # Logs under $OUT; the summary table comes last.
 source benchmarks/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
@@ -78,6 +80,13 @@ fi
 if [[ $parts == *bandwidth* ]]; then
   torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --out "$OUT" > "$OUT/bench_ep.log" 2>&1
   summary+=("bench_ep: $(tail -n 3 "$OUT/bench_ep.log" | tr '\n' ' ')")
+fi
+if [[ $parts == *hostbound* ]]; then
+  eight=(--ep "$N" --set model.num_layers_override=8 --set lora.enabled=true --set optim.master_dtype=fp32)
+  train_run "lora8-ep$N-eager" "$N" "${eight[@]}"
+  train_run "lora8-ep$N-compiled" "$N" "${eight[@]}" --set compile.enabled=true
+  train_run "lora8-ep$N-cudagraphs" "$N" "${eight[@]}" --set compile.enabled=true \
+    --set "compile.inductor_options={triton.cudagraphs: true}"
 fi
 echo "== summary ($N GPUs)"
 printf '%s\n' "${summary[@]}"
