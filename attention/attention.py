@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.context_parallel import CPShard, gather_sequence, heads_to_seq, repeat_kv_for_cp, seq_to_heads
+from attention.context_parallel import (
+    CPShard,
+    VarlenSegments,
+    gather_sequence,
+    heads_to_seq,
+    repeat_kv_for_cp,
+    seq_to_heads,
+)
 from attention.norm import RMSNorm
 from attention.norm_rope import qk_norm_rope
 from gpu.registry import Registry
@@ -37,6 +44,8 @@ class AttnMeta:
     max_seqlen: int | None = None
     # context parallelism: this rank holds a share of every row; the whole rows' metadata is cp.meta
     cp: CPShard | None = None
+    # built for the varlen kernel (backend flash); context parallelism's allgather mode then runs it too
+    varlen: bool = False
 
 
 def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -73,7 +82,7 @@ def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tens
     if backend == "flash":
         if position_ids_BS is not None and cu_seqlens is None:
             cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
-        return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, varlen=True)
     if position_ids_BS is None:
         return AttnMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     # cu_seqlens ride along for the GDN layers of hybrid models
@@ -110,11 +119,14 @@ def sdpa_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torc
 
 # --- varlen flash backend ---------------------------------------------------------------------------
 # Two implementations of the same contract, VarlenFn(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen,
-# scale) -> out_THD (causal within each document of cu_seqlens, GQA: q head h reads kv head
-# h // (Hq / Hkv)): flash-attn's flash_attn_varlen_func when installed, else torch's own
-# torch.nn.attention.varlen.varlen_attn (torch >= 2.10), whose keywords changed between releases.
+# scale, cu_seqlens_k=None, max_seqlen_k=None) -> out_THD (causal within each document of cu_seqlens,
+# GQA: q head h reads kv head h // (Hq / Hkv)): flash-attn's flash_attn_varlen_func when installed, else
+# torch's own torch.nn.attention.varlen.varlen_attn (torch >= 2.10), whose keywords changed between
+# releases. Keys with their own boundaries (cu_seqlens_k, max_seqlen_k; default: those of q) may outnumber
+# a sequence's queries: both kernels are FlashAttention-2's, which aligns causal bottom-right (the last
+# query sees the last key; torch's copy: aten/src/ATen/native/transformers/cuda/flash_attn/mask.h).
 
-VarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+VarlenFn = Callable[..., torch.Tensor]
 
 
 class VarlenImpl(NamedTuple):
@@ -147,10 +159,17 @@ def repeat_kv_heads(kv_TKD: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Ten
     return kv_TKD if n_rep == 1 else kv_TKD.repeat_interleave(n_rep, dim=dim)
 
 
+def _key_bounds(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k) -> tuple[torch.Tensor, int]:
+    """The keys' boundaries and longest sequence: their own where given, else the queries'."""
+    return (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
+            max_seqlen if max_seqlen_k is None else max_seqlen_k)
+
+
 def _flash_attn_caller(fn: Callable) -> VarlenFn:
     """flash-attn takes GQA natively and causal as a flag."""
-    def call(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
-        return fn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+    def call(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None, max_seqlen_k=None):
+        cu_seqlens_k, max_seqlen_k = _key_bounds(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
+        return fn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
                   softmax_scale=scale, causal=True)
     return call
 
@@ -171,7 +190,7 @@ def _torch_varlen_caller(fn: Callable) -> VarlenFn | None:
         return None
     native_gqa, takes_scale = "enable_gqa" in params, "scale" in params
 
-    def call(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    def call(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None, max_seqlen_k=None):
         n_rep = q_THD.shape[1] // k_TKD.shape[1]
         kwargs = dict(causal)
         if native_gqa:
@@ -183,7 +202,8 @@ def _torch_varlen_caller(fn: Callable) -> VarlenFn | None:
         elif not math.isclose(scale, q_THD.shape[-1] ** -0.5, rel_tol=1e-6):
             raise ValueError(f"this torch's varlen_attn has no scale argument and uses 1/sqrt(head_dim); "
                              f"got scale {scale}")
-        return fn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+        cu_seqlens_k, max_seqlen_k = _key_bounds(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
+        return fn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
     return call
 
 
@@ -282,6 +302,33 @@ def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float)
     return out_THD.unflatten(0, (B, S))
 
 
+def cp_masked_attention(q_BsHD, k_BSKD, v_BSKD, mask_B1sS: torch.Tensor, scale: float) -> torch.Tensor:
+    """Context parallelism, allgather mode without a varlen kernel: this rank's queries [B, S_loc, Hq, D] over the
+    whole rows' keys [B, S, Hkv, D] through SDPA with CPShard.mask_B1sS. Returns [B, S_loc, Hq, D]."""
+    q, k, v = (t.transpose(1, 2) for t in (q_BsHD, k_BSKD, v_BSKD))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1sS, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+def cp_varlen_attention(q_BsHD, k_BSKD, v_BSKD, segments: VarlenSegments, scale: float) -> torch.Tensor:
+    """Context parallelism, allgather mode on the varlen kernel: this rank's queries [B, S_loc, Hq, D] over the
+    whole rows' keys [B, S, Hkv, D], one call over CPShard.segments (no mask). Returns [B, S_loc, Hq, D] in the
+    compute dtype."""
+    B, s = q_BsHD.shape[:2]
+    dtype = _varlen_compute_dtype(q_BsHD)
+    _check_varlen_inputs(q_BsHD, dtype)
+    impl = varlen_impl()
+    if impl is None:  # as in flash_varlen_attention
+        check_attn_backend("flash")
+    q_THD = q_BsHD.flatten(0, 1).to(dtype)
+    # a document in both local pieces has its keys copied into both segments: one packed run each
+    k_TKD, v_TKD = (t.flatten(0, 1).to(dtype).index_select(0, segments.key_index_T) for t in (k_BSKD, v_BSKD))
+    out_THD = impl.fn(q_THD, k_TKD, v_TKD, segments.cu_seqlens_q, segments.max_seqlen_q, scale,
+                      cu_seqlens_k=segments.cu_seqlens_k, max_seqlen_k=segments.max_seqlen_k)
+    return out_THD.unflatten(0, (B, s))
+
+
 def check_attn_backend(name: str) -> None:
     """Raises ValueError naming the fix when `name` is unknown or cannot run on this install. Whether
     flash can run is decided by the varlen implementation found on first use, not at import."""
@@ -344,7 +391,6 @@ class Qwen3Attention(nn.Module):
             backend = resolve_attn_backend(self.backend, q_BsHD.device)
             return heads_to_seq(ATTN_BACKENDS.get(backend)(q_BShD, k_BSkD, v_BSkD, cp.meta, self.scale), cp)
         k_BSKD, v_BSKD = gather_sequence(k_BsKD, cp), gather_sequence(v_BsKD, cp)
-        q, k, v = (t.transpose(1, 2) for t in (q_BsHD, k_BSKD, v_BSKD))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cp.mask_B1sS, scale=self.scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2)
+        if cp.segments is not None:
+            return cp_varlen_attention(q_BsHD, k_BSKD, v_BSKD, cp.segments, self.scale)
+        return cp_masked_attention(q_BsHD, k_BSKD, v_BSKD, cp.mask_B1sS, self.scale)

@@ -13,8 +13,10 @@ few keys to attend to and its late piece many, so every rank does the same atten
 
 Every exchange is a functional collective with autograd (its backward is the reverse exchange) that
 torch.compile traces. Attention modes (`parallelism.cp_attention`):
-    allgather  K and V gathered over the cp group; each rank attends with its own queries (mask from the
-               whole rows' documents and the zigzag positions)
+    allgather  K and V gathered over the cp group; each rank attends with its own queries. Where the whole rows'
+               metadata is for the varlen kernel (backend flash: CUDA), one varlen call over VarlenSegments (this
+               rank's queries cut at document and piece ends, each with its document's keys up to its last query);
+               elsewhere SDPA with a [B, 1, S_loc, S] mask from the documents and the zigzag positions
     ulysses    q, k, v exchanged from sequence to heads (all-to-all), the ordinary backend over the whole
                rows and their metadata, the output exchanged back; needs q heads divisible by cp and kv
                heads dividing or divisible by cp (kv heads are repeated up to cp)
@@ -23,6 +25,8 @@ GDN layers always run head-parallel (the ulysses exchange; conv and delta rule p
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -51,12 +55,58 @@ def _row_order(seq_len: int, size: int, device) -> torch.Tensor:
     return torch.empty_like(concat).scatter_(0, concat, torch.arange(concat.numel(), device=device))
 
 
+@dataclass(frozen=True)
+class VarlenSegments:
+    """allgather mode on a varlen kernel: this rank's queries cut wherever a document or a zigzag piece ends.
+    Segment i holds the local queries cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1 of the flattened [B*S_loc] (local
+    order, so q needs no reordering) and attends to the keys key_index_T[cu_seqlens_k[i] .. cu_seqlens_k[i+1]-1],
+    positions in the flattened whole rows [B*S]: one contiguous run from its document's start to its last query.
+    It has at least as many keys as queries and its last query sees its last key, so causal attention over it
+    is aligned bottom-right (FlashAttention-2's alignment when seqlen_q < seqlen_k)."""
+    cu_seqlens_q: torch.Tensor  # int32 [segments + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [segments + 1]
+    key_index_T: torch.Tensor  # int64 [cu_seqlens_k[-1]]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def zigzag_segments(doc_bounds: list[int], batch: int, seq_len: int, size: int,
+                    rank: int) -> list[tuple[int, int, int]]:
+    """(first query, first key, end) of every segment of cp rank `rank`, in its local query order; positions in
+    the flattened whole rows [B*S]: queries first query .. end-1, keys first key (its document's start) .. end-1.
+    doc_bounds: the sorted document boundaries over the flattened rows, every row start and B*S among them."""
+    piece = seq_len // (2 * size)
+    segments = []
+    for b, p in itertools.product(range(batch), (rank, 2 * size - 1 - rank)):
+        start, end = b * seq_len + p * piece, b * seq_len + (p + 1) * piece
+        d = bisect.bisect_right(doc_bounds, start) - 1  # the document holding the piece's first token
+        while doc_bounds[d] < end:
+            doc_start, doc_end = doc_bounds[d], doc_bounds[d + 1]
+            segments.append((max(start, doc_start), doc_start, min(end, doc_end)))
+            d += 1
+    return segments
+
+
+def varlen_segments(doc_bounds: list[int], batch: int, seq_len: int, size: int, rank: int,
+                    device) -> VarlenSegments:
+    """zigzag_segments as the varlen kernel's tables on `device`: built from host ints, then copied once."""
+    segments = zigzag_segments(doc_bounds, batch, seq_len, size, rank)
+    q_lens = [end - first_q for first_q, _, end in segments]
+    k_lens = [end - first_k for _, first_k, end in segments]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32) for lens in (q_lens, k_lens))
+    # segment i's keys are first_k_i + (0 .. k_len_i - 1): one arange over the packed keys, shifted per segment
+    shift_T = torch.repeat_interleave(torch.tensor([k for _, k, _ in segments]) - cu_k[:-1], torch.tensor(k_lens))
+    key_index_T = shift_T + torch.arange(sum(k_lens))
+    return VarlenSegments(cu_q.to(device), cu_k.to(device), key_index_T.to(device), max(q_lens), max(k_lens))
+
+
 @dataclass
 class CPShard:
     """This rank's share of a batch of whole rows, and what the mixers need to compute over whole rows.
 
-    meta: the whole rows' attention metadata (attention.attention.AttnMeta: packed mask, cu_seqlens); mode:
-    the attention exchange; position_ids_BS: the whole rows' positions (documents restart at 0)."""
+    meta: the whole rows' attention metadata (attention.attention.AttnMeta: packed mask, cu_seqlens, whether it is
+    for the varlen kernel); mode: the attention exchange; position_ids_BS: the whole rows' positions (documents
+    restart at 0). allgather mode holds either `segments` (meta for the varlen kernel) or `mask_B1sS`."""
     group: dist.ProcessGroup
     rank: int
     size: int
@@ -65,16 +115,21 @@ class CPShard:
     mode: str = "allgather"
     index_S: torch.Tensor = field(init=False)
     row_order_S: torch.Tensor = field(init=False)
+    segments: VarlenSegments | None = field(init=False)
     mask_B1sS: torch.Tensor | None = field(init=False)
 
     def __post_init__(self):
         if self.mode not in CP_ATTENTION_MODES:
             raise ValueError(f"unknown cp attention mode {self.mode!r}; choose one of {CP_ATTENTION_MODES}")
-        S, device = self.position_ids_BS.shape[1], self.position_ids_BS.device
+        B, S = self.position_ids_BS.shape
+        device = self.position_ids_BS.device
         self.index_S = zigzag_index(S, self.size, self.rank, device)
         self.row_order_S = _row_order(S, self.size, device)
-        # built once per batch, shared by every attention layer
-        self.mask_B1sS = self._attention_mask() if self.mode == "allgather" else None
+        # built once per batch, shared by every attention layer; the varlen kernel needs no [B, 1, S_loc, S] mask
+        varlen, allgather = self.meta.varlen, self.mode == "allgather"
+        self.segments = (varlen_segments(self._document_bounds(), B, S, self.size, self.rank, device)
+                         if allgather and varlen else None)
+        self.mask_B1sS = self._attention_mask() if allgather and not varlen else None
 
     @property
     def seq_len(self) -> int:
@@ -83,6 +138,13 @@ class CPShard:
     def take(self, t_BS: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole-row tensor [B, S, ...] -> [B, S_loc, ...]."""
         return t_BS.index_select(1, self.index_S)
+
+    def _document_bounds(self) -> list[int]:
+        """The whole rows' document boundaries over the flattened B*S tokens, every row start among them: host
+        ints read from meta.cu_seqlens once per batch (None: one document per row)."""
+        B, S = self.position_ids_BS.shape
+        cu = [] if self.meta.cu_seqlens is None else self.meta.cu_seqlens.tolist()
+        return sorted(set(cu) | set(range(0, B * S + 1, S)))
 
     def _attention_mask(self) -> torch.Tensor:
         """allgather mode: local query i sees row key j iff j <= pos(i) and both lie in one document."""

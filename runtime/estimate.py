@@ -450,7 +450,8 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     if mode != "none":
         start["recomputed block"] = _recomputed_block(run, tokens, model, copies)
     if cfg.parallelism.cp > 1 and cfg.parallelism.cp_attention == "allgather":
-        start["cp whole-row K/V and mask"] = forward["cp whole-row K/V and mask"] = _allgather_kv(run, tokens, dims.cp, mode)
+        varlen = cuda and cfg.model.attn_backend != "sdpa"  # auto and flash take the varlen kernel on CUDA
+        start["cp gathered K/V"] = forward["cp gathered K/V"] = _allgather_kv(run, tokens, dims.cp, mode, varlen)
     if shards > 1:  # FSDP's param dtype (bf16 on CUDA): the current block, the prefetched next, the root unit
         unit_bytes = p.compute if cuda else p.master
         fsdp = int(unit_bytes * (2 * _gathered_block_values(model, dims) + _root_values(model) * (shards - 1) / shards))
@@ -458,12 +459,17 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     return MemoryEstimate(parameters, gradients, optimizer, activations, forward, start, end)
 
 
-def _allgather_kv(run: Run, tokens: int, cp: int, mode: str) -> int:
-    """All-gather context parallelism: every attention layer keeps the whole rows' K and V (cp times this
-    rank's tokens; one layer at a time under checkpointing), and one [s, S] boolean mask serves them all."""
+def _allgather_kv(run: Run, tokens: int, cp: int, mode: str, varlen: bool) -> int:
+    """All-gather context parallelism: every attention layer keeps K and V for backward (one layer at a time
+    under checkpointing). On the varlen kernel those are the packed keys of this rank's segments, at most
+    cp + 1/2 times this rank's tokens (a document seen from both zigzag pieces has its keys twice); with the
+    masked SDPA (no varlen kernel), the whole rows' K and V (cp times) and one [s, S] boolean mask for all."""
     q, c = run.q, run.p.compute
     layers = sum(not q.is_linear_attention(i) for i in range(q.num_layers)) if mode == "none" else 1
-    return int(tokens * cp * (layers * 2 * c * q.num_kv_heads * q.head_dim + 1))
+    kv_bytes = layers * 2 * c * q.num_kv_heads * q.head_dim
+    if varlen:
+        return int(tokens * (cp + 0.5) * kv_bytes)
+    return int(tokens * cp * (kv_bytes + 1))
 
 
 def report(cfg: Config, dims: ParallelDims, cuda: bool = True) -> str:
