@@ -10,6 +10,11 @@
 #          on bf16 / MXFP4 / NVFP4 weights, LoRA, Qwen3-30B-A3B shapes)
 #   e2e    bench_e2e LoRA 12 layers: ours on bf16 experts vs transformers+PEFT, then ours on NVFP4 and MXFP4
 #          experts (ms/step and peak GiB against the bf16 row)
+#   check  what fits one call after a decode change: the dequantize kernel bit for bit, scattermoe on packed
+#          experts at the Qwen3-30B-A3B shape (both formats, LoRA and frozen), the memory accounting; then the
+#          expert layer on bf16 / MXFP4 / NVFP4 weights at that shape (time and transient peak, scattermoe)
+#   fit    the whole Qwen3-30B-A3B (48 layers) LoRA on MXFP4 experts, rows of 8192, no checkpointing: peak
+#          against the estimate (runtime.launch --estimate: 66.55 GiB)
 # Logs in $OUT/*.log, rows in $OUT/*.json; the summary comes last.
 source benchmarks/gpu_env.sh
 parts=${*:-tests dense bench e2e}
@@ -22,6 +27,13 @@ if [[ $parts == *dense* ]]; then
   python -m pytest -q -rs tests/gpu/test_scattermoe_gpu.py tests/gpu/test_grouped_gemm_paths_gpu.py \
     tests/unit/test_quant.py > "$OUT/fp4_dense_tests.log" 2>&1
   tail -n 3 "$OUT/fp4_dense_tests.log"
+fi
+if [[ $parts == *check* ]]; then
+  python -m pytest -q -rs tests/gpu/test_fp4_gpu.py -k "dequantize or qwen3-30b-a3b or no_dense_copy" \
+    > "$OUT/fp4_check.log" 2>&1
+  tail -n 3 "$OUT/fp4_check.log"
+  python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 \
+    --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
 fi
 if [[ $parts == *bench* ]]; then
   python -m benchmarks.bench_quant --experts 128 --out "$OUT" > "$OUT/bench_quant.log" 2>&1
@@ -39,6 +51,9 @@ if [[ $parts == *e2e* ]]; then
   e2e lora_bf16
   e2e lora_nvfp4 --set quant.base_weights=nvfp4 --no-baseline
   e2e lora_mxfp4 --set quant.base_weights=mxfp4 --no-baseline
+fi
+if [[ $parts == *fit* ]]; then
+  e2e lora48_mxfp4 --layers 48 --set quant.base_weights=mxfp4 --no-baseline
 fi
 echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
