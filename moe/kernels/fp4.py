@@ -7,8 +7,9 @@ W [E, N, K] = the stored [E, O, I] (transposed=False: the forward) or its transp
 byte by byte from the codes (one contiguous byte load and one block-scale decode per pair of elements, the
 pairs interleaved into the tile by join + permute + reshape): value = e2m1 * 2^(s - 127) (MXFP4) or
 e2m1 * (tensor_scale * e4m3) (NVFP4, fp32, in that order), then rounded to the activations' dtype: torchao's
-dequantized values, bit for bit. Decoding is integer arithmetic and bit casts (no fp8 types: the interpreter
-lacks them).
+dequantized values, bit for bit. Codes and scales are decoded by shifts, masks and bit casts to fp32 and exact
+multiplications by powers of two (no fp8 types: the interpreter lacks them); e2m1 times the scale is the one
+rounding, as in torchao.
 """
 
 from __future__ import annotations
@@ -55,36 +56,13 @@ class PackedWeight:
         return PackedWeight(self.qdata, self.scale, self.tensor_scale, self.fmt, not self.transposed)
 
 
-@triton.jit
-def e2m1_to_float(code):
-    """e2m1 codes (int32, 0..15) -> fp32: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
-    sign = (code >> 3) & 1
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
-    return (bits | (sign << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e8m0_to_float(s):
-    """e8m0 scale bytes (int32) -> 2^(s - 127) in fp32 (s = 0: the subnormal 2^-127; 255: NaN)."""
-    bits = tl.where(s == 0, 0x00400000, s << 23)
-    bits = tl.where(s == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e4m3_to_float(b):
-    """e4m3fn bytes (int32) -> fp32: sign bit 7, exponent bits 6-3 (bias 7), mantissa bits 2-0; 0x7F and
-    0xFF are NaN (e4m3fn has no infinities)."""
-    sign = (b >> 7) & 1
-    exponent = (b >> 3) & 15
-    mantissa = b & 7
-    normal = (((exponent + 120) << 23) | (mantissa << 20) | (sign << 31)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
-    subnormal = tl.where(sign == 1, -subnormal, subnormal)
-    value = tl.where(exponent == 0, subnormal, normal)
-    return tl.where((b & 0x7F) == 0x7F, tl.full(b.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), value)
+# A minifloat code with its exponent bits at fp32's lowest exponent bits and its mantissa bits at fp32's
+# highest mantissa bits reads, as fp32, as its value times 2^(bias - 127), subnormals too (exponent 0 is
+# fp32's subnormal as well): shifts and a mask, then an exact multiplication by 2^(127 - bias).
+_E2M1_BITS = tl.constexpr(-0x7E400000)  # 0x81C00000 (int32): the sign (bit 31), e2m1 e1 e0 m (24-22)
+_E4M3_BITS = tl.constexpr(-0x78100000)  # 0x87F00000 (int32): the sign (bit 31), e4m3 e3-e0 m2-m0 (26-20)
+_E2M1_UNBIAS = tl.constexpr(2.0 ** 126)
+_E4M3_UNBIAS = tl.constexpr(2.0 ** 120)
 
 
 @triton.jit
@@ -97,10 +75,21 @@ def fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o, j, mask, s_q_e, s_q_o, s_s_e, s_s_o,
     # other=0: a masked element is code 0 times a finite scale (e4m3 0 or e8m0 2^-127), +0.
     s = tl.load(s_ptr + e64 * s_s_e + o * s_s_o + j // (BLOCK_SIZE // 2), mask=mask, other=0).to(tl.int32)
     if FMT == 1:
-        scale = e8m0_to_float(s)
+        # e8m0: 2^(s - 127) is s << 23 for s in 1..254, s = 0 the subnormal 2^-127 (bit 22); 255 (NaN) reads
+        # as inf, which inf * 0 + inf turns into NaN (a finite scale passes unchanged).
+        scale = tl.maximum(s << 23, 0x00400000).to(tl.float32, bitcast=True)
+        scale = scale * 0.0 + scale
     else:
-        scale = tl.load(ts_ptr + e64) * e4m3_to_float(s)
-    return e2m1_to_float(byte & 15) * scale, e2m1_to_float(byte >> 4) * scale
+        # e4m3fn (bits 6-0 to 26-20, the sign through an arithmetic shift): its NaNs 0x7F / 0xFF read as
+        # +-480, beyond its largest finite value (448).
+        e4m3 = (((s << 24) >> 4) & _E4M3_BITS).to(tl.float32, bitcast=True) * _E4M3_UNBIAS
+        e4m3 = tl.where(tl.abs(e4m3) == 480.0, float("nan"), e4m3)
+        scale = tl.load(ts_ptr + e64) * e4m3  # torchao's order
+    # A code to bits 31-28, then an arithmetic shift: its sign stays at 31 (its copies in 30-25 are masked).
+    lo = (((byte << 28) >> 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * _E2M1_UNBIAS
+    hi = (((byte << 24) >> 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * _E2M1_UNBIAS
+    # The exact e2m1 values times the scale: torchao's one rounding.
+    return lo * scale, hi * scale
 
 
 @triton.jit

@@ -33,6 +33,37 @@ def _torchao_dequantize(w_ENK: torch.Tensor, fmt: str, packed) -> torch.Tensor:
                         .dequantize(w_ENK.dtype) for e, w in enumerate(w_ENK)])
 
 
+# NVFP4 tensor scales from fp32-subnormal to huge: block scales and values reach subnormals, round to 0 and
+# overflow (2^119 * 448 is finite, 2^125 * 448 is not).
+EXTREME_TENSOR_SCALES = (0.75, 3e-3, 1e-40, 2.0 ** 119, 2.0 ** 125)
+
+
+def every_code_under_every_scale_byte(fmt: str) -> FP4Weight:
+    """Row r's two blocks take the scale bytes r and 255 - r (e8m0 0 = 2^-127 and 255 = NaN; e4m3
+    subnormals, -0 and the NaNs 0x7F / 0xFF), and every block begins with every code: bytes (k, 15 - k) in
+    even rows, (15 - k, k) in odd ones, so each scale byte meets each code in either nibble. NVFP4: one
+    expert per EXTREME_TENSOR_SCALES."""
+    block = 32 if fmt == "mxfp4" else 16
+    E = len(EXTREME_TENSOR_SCALES) if fmt == "nvfp4" else 2
+    weight = FP4Weight.empty(fmt, (E, 256, 2 * block), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    weight.qdata.copy_(torch.randint(0, 256, weight.qdata.shape, generator=g, dtype=torch.uint8))
+    k = torch.arange(8, dtype=torch.uint8)
+    pairs = torch.stack([k | (15 - k) << 4, (15 - k) | k << 4]).repeat(128, 1)  # [256 rows, 8 bytes]
+    weight.qdata.view(E, 256, 2, block // 2)[..., :8] = pairs[None, :, None, :]
+    weight.scale.copy_(torch.stack([torch.arange(256), torch.arange(256).flip(0)], -1).to(torch.uint8))
+    if fmt == "nvfp4":
+        weight.tensor_scale.copy_(torch.tensor(EXTREME_TENSOR_SCALES).view(torch.int32))
+    return weight
+
+
+def assert_same_values(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit for bit, signed zeros and infinities too; NaN where ref is NaN (any payload)."""
+    assert torch.equal(ours.isnan(), ref.isnan())
+    assert torch.equal(_int_view(ours.nan_to_num(0.0, float("inf"), float("-inf"))),
+                       _int_view(ref.nan_to_num(0.0, float("inf"), float("-inf"))))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_equals_torchao_bit_for_bit(fmt, dtype):
@@ -178,3 +209,17 @@ def test_hf_export_refuses_packed_experts_unless_asked_to_dequantize(tiny_moe_ck
     ids = torch.randint(0, 320, (1, 16))
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, model(ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter: test_scattermoe_fp4)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_decode_of_every_code_and_scale_byte(fmt):
+    """The Triton decode (moe/kernels/fp4.py) as compiled for the GPU, against the CPU dequantization: its
+    exactness rests on the compiled code keeping fp32 subnormals and making inf * 0 + inf NaN."""
+    from moe.kernels.fp4 import dequantize_fp4
+    weight = every_code_under_every_scale_byte(fmt)
+    refs = {dtype: weight.dequantize(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    weight.to("cuda")
+    for dtype, ref in refs.items():
+        assert_same_values(dequantize_fp4(weight, dtype).cpu(), ref)
