@@ -20,7 +20,11 @@ torch.compile traces. Attention modes (`parallelism.cp_attention`):
     ulysses    q, k, v exchanged from sequence to heads (all-to-all), the ordinary backend over the whole
                rows and their metadata, the output exchanged back; needs q heads divisible by cp and kv
                heads dividing or divisible by cp (kv heads are repeated up to cp)
-GDN layers always run head-parallel (the ulysses exchange; conv and delta rule per head over whole rows).
+GDN modes (`parallelism.cp_gdn`, attention/gdn.py):
+    heads      head-parallel: the ulysses exchange, conv and delta rule per head over whole rows; needs
+               linear_num_key_heads divisible by cp
+    state      state passing: each rank runs its own pieces, with every piece's conv tail and recurrent-state
+               transition exchanged by all-gather (gather_pieces); any cp, torch op set
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 CP_ATTENTION_MODES = ("allgather", "ulysses")
+CP_GDN_MODES = ("heads", "state")
 # renamed in torch 2.13; the GPU image's torch 2.11 has only the old name
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
@@ -106,13 +111,15 @@ class CPShard:
 
     meta: the whole rows' attention metadata (attention.attention.AttnMeta: packed mask, cu_seqlens, whether it is
     for the varlen kernel); mode: the attention exchange; position_ids_BS: the whole rows' positions (documents
-    restart at 0). allgather mode holds either `segments` (meta for the varlen kernel) or `mask_B1sS`."""
+    restart at 0); gdn_mode: how GDN layers split (CP_GDN_MODES). allgather mode holds either `segments` (meta for
+    the varlen kernel) or `mask_B1sS`."""
     group: dist.ProcessGroup
     rank: int
     size: int
     meta: object
     position_ids_BS: torch.Tensor
     mode: str = "allgather"
+    gdn_mode: str = "heads"
     index_S: torch.Tensor = field(init=False)
     row_order_S: torch.Tensor = field(init=False)
     segments: VarlenSegments | None = field(init=False)
@@ -121,6 +128,8 @@ class CPShard:
     def __post_init__(self):
         if self.mode not in CP_ATTENTION_MODES:
             raise ValueError(f"unknown cp attention mode {self.mode!r}; choose one of {CP_ATTENTION_MODES}")
+        if self.gdn_mode not in CP_GDN_MODES:
+            raise ValueError(f"unknown cp GDN mode {self.gdn_mode!r}; choose one of {CP_GDN_MODES}")
         B, S = self.position_ids_BS.shape
         device = self.position_ids_BS.device
         self.index_S = zigzag_index(S, self.size, self.rank, device)
@@ -134,6 +143,11 @@ class CPShard:
     @property
     def seq_len(self) -> int:
         return self.position_ids_BS.shape[1]
+
+    @property
+    def pieces(self) -> tuple[int, int]:
+        """The zigzag pieces this rank holds, in its local order."""
+        return self.rank, 2 * self.size - 1 - self.rank
 
     def take(self, t_BS: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole-row tensor [B, S, ...] -> [B, S_loc, ...]."""
@@ -165,6 +179,15 @@ def gather_sequence(x_BsF: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """All ranks' tokens in row order: [B, S_loc, ...] -> [B, S, ...]; backward reduce-scatters."""
     gathered = _all_gather_autograd(x_BsF.transpose(0, 1).contiguous(), 0, shard.group)
     return _to_row_order(gathered.transpose(0, 1), shard)
+
+
+def gather_pieces(x_2F: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    """Every piece's value in piece order: [2, ...] (this rank's pieces, local order) -> [2*cp, ...]; backward
+    reduce-scatters."""
+    gathered = _all_gather_autograd(x_2F.contiguous(), 0, shard.group)  # rank r's pieces at 2r, 2r+1
+    at = {p: 2 * r + i for r in range(shard.size) for i, p in enumerate((r, 2 * shard.size - 1 - r))}
+    order = torch.tensor([at[p] for p in range(2 * shard.size)], device=x_2F.device)
+    return gathered.index_select(0, order)
 
 
 def seq_to_heads(x_BsHF: torch.Tensor, shard: CPShard) -> torch.Tensor:

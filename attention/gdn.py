@@ -14,10 +14,20 @@ Packed input: B rows of S tokens; `meta.cu_seqlens` (int32 [docs + 1], boundarie
 B*S tokens, never crossing a row: what the collator builds) says where documents start. Rows that hold
 several documents REQUIRE meta.cu_seqlens: the layer sees no position_ids, and without cu_seqlens
 (meta None, or meta.cu_seqlens None as in an SDPA-only AttnMeta) every row is one document.
-meta.max_seqlen and meta.sdpa_mask_B1SS are not used. With context parallelism (meta.cp) the layer runs
-head-parallel: after the (token-wise) projections, one all-to-all per layer gives each cp rank whole rows
-for num_k_heads/cp key heads and their value heads; conv and delta rule run on them unchanged, over the
-whole rows' documents; the output comes back by the reverse exchange (exact; needs num_k_heads % cp == 0).
+meta.max_seqlen and meta.sdpa_mask_B1SS are not used.
+
+Context parallelism (meta.cp, zigzag pieces: attention/context_parallel.py), exact either way, by meta.cp.gdn_mode:
+- heads: after the (token-wise) projections one all-to-all gives each cp rank whole rows for num_k_heads/cp
+  key heads and their value heads; conv and delta rule run on them unchanged over the whole rows' documents,
+  the output comes back by the reverse exchange. Needs num_k_heads % cp == 0; either op set.
+- state: each rank runs its two pieces (batched as 2B rows of S/(2cp) tokens). The conv of a piece reads its
+  predecessor's last conv_kernel-1 pre-conv tokens (one all-gather of every piece's tail). The delta rule is
+  linear in (initial state, values), so one pass with values [v | 0_K] from the state [0 | I_K] gives every
+  output as o0 + o_I S_in and the piece's state map S_end = P S_in + S0_end ([S0_end | P] is the final
+  state; a document start inside the piece makes P = 0). The maps of all pieces (one all-gather, [B, HV, K,
+  V+K] each) composed in row order give each piece's incoming state S_in. Autograd runs through the
+  collectives and the composition. Any cp; costs about (V+K)/V of a delta-rule pass; op set torch only (the
+  fla ops take no initial state).
 
 Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py) in `GDN_OP_SETS` (config key
 model.gdn_op_set; "auto" = fla on CUDA when installed, else torch), chosen at build time, one contract:
@@ -47,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.attention import AttnMeta
-from attention.context_parallel import CPShard, heads_to_seq, seq_to_heads
+from attention.context_parallel import CPShard, gather_pieces, heads_to_seq, seq_to_heads
 from gpu.registry import Registry
 
 GDN_LAYOUTS = ("qwen3_5", "qwen3_next")
@@ -162,8 +172,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, meta: AttnMeta | None = None) -> torch.Tensor:
         qkv_BSD, z_BSHV, b_BSH, a_BSH = self.project(x_BSH)
-        if meta is not None and meta.cp is not None:
-            o_BSHV = self._mix_head_parallel(qkv_BSD, b_BSH, a_BSH, meta.cp)
+        cp = meta.cp if meta is not None else None
+        if cp is not None and cp.gdn_mode == "state":
+            o_BSHV = self._mix_state_passing(qkv_BSD, b_BSH, a_BSH, cp)
+        elif cp is not None:
+            o_BSHV = self._mix_head_parallel(qkv_BSD, b_BSH, a_BSH, cp)
         else:
             cu_seqlens = meta.cu_seqlens if meta is not None else None
             o_BSHV = self._mix(qkv_BSD, b_BSH, a_BSH, cu_seqlens, slice(None), self.num_k_heads)
@@ -179,12 +192,16 @@ class GatedDeltaNet(nn.Module):
         qkv_BSD = self.ops.causal_conv1d_silu(qkv_BSD, self._conv_weight(heads), docs)
         key_dim, value_dim = num_k_heads * self.head_k_dim, num_k_heads * group * self.head_v_dim
         q, k, v = qkv_BSD.split([key_dim, key_dim, value_dim], dim=-1)
-        beta_BSH = b_BSH.sigmoid()
-        # fp32 decay: exp(A_log) overflows fp16 and the decay's cumsum needs the precision
-        g_BSH = -self.A_log[v_heads].float().exp() * softplus(a_BSH.float() + self.dt_bias[v_heads])
+        g_BSH, beta_BSH = self._decay_and_strength(b_BSH, a_BSH, v_heads)
         k_heads, v_shape = (num_k_heads, self.head_k_dim), (num_k_heads * group, self.head_v_dim)
         return self.ops.chunk_gated_delta_rule(q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
                                                v.unflatten(-1, v_shape), g_BSH, beta_BSH, docs)
+
+    def _decay_and_strength(self, b_BSH, a_BSH, v_heads: slice):
+        """(g_BSH log decay, beta_BSH write strength) of value heads `v_heads`."""
+        # fp32 decay: exp(A_log) overflows fp16 and the decay's cumsum needs the precision
+        g_BSH = -self.A_log[v_heads].float().exp() * softplus(a_BSH.float() + self.dt_bias[v_heads])
+        return g_BSH, b_BSH.sigmoid()
 
     def _conv_weight(self, heads: slice) -> torch.Tensor:
         """The depthwise conv weight [D, W] of key heads `heads` and their value heads, [q | k | v] order."""
@@ -201,8 +218,8 @@ class GatedDeltaNet(nn.Module):
         """_mix on whole rows for this cp rank's key heads: one exchange of every key head's q, k, its
         value heads' v, b and a (sequence -> heads), one of the output back (heads -> sequence)."""
         if self.num_k_heads % cp.size:
-            raise ValueError(f"context parallelism runs GDN layers head-parallel: cp={cp.size} must divide "
-                             f"linear_num_key_heads={self.num_k_heads}")
+            raise ValueError(f"parallelism.cp_gdn: heads runs GDN layers head-parallel: cp={cp.size} must divide "
+                             f"linear_num_key_heads={self.num_k_heads}; or set parallelism.cp_gdn: state")
         B, s, _ = qkv_BsD.shape
         Hk, group = self.num_k_heads, self.num_v_heads // self.num_k_heads
         q, k, v = qkv_BsD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -216,3 +233,70 @@ class GatedDeltaNet(nn.Module):
         qkv_BSd = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
         o_BShV = self._mix(qkv_BSd, b.flatten(2), a.flatten(2), cp.meta.cu_seqlens, heads, hk)
         return heads_to_seq(o_BShV, cp)
+
+    def _mix_state_passing(self, qkv_BsD, b_BsH, a_BsH, cp: CPShard) -> torch.Tensor:
+        """_mix of this rank's two zigzag pieces, exactly as on whole rows, every head: the pieces run as 2B
+        rows (n = B*2, batch-major: a view of the local order), each from its predecessor's conv tail and the
+        recurrent state entering it."""
+        if self.op_set != "torch":
+            raise ValueError(f"parallelism.cp_gdn: state starts each piece's delta rule from an initial state, which "
+                             f"GDN op set {self.op_set!r} does not offer; set model.gdn_op_set: torch or "
+                             "parallelism.cp_gdn: heads")
+        B, s, D = qkv_BsD.shape
+        starts_BS = self.ops.prepare_docs(cp.meta.cu_seqlens, B, cp.seq_len, qkv_BsD.device)
+        qkv_nPD, starts_nP = self._conv_pieces(qkv_BsD.reshape(2 * B, s // 2, D), starts_BS, cp)
+        q, k, v = qkv_nPD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g_nPH, beta_nPH = self._decay_and_strength(b_BsH.reshape(2 * B, s // 2, -1),
+                                                   a_BsH.reshape(2 * B, s // 2, -1), slice(None))
+        k_heads, v_shape = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
+        o_nPHV = self._delta_rule_pieces(q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
+                                         v.unflatten(-1, v_shape), g_nPH, beta_nPH, starts_nP, cp)
+        return o_nPHV.reshape(B, s, *v_shape)
+
+    def _conv_pieces(self, x_nPD, starts_BS, cp: CPShard):
+        """(silu(causal conv) of every local piece, the pieces' document starts starts_nP): each piece is
+        prefixed with its predecessor's last W-1 pre-conv tokens (zeros before piece 0) and those tokens'
+        document starts, so the window reaches back across the piece boundary unless a document starts."""
+        n, P = x_nPD.shape[:2]
+        W = self.conv1d.kernel_size[0]
+        if P < W - 1:
+            raise ValueError(f"parallelism.cp_gdn: state reads a conv tail of conv_kernel-1 = {W - 1} tokens from "
+                             f"the previous zigzag piece, but pieces hold seq_len/(2*cp) = {P}; use a longer "
+                             "data.seq_len, a smaller cp or parallelism.cp_gdn: heads")
+        tails_2BTD = x_nPD[:, P - (W - 1):].unflatten(0, (n // 2, 2)).transpose(0, 1)
+        tails_pBTD = gather_pieces(tails_2BTD, cp)
+        # predecessor of piece p at index p: a zero tail before piece 0
+        tails_pBTD = torch.cat([torch.zeros_like(tails_pBTD[:1]), tails_pBTD])
+        pieces = torch.tensor(cp.pieces, device=x_nPD.device)
+        pred_nTD = tails_pBTD.index_select(0, pieces).transpose(0, 1).flatten(0, 1)
+        # row columns of each extended piece; the clamped ones (before piece 0) are starts: their taps stay unused
+        cols_2T = torch.stack([torch.arange(p * P - (W - 1), (p + 1) * P, device=x_nPD.device) for p in cp.pieces])
+        starts_nT = starts_BS[:, cols_2T.clamp_min(0)].flatten(0, 1)
+        y_nTD = self.ops.causal_conv1d_silu(torch.cat([pred_nTD, x_nPD], dim=1), self._conv_weight(slice(None)),
+                                            starts_nT)
+        return y_nTD[:, W - 1:], starts_nT[:, W - 1:]
+
+    def _delta_rule_pieces(self, q_nPHK, k_nPHK, v_nPHV, g_nPH, beta_nPH, starts_nP, cp: CPShard):
+        """o_nPHV of the delta rule on every local piece from the state entering it. One pass with values
+        [v | 0_K] from the state [0 | I_K] gives the outputs [o0 | o_I] and the final state [S0_end | P];
+        with S_in from every piece's map, o = o0 + o_I S_in (linearity in the initial state)."""
+        n, P, HV, V = v_nPHV.shape
+        K = q_nPHK.shape[-1]
+        v_aug_nPHW = torch.cat([v_nPHV.float(), v_nPHV.new_zeros(n, P, HV, K, dtype=torch.float32)], dim=-1)
+        eye_nHKK = torch.eye(K, device=v_nPHV.device).expand(n, HV, K, K)
+        init_nHKW = torch.cat([eye_nHKK.new_zeros(n, HV, K, V), eye_nHKK], dim=-1)
+        o_nPHW, final_nHKW = self.ops.chunk_gated_delta_rule(q_nPHK, k_nPHK, v_aug_nPHW, g_nPH, beta_nPH, starts_nP,
+                                                             initial_state=init_nHKW, output_final_state=True)
+        maps_pBHKW = gather_pieces(final_nHKW.unflatten(0, (n // 2, 2)).transpose(0, 1), cp)
+        state_in_nHKV = incoming_states(maps_pBHKW, V, cp.pieces).transpose(0, 1).flatten(0, 1)
+        o_nPHV = o_nPHW[..., :V] + torch.einsum("nphk,nhkv->nphv", o_nPHW[..., V:], state_in_nHKV)
+        return o_nPHV.to(v_nPHV.dtype)
+
+
+def incoming_states(maps_pBHKW: torch.Tensor, value_dim: int, pieces: tuple[int, ...]) -> torch.Tensor:
+    """The states entering `pieces` [len(pieces), B, HV, K, V], from every piece's state map [S0_end | P]
+    [2*cp, B, HV, K, V+K] in row order: S_in(0) = 0, S_in(p+1) = S0_end(p) + P(p) S_in(p)."""
+    states = [maps_pBHKW.new_zeros(*maps_pBHKW.shape[1:-1], value_dim)]
+    for p in range(max(pieces)):
+        states.append(maps_pBHKW[p, ..., :value_dim] + maps_pBHKW[p, ..., value_dim:] @ states[-1])
+    return torch.stack([states[p] for p in pieces])

@@ -5,6 +5,7 @@ The CPU path and the numerical reference of the `fla` op set (same three functio
     docs = prepare_docs(cu_seqlens, B, S, device)       # what the ops need to reset at document starts
     y_BSD = causal_conv1d_silu(x_BSD, weight_DW, docs)   # depthwise causal conv, window reset per document
     o_BSHV = chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
+    o_BSHV, S_BHKV = chunk_gated_delta_rule(..., initial_state=S0_BHKV, output_final_state=True)
 
 Shapes: B rows, S tokens per row, D conv channels, W conv width, H key heads, HV value heads (a
 multiple of H; key head h serves value heads h*HV/H .. (h+1)*HV/H - 1), K / V head dims.
@@ -97,9 +98,14 @@ def segment_sums(g_BHNC: torch.Tensor) -> torch.Tensor:
     return g_tj.cumsum(-2)
 
 
-def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS) -> torch.Tensor:
+def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS, initial_state=None,
+                           output_final_state: bool = False):
     """o_BSHV of the gated delta rule, state S [K, V] per value head:
       S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
+
+    initial_state: S_0 [B, HV, K, V] (None: zeros), read by the tokens before the first document start
+    (starts_BS[:, 0] False: the row continues a document begun before it). output_final_state: return
+    (o_BSHV, S_BHKV fp32), the state after the last token.
 
     a_t = exp(g_t), zero at document starts. Per chunk of C tokens (WY form, cumulative log decay c):
       u = T beta v,  w = T (beta k * exp(c) * carry),  T = (I + strict_lower(beta K K^T * P))^-1
@@ -131,11 +137,11 @@ def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS) -
     q_in = q * from_start.unsqueeze(-1)
     k_out = k * to_chunk_end.unsqueeze(-1)
 
-    state = q.new_zeros(B, HV, q.shape[-1], v.shape[-1])
+    state = q.new_zeros(B, HV, q.shape[-1], v.shape[-1]) if initial_state is None else initial_state.float()
     outs = []
     for n in range(num_chunks):
         v_new = u[:, :, n] - w[:, :, n] @ state
         outs.append(q_in[:, :, n] @ state + qkt[:, :, n] @ v_new)
         state = state * chunk_decay[:, :, n] + k_out[:, :, n].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :S]
-    return o.transpose(1, 2).to(v_BSHV.dtype)
+    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :S].transpose(1, 2).to(v_BSHV.dtype)
+    return (o, state) if output_final_state else o

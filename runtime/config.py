@@ -123,6 +123,9 @@ class ParallelismConfig(Section):
     cp: int = Field(1, ge=1)
     # Attention under cp > 1 (attention/context_parallel.py): K/V all-gather, or Ulysses head exchange.
     cp_attention: Literal["allgather", "ulysses"] = "allgather"
+    # GDN layers under cp > 1 (attention/gdn.py): head-parallel (linear_num_key_heads % cp == 0), or state
+    # passing between the zigzag pieces (any cp; needs model.gdn_op_set torch).
+    cp_gdn: Literal["heads", "state"] = "heads"
     ep: int = Field(1, ge=1)
     # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
     dispatcher: str = "all_to_all"
@@ -243,6 +246,9 @@ class Config(Section):
         if p.cp > 1 and self.data.seq_len % (2 * p.cp):
             raise ValueError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
                              f"data.seq_len (now {self.data.seq_len}) to a multiple of {2 * p.cp}")
+        if p.cp > 1 and p.cp_gdn == "state" and self.model.gdn_op_set == "fla":
+            raise ValueError("parallelism.cp_gdn: state starts the delta rule from an initial state, which GDN op set "
+                             "fla does not offer; set model.gdn_op_set: torch or parallelism.cp_gdn: heads")
         if p.dispatcher == "deepep":
             raise ValueError("parallelism.dispatcher: deepep is not implemented yet; use all_to_all")
         if p.dispatcher == "local" and p.ep > 1:

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from attention.attention import build_attn_meta, resolve_attn_backend
 from attention.context_parallel import CPShard, zigzag_index
+from attention.gdn import GDN_OP_SETS
 from runtime.config import Config, ConfigError
 from runtime.distributed.mesh import Meshes, ParallelDims
-from runtime.models.qwen import IGNORE_INDEX, QwenConfig
+from runtime.models.qwen import IGNORE_INDEX, GDNConfig, QwenConfig
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ContextParallel:
     size: int
     mode: str
     attn_backend: str
+    gdn_mode: str = "heads"
 
     @classmethod
     def build(cls, meshes: Meshes | None, dims: ParallelDims, rank: int, cfg: Config,
@@ -51,7 +53,7 @@ class ContextParallel:
             return None
         check_context_parallel(cfg, model_cfg)
         return cls(meshes.world.get_group("cp"), rank % dims.cp, dims.cp, cfg.parallelism.cp_attention,
-                   model_cfg.attn_backend)
+                   model_cfg.attn_backend, cfg.parallelism.cp_gdn)
 
     def shard(self, batch) -> CPBatch:
         """This rank's tokens of every row; the whole rows' metadata goes into the CPShard (on the batch's
@@ -62,7 +64,7 @@ class ContextParallel:
         device = batch.input_ids.device
         backend = resolve_attn_backend(self.attn_backend, device)
         meta = build_attn_meta(batch.position_ids, batch.cu_seqlens, batch.max_seqlen, backend)
-        shard = CPShard(self.group, self.rank, self.size, meta, batch.position_ids, self.mode)
+        shard = CPShard(self.group, self.rank, self.size, meta, batch.position_ids, self.mode, self.gdn_mode)
         labels = shard.take(batch.labels)
         return CPBatch(input_ids=shard.take(batch.input_ids), labels=labels,
                        position_ids=shard.take(batch.position_ids),
@@ -71,7 +73,8 @@ class ContextParallel:
 
 def check_context_parallel(cfg: Config, model_cfg: QwenConfig) -> None:
     """What cp > 1 needs of the data and the model, as ConfigErrors (every rank raises alike, before any
-    collective): rows cut into 2*cp equal pieces, heads that split for Ulysses and for GDN layers."""
+    collective): rows cut into 2*cp equal pieces, heads that split for Ulysses and for head-parallel GDN layers,
+    GDN state passing on the torch op set with pieces no shorter than the conv tail."""
     cp, mode = cfg.parallelism.cp, cfg.parallelism.cp_attention
     try:
         zigzag_index(cfg.data.seq_len, cp, 0)
@@ -85,7 +88,25 @@ def check_context_parallel(cfg: Config, model_cfg: QwenConfig) -> None:
         if kv % cp and cp % kv:
             raise ConfigError(f"parallelism.cp_attention: ulysses needs the {kv} kv heads to divide cp={cp} or be "
                               "divisible by it; use cp_attention: allgather or another cp")
-    has_gdn = any(model_cfg.is_linear_attention(i) for i in range(model_cfg.num_layers))
-    if has_gdn and model_cfg.gdn.num_k_heads % cp:
-        raise ConfigError(f"parallelism.cp={cp}: Gated DeltaNet layers run head-parallel under context parallelism "
-                          f"and need cp to divide linear_num_key_heads={model_cfg.gdn.num_k_heads}")
+    if any(model_cfg.is_linear_attention(i) for i in range(model_cfg.num_layers)):
+        _check_gdn(cfg, model_cfg.gdn, model_cfg.gdn_op_set)
+
+
+def _check_gdn(cfg: Config, gdn: GDNConfig, op_set: str) -> None:
+    """GDN layers under parallelism.cp_gdn: heads need cp | num_k_heads; state needs the torch op set ("auto"
+    resolved as the layers resolve it) and pieces of at least conv_kernel-1 tokens."""
+    cp, piece = cfg.parallelism.cp, cfg.data.seq_len // (2 * cfg.parallelism.cp)
+    if cfg.parallelism.cp_gdn == "heads":
+        if gdn.num_k_heads % cp:
+            raise ConfigError(f"parallelism.cp={cp}: Gated DeltaNet layers run head-parallel (parallelism.cp_gdn: "
+                              f"heads) and need cp to divide linear_num_key_heads={gdn.num_k_heads}; or set "
+                              "parallelism.cp_gdn: state")
+        return
+    resolved = GDN_OP_SETS.resolve(op_set)
+    if resolved != "torch":
+        raise ConfigError(f"parallelism.cp_gdn: state starts the delta rule from an initial state, which GDN op set "
+                          f"{resolved!r} does not offer; set model.gdn_op_set: torch or parallelism.cp_gdn: heads")
+    if piece < gdn.conv_kernel - 1:
+        raise ConfigError(f"parallelism.cp_gdn: state reads conv tails of linear_conv_kernel_dim-1 = "
+                          f"{gdn.conv_kernel - 1} tokens from the previous zigzag piece, but pieces hold "
+                          f"data.seq_len/(2*cp) = {piece}; use a longer data.seq_len or a smaller cp")

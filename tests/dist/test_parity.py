@@ -97,7 +97,11 @@ def test_fp4_experts_distributed_match_single_process(run_dist, tmp_path, case):
 HYBRID = {**TINY_HYBRID, "vocab_size": 520, "layer_types": ["linear_attention", "full_attention"] * 2}
 HYBRIDS = {"qwen3_5_moe-cp2": ({**HYBRID, "model_type": "qwen3_5_moe_text"}, {"cp": 2}),
            "qwen3_next-cp2-ulysses": ({**HYBRID, "model_type": "qwen3_next", "norm_topk_prob": True},
-                                      {"cp": 2, "cp_attention": "ulysses"})}
+                                      {"cp": 2, "cp_attention": "ulysses"}),
+           # GDN layers by state passing (each rank its zigzag pieces, conv tails and state maps all-gathered)
+           "qwen3_5_moe-cp2-gdn-state": ({**HYBRID, "model_type": "qwen3_5_moe_text"}, {"cp": 2, "cp_gdn": "state"}),
+           "qwen3_next-cp2-ulysses-gdn-state": ({**HYBRID, "model_type": "qwen3_next", "norm_topk_prob": True},
+                                                {"cp": 2, "cp_attention": "ulysses", "cp_gdn": "state"})}
 
 
 @pytest.mark.parametrize("case", sorted(HYBRIDS))
