@@ -37,8 +37,9 @@ def _auto_backend() -> str:
 
 EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=_auto_backend)
 # Backends live in their own modules and register when imported (at the end of this module).
+# sonicmoe registers itself as unavailable without the sonic-moe package or CUDA ("auto" never picks it).
 _MODULES = {"eager": "moe.backends.eager", "grouped_mm": "moe.backends.grouped_mm",
-            "scattermoe": "moe.backends.scattermoe"}
+            "scattermoe": "moe.backends.scattermoe", "sonicmoe": "moe.backends.sonicmoe"}
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
