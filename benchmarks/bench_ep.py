@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep [--shape qwen3-30b-a3b] [--tokens 8192] [--compile]
         [--out DIR]
     torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_ep --dry   # gloo on the CPU, tiny shape
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep --dispatcher deepep   # DeepEP's kernels
 
 At one MoE shape (harness.SHAPES), T tokens per rank, bf16: one MoE layer (all_to_all dispatch ->
 grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask (-1 slots sent to local
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import SHAPES, Column, Report, median_ms
-from moe.dispatch import AllToAllDispatcher
+from moe.dispatch import build_dispatcher
 from moe.experts import GroupedExperts
 from runtime.distributed.compile import compile_experts
 
@@ -60,6 +61,7 @@ class Run:
     dtype: torch.dtype
     backend: str
     compile: bool
+    dispatcher: str = "all_to_all"
 
 
 def timed(fn, run: Run) -> float:
@@ -126,7 +128,7 @@ def bench(ep: int, shape: str, tokens: int, run: Run) -> Row:
     experts = GroupedExperts(E // ep, H, I, device=run.device, dtype=run.dtype, expert_offset=rank_in_group * E // ep)
     if run.compile:
         compile_experts(experts)
-    dispatcher = AllToAllDispatcher(group, E)
+    dispatcher = build_dispatcher(run.dispatcher, group, E)
     x = torch.randn(tokens, H, device=run.device, dtype=run.dtype, requires_grad=True)
     logits = torch.randn(tokens, E, device=run.device)
     w, ids = torch.topk(torch.softmax(logits, -1), K)
@@ -151,6 +153,8 @@ def bench(ep: int, shape: str, tokens: int, run: Run) -> Row:
     row.dispatch_combine_GBps = 4 * sent_bytes / (row.dispatch_combine_ms / 1e3) / 1e9
     row.a2a_busbw_GBps = all_to_all_busbw(sent_bytes, group, run)
     row.a2a_busbw_128MiB_GBps = all_to_all_busbw((1 if run.device == "cpu" else 128) * 2**20, group, run)
+    if hasattr(dispatcher, "close"):  # deepep: its NVLink buffer (a collective over the group)
+        dispatcher.close()
     return row
 
 
@@ -161,22 +165,26 @@ def main() -> None:
     p.add_argument("--backend", default="grouped_mm", help="expert backend of the layer")
     p.add_argument("--compile", action="store_true", help="compile the expert compute as training does under EP")
     p.add_argument("--dry", action="store_true", help="gloo on the CPU, tiny shape, fp32, eager experts")
+    p.add_argument("--dispatcher", default="all_to_all", help="all_to_all | deepep (parallelism.dispatcher)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.dry:
         cpu = (torch.bfloat16, "grouped_mm") if args.compile else (torch.float32, "eager")
-        run, shape, tokens = Run("cpu", *cpu, args.compile), "tiny", 32
+        run, shape, tokens = Run("cpu", *cpu, args.compile, args.dispatcher), "tiny", 32
         dist.init_process_group("gloo")
     else:
-        run, shape, tokens = Run("cuda", torch.bfloat16, args.backend, args.compile), args.shape, args.tokens
+        run, shape, tokens = (Run("cuda", torch.bfloat16, args.backend, args.compile, args.dispatcher), args.shape,
+                              args.tokens)
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world, rank = dist.get_world_size(), dist.get_rank()
     report = Report("bench_ep", COLUMNS, args.out if rank == 0 else None, printing=rank == 0)
-    report.meta.update(world=world, shape=shape, backend=run.backend, dtype=str(run.dtype), compile=run.compile)
+    report.meta.update(world=world, shape=shape, backend=run.backend, dtype=str(run.dtype), compile=run.compile,
+                       dispatcher=run.dispatcher)
     s = SHAPES[shape]
     report.header(f"EP MoE layer fwd+bwd, x{world}, {shape} (E={s.experts} H={s.hidden} I={s.intermediate} "
-                  f"k={s.top_k}), {tokens} tokens per rank, {run.backend} experts{' (compiled)' if run.compile else ''},")
+                  f"k={s.top_k}), {tokens} tokens per rank, {run.backend} experts{' (compiled)' if run.compile else ''}, "
+                  f"{run.dispatcher} dispatcher,")
     for ep in (2, 4, 8):
         if ep <= world and world % ep == 0:
             report.add(bench(ep, shape, tokens, run))

@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from moe.dispatch.deepep import deepep_unavailable_reason
 from runtime.model_config_check import model_config_problems
 from runtime.registry import check_choice
 
@@ -249,8 +250,8 @@ class Config(Section):
         if p.cp > 1 and p.cp_gdn == "state" and self.model.gdn_op_set == "fla":
             raise ValueError("parallelism.cp_gdn: state starts the delta rule from an initial state, which GDN op set "
                              "fla does not offer; set model.gdn_op_set: torch or parallelism.cp_gdn: heads")
-        if p.dispatcher == "deepep":
-            raise ValueError("parallelism.dispatcher: deepep is not implemented yet; use all_to_all")
+        if p.dispatcher == "deepep" and (missing := deepep_unavailable_reason()):
+            raise ValueError(f"parallelism.dispatcher: deepep cannot run here: {missing}; or use all_to_all")
         if p.dispatcher == "local" and p.ep > 1:
             raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
                              f"parallelism.ep is {p.ep}; use all_to_all")

@@ -5,6 +5,9 @@
 
 `local` keeps every expert on this rank (the identity); `all_to_all` exchanges tokens over the EP
 group, and is the identity too when that group has one rank (nothing to exchange, no collective).
+`deepep` exchanges them with DeepEP's NVLink kernels (moe/dispatch/deepep.py); it is registered only
+where the deep_ep package is installed (benchmarks/build_deepep.sh builds it), which is imported on
+first use, and is the identity too with one rank.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from gpu.registry import Registry
 from moe.dispatch.all_to_all import AllToAllDispatcher
 from moe.dispatch.base import Dispatcher, Routed
+from moe.dispatch.deepep import deepep_unavailable_reason
 from moe.dispatch.local import LocalDispatcher
 
 __all__ = ["DISPATCHERS", "AllToAllDispatcher", "Dispatcher", "LocalDispatcher", "Routed", "build_dispatcher"]
@@ -44,7 +48,18 @@ def _all_to_all(ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatc
     return AllToAllDispatcher(ep_group, num_experts)
 
 
-DISPATCHERS.unavailable("deepep", "it is not implemented yet; use all_to_all")
+def _deepep(ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:
+    if _ep_size(ep_group) == 1:
+        return LocalDispatcher()
+    from moe.dispatch.deepep import DeepEPDispatcher  # imports deep_ep (and CUDA) only now
+
+    return DeepEPDispatcher(ep_group, num_experts)
+
+
+if (_deepep_missing := deepep_unavailable_reason()) is None:
+    DISPATCHERS.register("deepep")(_deepep)
+else:
+    DISPATCHERS.unavailable("deepep", f"{_deepep_missing}; or use all_to_all")
 
 
 def build_dispatcher(name: str, ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:
