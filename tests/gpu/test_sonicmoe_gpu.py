@@ -17,6 +17,7 @@ import torch
 
 from moe.backends import EXPERT_BACKENDS, expert_backend
 from moe.experts import GroupedExperts
+from tests.gpu.test_scattermoe_gpu import SHAPES, make_experts, make_routing  # the same shapes and inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,12 +27,6 @@ pytestmark = [
                        reason="SonicMoE needs sm90+"),
 ]
 
-SHAPES = {  # E, H, I, k
-    "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "qwen3.5-35b-a3b": (256, 2048, 512, 8),
-    "olmoe": (64, 2048, 1024, 8),
-    "mixtral-8x7b": (8, 4096, 14336, 2),
-}
 # (shape, tokens, rank, ep, variant)
 CASES = [
     ("qwen3-30b-a3b", 2048, 16, 1, ""), ("qwen3-30b-a3b", 8192, 64, 1, ""), ("qwen3-30b-a3b", 2048, 16, 4, ""),
@@ -43,24 +38,6 @@ CASES = [
     ("olmoe", 2048, 0, 1, ""), ("mixtral-8x7b", 2048, 0, 1, ""),
 ]
 TOL = 1e-2
-
-
-def make_experts(E: int, H: int, I: int, rank: int) -> GroupedExperts:
-    ex = GroupedExperts(E, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None, device="cuda",
-                        dtype=torch.bfloat16)
-    if rank:
-        with torch.no_grad():  # B starts at zero: give the LoRA path (and dA) a real contribution
-            ex.gate_up_lora_B.normal_(0, 0.02)
-            ex.down_lora_B.normal_(0, 0.02)
-    return ex
-
-
-def make_routing(T: int, E: int, k: int, ep: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    logits = torch.randn(T, E, device="cuda")
-    w, ids = logits.softmax(-1).topk(k, dim=-1)
-    E_local = E // ep
-    ids = torch.where(ids < E_local, ids, -1)  # the slots an EP rank owning experts [0, E/ep) gets
-    return ids, w, E_local
 
 
 def fwd_bwd(ex: GroupedExperts, backend, x, ids, w, dy) -> dict[str, torch.Tensor]:
