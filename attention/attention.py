@@ -277,6 +277,15 @@ def _check_varlen_inputs(q_BSHD: torch.Tensor, dtype: torch.dtype) -> None:
                          "use model.dtype: bfloat16 or bf16 autocast, or set model.attn_backend: sdpa")
 
 
+def _varlen_kernel() -> VarlenImpl:
+    """The varlen implementation; construction checked it exists, this guards layers built before the
+    packages changed."""
+    impl = varlen_impl()
+    if impl is None:
+        check_attn_backend("flash")
+    return impl
+
+
 @ATTN_BACKENDS.register("flash")
 def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
     """Causal attention within the documents of meta.cu_seqlens (over the flattened B*S tokens; None:
@@ -288,9 +297,7 @@ def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float)
     one_document_per_row = meta.cu_seqlens is None or meta.cu_seqlens.numel() == B + 1
     if one_document_per_row and dense_causal():
         return cudnn_causal_attention(*(t.to(dtype) for t in (q_BSHD, k_BSKD, v_BSKD)), scale)
-    impl = varlen_impl()
-    if impl is None:  # construction checked this; guards layers built before the packages changed
-        check_attn_backend("flash")
+    impl = _varlen_kernel()
     cu_seqlens, max_seqlen = meta.cu_seqlens, meta.max_seqlen
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BSHD.device)
@@ -318,9 +325,7 @@ def cp_varlen_attention(q_BsHD, k_BSKD, v_BSKD, segments: VarlenSegments, scale:
     B, s = q_BsHD.shape[:2]
     dtype = _varlen_compute_dtype(q_BsHD)
     _check_varlen_inputs(q_BsHD, dtype)
-    impl = varlen_impl()
-    if impl is None:  # as in flash_varlen_attention
-        check_attn_backend("flash")
+    impl = _varlen_kernel()
     q_THD = q_BsHD.flatten(0, 1).to(dtype)
     # a document in both local pieces has its keys copied into both segments: one packed run each
     k_TKD, v_TKD = (t.flatten(0, 1).to(dtype).index_select(0, segments.key_index_T) for t in (k_BSKD, v_BSKD))

@@ -43,15 +43,18 @@ CP_GDN_MODES = ("heads", "state")
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
+def zigzag_pieces(size: int, rank: int) -> tuple[int, int]:
+    """The pieces (of 2*size per row) cp rank `rank` holds, in its local order."""
+    return rank, 2 * size - 1 - rank
+
+
 def zigzag_index(seq_len: int, size: int, rank: int, device=None) -> torch.Tensor:
     """Row positions of cp rank `rank`'s tokens, in its local order: pieces rank and 2*size-1-rank."""
     if seq_len % (2 * size):
         raise ValueError(f"context parallelism cuts every row into 2*cp = {2 * size} equal pieces, but rows have "
                          f"{seq_len} tokens; set data.seq_len to a multiple of {2 * size}")
     piece = seq_len // (2 * size)
-    first = torch.arange(rank * piece, (rank + 1) * piece, device=device)
-    second = torch.arange((2 * size - 1 - rank) * piece, (2 * size - rank) * piece, device=device)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device) for p in zigzag_pieces(size, rank)])
 
 
 def _row_order(seq_len: int, size: int, device) -> torch.Tensor:
@@ -82,7 +85,7 @@ def zigzag_segments(doc_bounds: list[int], batch: int, seq_len: int, size: int,
     doc_bounds: the sorted document boundaries over the flattened rows, every row start and B*S among them."""
     piece = seq_len // (2 * size)
     segments = []
-    for b, p in itertools.product(range(batch), (rank, 2 * size - 1 - rank)):
+    for b, p in itertools.product(range(batch), zigzag_pieces(size, rank)):
         start, end = b * seq_len + p * piece, b * seq_len + (p + 1) * piece
         d = bisect.bisect_right(doc_bounds, start) - 1  # the document holding the piece's first token
         while doc_bounds[d] < end:
@@ -124,6 +127,8 @@ class CPShard:
     row_order_S: torch.Tensor = field(init=False)
     segments: VarlenSegments | None = field(init=False)
     mask_B1sS: torch.Tensor | None = field(init=False)
+    pieces_2: torch.Tensor = field(init=False)  # this rank's pieces (gdn_mode state)
+    piece_order_P: torch.Tensor = field(init=False)  # rank-major gathered pieces -> piece order (gather_pieces)
 
     def __post_init__(self):
         if self.mode not in CP_ATTENTION_MODES:
@@ -139,6 +144,10 @@ class CPShard:
         self.segments = (varlen_segments(self._document_bounds(), B, S, self.size, self.rank, device)
                          if allgather and varlen else None)
         self.mask_B1sS = self._attention_mask() if allgather and not varlen else None
+        # index tensors of the state-passing exchanges, made once per batch rather than in every GDN layer
+        self.pieces_2 = torch.tensor(self.pieces, device=device)
+        rank_major = [p for r in range(self.size) for p in zigzag_pieces(self.size, r)]
+        self.piece_order_P = torch.tensor([rank_major.index(p) for p in range(2 * self.size)], device=device)
 
     @property
     def seq_len(self) -> int:
@@ -147,7 +156,7 @@ class CPShard:
     @property
     def pieces(self) -> tuple[int, int]:
         """The zigzag pieces this rank holds, in its local order."""
-        return self.rank, 2 * self.size - 1 - self.rank
+        return zigzag_pieces(self.size, self.rank)
 
     def take(self, t_BS: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole-row tensor [B, S, ...] -> [B, S_loc, ...]."""
@@ -185,9 +194,7 @@ def gather_pieces(x_2F: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """Every piece's value in piece order: [2, ...] (this rank's pieces, local order) -> [2*cp, ...]; backward
     reduce-scatters."""
     gathered = _all_gather_autograd(x_2F.contiguous(), 0, shard.group)  # rank r's pieces at 2r, 2r+1
-    at = {p: 2 * r + i for r in range(shard.size) for i, p in enumerate((r, 2 * shard.size - 1 - r))}
-    order = torch.tensor([at[p] for p in range(2 * shard.size)], device=x_2F.device)
-    return gathered.index_select(0, order)
+    return gathered.index_select(0, shard.piece_order_P)
 
 
 def seq_to_heads(x_BsHF: torch.Tensor, shard: CPShard) -> torch.Tensor:

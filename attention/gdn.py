@@ -267,8 +267,7 @@ class GatedDeltaNet(nn.Module):
         tails_pBTD = gather_pieces(tails_2BTD, cp)
         # predecessor of piece p at index p: a zero tail before piece 0
         tails_pBTD = torch.cat([torch.zeros_like(tails_pBTD[:1]), tails_pBTD])
-        pieces = torch.tensor(cp.pieces, device=x_nPD.device)
-        pred_nTD = tails_pBTD.index_select(0, pieces).transpose(0, 1).flatten(0, 1)
+        pred_nTD = tails_pBTD.index_select(0, cp.pieces_2).transpose(0, 1).flatten(0, 1)
         # row columns of each extended piece; the clamped ones (before piece 0) are starts: their taps stay unused
         cols_2T = torch.stack([torch.arange(p * P - (W - 1), (p + 1) * P, device=x_nPD.device) for p in cp.pieces])
         starts_nT = starts_BS[:, cols_2T.clamp_min(0)].flatten(0, 1)

@@ -52,7 +52,6 @@ import torch
 import torch.nn.functional as F
 
 from moe.backends import EXPERT_BACKENDS, compute_dtype
-from quant import FP4Weight
 
 INSTALL_HINT = ("pip install 'moe-runtime[sonicmoe]' && pip install --no-deps sonic-moe==0.1.2.post1 (sonic-moe "
                 "declares torch<=2.9.1, hence --no-deps; see pyproject.toml); GPU machines: "
@@ -114,8 +113,7 @@ def layer_weights(experts, active_A: torch.Tensor | None, dtype: torch.dtype) ->
 
 def needs_merge(experts) -> bool:
     """LoRA or a packed base: the per-step weight of the active experts is built (`layer_weights`)."""
-    return experts.has_lora or isinstance(experts.base_weight("gate_up"), FP4Weight) \
-        or isinstance(experts.base_weight("down"), FP4Weight)
+    return experts.has_lora or experts.is_quantized
 
 
 def emulate_general_routing(x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E, stream_id,

@@ -40,10 +40,10 @@ Overlap: DeepEP can run the exchange on its own stream (async_finish / previous_
   stream here. The chance left is the shared expert during dispatch, which needs MoEBlock to split
   dispatch into launch and wait (not done).
 
-The conversions around DeepEP are small functions of tensors (`to_deepep_routing`, `dispatch_layout`,
-`sent_slots`, `source_splits`, `row_sources`, `tokens_per_local_expert`, `nvl_bytes`,
-`check_deepep_shapes`): tests/unit/test_deepep_layout.py checks them on the CPU against independent
-loops, and tests/gpu/test_deepep_gpu.py checks the kernels against them and against all_to_all.
+The conversions around DeepEP are small functions of tensors (`to_deepep_routing`, `source_splits`,
+`row_sources`, `nvl_bytes`, `check_deepep_shapes`), checked on the CPU by tests/unit/test_deepep_layout.py,
+which also holds torch statements of what DeepEP's layout and sender compute; tests/gpu/test_deepep_gpu.py
+checks the kernels against those and against all_to_all.
 """
 
 from __future__ import annotations
@@ -110,29 +110,6 @@ def to_deepep_routing(topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor,
     return topk_ids_Tk.to(idx_dtype).contiguous(), topk_w_Tk.to(torch.float32).contiguous()
 
 
-def dispatch_layout(topk_ids_Tk: torch.Tensor, num_experts: int, ep: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What deep_ep.Buffer.get_dispatch_layout computes, in torch: (num_tokens_per_rank [R] int32,
-    num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool). A -1 id selects nothing."""
-    T = topk_ids_Tk.shape[0]
-    valid_Tk = topk_ids_Tk >= 0
-    ids_Tk = topk_ids_Tk.long()
-    per_expert_E = torch.bincount(ids_Tk[valid_Tk], minlength=num_experts)
-    # -1 slots land in an extra column R, dropped after
-    owner_Tk = torch.where(valid_Tk, ids_Tk // (num_experts // ep), ep)
-    in_rank_TR = torch.zeros(T, ep + 1, dtype=torch.bool, device=ids_Tk.device).scatter_(1, owner_Tk, True)[:, :ep]
-    return in_rank_TR.sum(0).to(torch.int32), per_expert_E.to(torch.int32), in_rank_TR.contiguous()
-
-
-def sent_slots(topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor, dest_rank: int, num_local_experts: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (ids, weights) a token's k slots carry to `dest_rank` (DeepEP's sender, intranode.cu): the
-    destination's local id where it owns the slot's expert, else -1 with weight 0."""
-    local_Tk = topk_ids_Tk - dest_rank * num_local_experts
-    owned_Tk = (topk_ids_Tk >= 0) & (local_Tk >= 0) & (local_Tk < num_local_experts)
-    return torch.where(owned_Tk, local_Tk, -1), torch.where(owned_Tk, topk_w_Tk, torch.zeros_like(topk_w_Tk))
-
-
 def source_splits(rank_prefix_matrix_RR: torch.Tensor, rank: int) -> list[int]:
     """Rows this rank received from each source rank: rank_prefix_matrix[s, rank] is the running total
     of the rows sources 0..s sent to `rank` (DeepEP's notify_dispatch)."""
@@ -149,12 +126,6 @@ def row_sources(rank_prefix_matrix_RR: torch.Tensor, recv_src_idx_M: torch.Tenso
     return src_rank_M, recv_src_idx_M.long()
 
 
-def tokens_per_local_expert(expert_ids_Mk: torch.Tensor, num_local_experts: int) -> list[int]:
-    """Valid slots per local expert (DeepEP's num_recv_tokens_per_expert_list, expert_alignment 1)."""
-    ids_S = expert_ids_Mk.reshape(-1)
-    return torch.bincount(ids_S[ids_S >= 0].long(), minlength=num_local_experts).tolist()
-
-
 def row_bytes(hidden: int, element_size: int) -> int:
     """Bytes DeepEP's size hints count per row: bf16 at least, as its README's get_hidden_bytes."""
     return hidden * max(element_size, 2)
@@ -163,12 +134,6 @@ def row_bytes(hidden: int, element_size: int) -> int:
 def nvl_bytes(configs: Iterable[Any], hidden_bytes: int, ep: int) -> int:
     """NVLink buffer bytes for the given deep_ep.Config-likes: the largest of their size hints."""
     return max(config.get_nvl_buffer_size_hint(hidden_bytes, ep) for config in configs)
-
-
-def from_deepep_routing(recv_ids_Mk: torch.Tensor, recv_w_Mk: torch.Tensor, ids_dtype: torch.dtype,
-                        w_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's received routing -> ours: ids and weights in the dtypes given to dispatch."""
-    return recv_ids_Mk.to(ids_dtype), recv_w_Mk.to(w_dtype)
 
 
 # ---------------------------------------------------------------------------- the dispatcher
@@ -213,7 +178,7 @@ class _DeepEPDispatch(torch.autograd.Function):
         exchange.handle, exchange.tokens_per_expert = handle, list(per_local_expert)
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.x_dtype, ctx.w_dtype = x_TH.dtype, w_Tk.dtype
-        ids_Mk, w_Mk = from_deepep_routing(recv_ids, recv_w, ids_Tk.dtype, w_Tk.dtype)
+        ids_Mk, w_Mk = recv_ids.to(ids_Tk.dtype), recv_w.to(w_Tk.dtype)  # back in the dtypes given
         ctx.mark_non_differentiable(ids_Mk)
         return recv_x, w_Mk, ids_Mk
 

@@ -3,7 +3,7 @@
 Shapes: N tokens of the global batch, T of one rank, H hidden, I intermediate, E experts, k top-k,
 M rows a rank computes. Every rank builds the same global batch from a seed and takes its slice;
 its experts are its E/ep rows of the same full expert weights. Per case, on every rank:
-  - DeepEP's layout kernel equals moe.dispatch.deepep.dispatch_layout (exactly);
+  - DeepEP's layout kernel equals tests/unit/test_deepep_layout.py's dispatch_layout (exactly);
   - the routed rows (x, local ids, weights on valid slots) equal all_to_all's as a set keyed by
     (source rank, source token), -1 slots carry weight 0, and tokens_per_expert counts the valid slots;
   - a whole MoE layer (dispatch -> eager experts -> combine, plus the residual) gives the same output
@@ -107,6 +107,7 @@ def _keyed(routed, sources, T_max: int):
 def _check_case(rank: int, ep: int, case, seed: int, idle_rank: int | None) -> dict:
     from moe.dispatch import AllToAllDispatcher, build_dispatcher
     from moe.dispatch import deepep as dd
+    from tests.unit.test_deepep_layout import dispatch_layout, tokens_per_local_expert
 
     name, T, H, I, E, k, dtype, skew = case
     group = dist.group.WORLD
@@ -122,7 +123,7 @@ def _check_case(rank: int, ep: int, case, seed: int, idle_rank: int | None) -> d
     # Layout kernel vs the torch reference.
     buffer = deepep.buffer_for(x)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids.to(deepep.topk_idx_dtype), E)
-    ref = dd.dispatch_layout(ids, E, ep)
+    ref = dispatch_layout(ids, E, ep)
     assert torch.equal(per_rank, ref[0]) and torch.equal(per_expert, ref[1]) and torch.equal(in_rank, ref[2]), what
 
     # Routed rows, as sets keyed by (source rank, source token).
@@ -141,7 +142,7 @@ def _check_case(rank: int, ep: int, case, seed: int, idle_rank: int | None) -> d
     assert torch.equal(xd, xa) and torch.equal(idd, ida), what
     valid = idd >= 0
     assert torch.equal(wd[valid], wa[valid]) and bool((wd[~valid] == 0).all()), what
-    assert r_d.tokens_per_expert == dd.tokens_per_local_expert(r_d.expert_ids_Mk, E_local), what
+    assert r_d.tokens_per_expert == tokens_per_local_expert(r_d.expert_ids_Mk, E_local), what
 
     # A whole MoE layer, forward and backward.
     experts = _experts(E, H, I, rank, ep, dtype, seed)

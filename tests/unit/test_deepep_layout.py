@@ -32,6 +32,37 @@ def routing(T: int, k: int, E: int, seed: int, p_none: float = 0.0) -> tuple[tor
     return ids_Tk, torch.rand(T, k, generator=gen) + 0.1
 
 
+# ---------------------------------------------------------------------------- torch statements of DeepEP's kernels
+
+def dispatch_layout(topk_ids_Tk: torch.Tensor, num_experts: int, ep: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What deep_ep.Buffer.get_dispatch_layout computes, in torch: (num_tokens_per_rank [R] int32,
+    num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool). A -1 id selects nothing."""
+    T = topk_ids_Tk.shape[0]
+    valid_Tk = topk_ids_Tk >= 0
+    ids_Tk = topk_ids_Tk.long()
+    per_expert_E = torch.bincount(ids_Tk[valid_Tk], minlength=num_experts)
+    # -1 slots land in an extra column R, dropped after
+    owner_Tk = torch.where(valid_Tk, ids_Tk // (num_experts // ep), ep)
+    in_rank_TR = torch.zeros(T, ep + 1, dtype=torch.bool, device=ids_Tk.device).scatter_(1, owner_Tk, True)[:, :ep]
+    return in_rank_TR.sum(0).to(torch.int32), per_expert_E.to(torch.int32), in_rank_TR.contiguous()
+
+
+def sent_slots(topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor, dest_rank: int, num_local_experts: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (ids, weights) a token's k slots carry to `dest_rank` (DeepEP's sender, intranode.cu): the
+    destination's local id where it owns the slot's expert, else -1 with weight 0."""
+    local_Tk = topk_ids_Tk - dest_rank * num_local_experts
+    owned_Tk = (topk_ids_Tk >= 0) & (local_Tk >= 0) & (local_Tk < num_local_experts)
+    return torch.where(owned_Tk, local_Tk, -1), torch.where(owned_Tk, topk_w_Tk, torch.zeros_like(topk_w_Tk))
+
+
+def tokens_per_local_expert(expert_ids_Mk: torch.Tensor, num_local_experts: int) -> list[int]:
+    """Valid slots per local expert (DeepEP's num_recv_tokens_per_expert_list, expert_alignment 1)."""
+    ids_S = expert_ids_Mk.reshape(-1)
+    return torch.bincount(ids_S[ids_S >= 0].long(), minlength=num_local_experts).tolist()
+
+
 def loop_layout(ids_Tk: torch.Tensor, E: int, R: int):
     """get_dispatch_layout as a loop over tokens and slots."""
     per_rank, per_expert = [0] * R, [0] * E
@@ -53,7 +84,7 @@ CASES = [(0, 2, 8, 2, 0.0), (1, 1, 8, 2, 0.0), (13, 3, 8, 2, 0.0), (17, 2, 8, 4,
 @pytest.mark.parametrize("T,k,E,R,p_none", CASES)
 def test_dispatch_layout_matches_a_loop(T, k, E, R, p_none):
     ids_Tk, _ = routing(T, k, E, seed=T + k, p_none=p_none)
-    per_rank_R, per_expert_E, in_rank_TR = dd.dispatch_layout(ids_Tk, E, R)
+    per_rank_R, per_expert_E, in_rank_TR = dispatch_layout(ids_Tk, E, R)
     ref_rank, ref_expert, ref_in_rank = loop_layout(ids_Tk, E, R)
     assert per_rank_R.dtype == per_expert_E.dtype == torch.int32 and in_rank_TR.dtype == torch.bool
     assert in_rank_TR.shape == (T, R) and in_rank_TR.is_contiguous()
@@ -74,9 +105,9 @@ def test_received_rows_equal_the_all_to_all_layout(T, k, E, R, p_none):
     for rank in range(R):
         ids, ws, a2a_ids, a2a_ws = [], [], [], []
         for src_ids_Tk, src_w_Tk in per_source:
-            _, _, in_rank_TR = dd.dispatch_layout(src_ids_Tk, E, R)
+            _, _, in_rank_TR = dispatch_layout(src_ids_Tk, E, R)
             rows = in_rank_TR[:, rank].nonzero().squeeze(-1)  # token order
-            i, w = dd.sent_slots(src_ids_Tk[rows], src_w_Tk[rows], rank, E // R)
+            i, w = sent_slots(src_ids_Tk[rows], src_w_Tk[rows], rank, E // R)
             ids.append(i)
             ws.append(w)
             a2a_ids.append(a2a._local_ids(src_ids_Tk[rows], torch.full((len(rows),), rank)))
@@ -88,7 +119,7 @@ def test_received_rows_equal_the_all_to_all_layout(T, k, E, R, p_none):
         # every received row has at least one slot for this rank
         assert bool(valid.any(-1).all())
         # DeepEP's per-local-expert counts of this rank: slots of each of its experts over all sources
-        counts = dd.tokens_per_local_expert(ids_Mk, E // R)
+        counts = tokens_per_local_expert(ids_Mk, E // R)
         ref = [sum(int((s_ids == rank * (E // R) + e).sum()) for s_ids, _ in per_source) for e in range(E // R)]
         assert counts == ref
 
@@ -96,7 +127,7 @@ def test_received_rows_equal_the_all_to_all_layout(T, k, E, R, p_none):
 def test_sent_slots_against_a_loop():
     ids_Tk, w_Tk = routing(11, 3, 12, seed=3, p_none=0.2)
     for dest in range(3):
-        got_ids, got_w = dd.sent_slots(ids_Tk, w_Tk, dest, 4)
+        got_ids, got_w = sent_slots(ids_Tk, w_Tk, dest, 4)
         for t in range(11):
             for j in range(3):
                 e = int(ids_Tk[t, j])
@@ -125,7 +156,7 @@ def test_routing_dtypes_to_deepep_and_back():
     assert ids_d.is_contiguous() and w_d.is_contiguous()
     assert torch.equal(ids_d, ids_Tk.long()) and torch.equal(w_d, w_Tk.float())
     assert dd.to_deepep_routing(ids_Tk, w_Tk, torch.int32)[0].dtype == torch.int32  # TOPK_IDX_BITS=32 builds
-    back_ids, back_w = dd.from_deepep_routing(ids_d, w_d, torch.int32, torch.bfloat16)
+    back_ids, back_w = ids_d.to(torch.int32), w_d.to(torch.bfloat16)  # what dispatch returns: lossless
     assert back_ids.dtype == torch.int32 and back_w.dtype == torch.bfloat16
     assert torch.equal(back_ids, ids_Tk) and torch.equal(back_w, w_Tk)
 
@@ -364,7 +395,7 @@ def _check_fake(rank: int, ep: int) -> list[int]:
             results.append((out.detach(), x.grad, w.grad, experts.gate_up.grad, experts.down.grad))
             if disp is dispatcher:
                 assert routed.weights_Mk.dtype == w.dtype and routed.expert_ids_Mk.dtype == ids_Nk.dtype
-                assert routed.tokens_per_expert == dd.tokens_per_local_expert(routed.expert_ids_Mk, E // ep)
+                assert routed.tokens_per_expert == tokens_per_local_expert(routed.expert_ids_Mk, E // ep)
                 src_rank, src_tok = routed.sources()
                 assert torch.equal(routed.x_MH.detach(), x_NH[torch.tensor(starts)[src_rank] + src_tok])
         ref, got = results
