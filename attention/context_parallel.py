@@ -127,8 +127,8 @@ class CPShard:
     row_order_S: torch.Tensor = field(init=False)
     segments: VarlenSegments | None = field(init=False)
     mask_B1sS: torch.Tensor | None = field(init=False)
-    pieces_2: torch.Tensor = field(init=False)  # this rank's pieces (gdn_mode state)
-    piece_order_P: torch.Tensor = field(init=False)  # rank-major gathered pieces -> piece order (gather_pieces)
+    pieces_2: torch.Tensor | None = field(init=False)  # this rank's pieces (gdn_mode state)
+    piece_order_P: torch.Tensor | None = field(init=False)  # gathered pieces, rank-major -> piece order (state)
 
     def __post_init__(self):
         if self.mode not in CP_ATTENTION_MODES:
@@ -145,9 +145,11 @@ class CPShard:
                          if allgather and varlen else None)
         self.mask_B1sS = self._attention_mask() if allgather and not varlen else None
         # index tensors of the state-passing exchanges, made once per batch rather than in every GDN layer
-        self.pieces_2 = torch.tensor(self.pieces, device=device)
-        rank_major = [p for r in range(self.size) for p in zigzag_pieces(self.size, r)]
-        self.piece_order_P = torch.tensor([rank_major.index(p) for p in range(2 * self.size)], device=device)
+        self.pieces_2 = self.piece_order_P = None
+        if self.gdn_mode == "state":
+            rank_major = [p for r in range(self.size) for p in zigzag_pieces(self.size, r)]
+            self.pieces_2 = torch.tensor(self.pieces, device=device)
+            self.piece_order_P = torch.tensor([rank_major.index(p) for p in range(2 * self.size)], device=device)
 
     @property
     def seq_len(self) -> int:
