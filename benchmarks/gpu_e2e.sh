@@ -6,8 +6,7 @@
 #   full  8 layers, ours with fp32 masters vs baseline (bf16 parameters), then ours with bf16 masters and
 #         its top CUDA kernels; COMPILE=1 compiles ours (compile.enabled)
 #   step1 time to step 1 of the 12-layer LoRA model: one run fills the caches, a second measures it with
-#         warm caches, a third runs our side alone under cProfile (our functions by cumulative time;
-#         $OUT/step1.prof)
+#         warm caches (the target's measure)
 # One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
 # (~1 min per side: imports, build, 7 steps). Parts: `bash benchmarks/gpu_e2e.sh [lora] [full]`.
 # Memory: 8 full layers are 5.6 G parameters; fp32 masters + grads + AdamW states take 16 B each, ~90 GB:
@@ -37,10 +36,6 @@ fi
 if [[ $parts == *step1* ]]; then
   e2e lora_cold --mode lora --layers 12 --no-baseline
   e2e lora_warm --mode lora --layers 12 --no-baseline
-  python -m cProfile -o "$OUT/step1.prof" -m benchmarks.bench_e2e --mode lora --layers 12 --steps 1 --warmup 1 \
-    --side ours --result "$OUT/step1.json" > "$OUT/step1.log" 2>&1
-  python -c "import pstats; pstats.Stats('$OUT/step1.prof').sort_stats('cumulative').print_stats(
-    '(runtime|moe|attention|gpu|quant|benchmarks)/|autotuner|do_bench|compiler', 40)" | grep -vE "^\s*$" | cut -c1-170
 fi
 echo "== summary (tag: side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
 for tag in "${tags[@]}"; do
