@@ -66,14 +66,13 @@ _E4M3_UNBIAS = tl.constexpr(2.0 ** 120)
 
 
 @triton.jit
-def fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o, j, mask, s_q_e, s_q_o, s_s_e, s_s_o,
-              FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The fp32 values of the two elements of stored bytes (e64, o, j) (broadcastable int index tensors; byte j
-    holds elements i = 2j (returned first) and 2j + 1), 0 where masked. One byte and one scale load per
-    pair: the byte loads are contiguous along j."""
-    byte = tl.load(q_ptr + e64 * s_q_e + o * s_q_o + j, mask=mask, other=0).to(tl.int32)
+def fp4_pairs(q_ptrs, s_ptrs, ts, mask, FMT: tl.constexpr):
+    """The fp32 values of the two elements of the stored bytes at q_ptrs (a byte holds elements i = 2j (returned
+    first) and 2j + 1), their block scales at s_ptrs (ts: the NVFP4 tensor scale, fp4_tensor_scale), 0 where
+    masked. One byte and one scale load per pair (equal scale pointers are loaded and decoded once)."""
+    byte = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
     # other=0: a masked element is code 0 times a finite scale (e4m3 0 or e8m0 2^-127), +0.
-    s = tl.load(s_ptr + e64 * s_s_e + o * s_s_o + j // (BLOCK_SIZE // 2), mask=mask, other=0).to(tl.int32)
+    s = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
     if FMT == 1:
         # e8m0: 2^(s - 127) is s << 23 for s in 1..254, s = 0 the subnormal 2^-127 (bit 22); 255 (NaN) reads
         # as inf, which inf * 0 + inf turns into NaN (a finite scale passes unchanged).
@@ -84,7 +83,7 @@ def fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o, j, mask, s_q_e, s_q_o, s_s_e, s_s_o,
         # +-480, beyond its largest finite value (448).
         e4m3 = (((s << 24) >> 4) & _E4M3_BITS).to(tl.float32, bitcast=True) * _E4M3_UNBIAS
         e4m3 = tl.where(tl.abs(e4m3) == 480.0, float("nan"), e4m3)
-        scale = tl.load(ts_ptr + e64) * e4m3  # torchao's order
+        scale = ts * e4m3  # torchao's order
     # A code to bits 31-28, then an arithmetic shift: its sign stays at 31 (its copies in 30-25 are masked).
     lo = (((byte << 28) >> 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * _E2M1_UNBIAS
     hi = (((byte << 24) >> 6) & _E2M1_BITS).to(tl.float32, bitcast=True) * _E2M1_UNBIAS
@@ -93,26 +92,55 @@ def fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o, j, mask, s_q_e, s_q_o, s_s_e, s_s_o,
 
 
 @triton.jit
-def fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, k0, K, s_q_e, s_q_o, s_s_e, s_s_o,
-                    FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """Tile [BLOCK_K, BLOCK_N] of the logical W_e^T (rows k0 + [0, BLOCK_K), columns n) in DTYPE, from the
-    packed weight; 0 outside [K, N]. W[n, k] is stored at (o, i) = (n, k): the columns are the weight rows
-    wrow_N (any row indices, mask_N); or, TRANSPOSED, at (k, n): the columns are n0 + [0, BLOCK_N) (n0
-    even). Bytes hold element pairs along the stored I, so the tile is decoded as pairs [BLOCK/2, ..] and
-    interleaved by join + permute + reshape: Triton 3.6 fails to compile (sm90, "Illegal shared layout") a
-    dot operand made by join + reshape alone, or followed by a transpose (docs/validation.md)."""
+def fp4_tensor_scale(ts_ptr, e64, FMT: tl.constexpr):
+    """Expert e64's NVFP4 tensor scale (fp32), for fp4_pairs; MXFP4 has none (1.0, unused)."""
+    if FMT == 2:
+        return tl.load(ts_ptr + e64)
+    return 1.0
+
+
+@triton.jit
+def fp4_weight_ptrs(q_ptr, s_ptr, e64, wrow_N, mask_N, n0, N, s_q_e, s_q_o, s_s_e, s_s_o,
+                    BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The byte and scale pointers of the pairs of the first K tile (k0 = 0) of fp4_weight_tile and their mask
+    over N: once per output tile, fp4_weight_tile moves them to k0 by a scalar. W[n, k] is stored at
+    (o, i) = (n, k): the columns are the weight rows wrow_N (any row indices, mask_N); or, TRANSPOSED, at
+    (k, n): the columns are n0 + [0, BLOCK_N) (n0 even). Pairs are [BLOCK_N / 2, BLOCK_K] when TRANSPOSED,
+    else [BLOCK_K / 2, BLOCK_N]."""
     if TRANSPOSED:
-        k_K = k0 + tl.arange(0, BLOCK_K)
+        k_K = tl.arange(0, BLOCK_K)
         j_J = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-        mask = (j_J < N // 2)[:, None] & (k_K < K)[None, :]
-        lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, k_K[None, :], j_J[:, None], mask, s_q_e, s_q_o, s_s_e,
-                           s_s_o, FMT, BLOCK_SIZE)
+        q_ptrs = q_ptr + e64 * s_q_e + k_K[None, :] * s_q_o + j_J[:, None]
+        s_ptrs = s_ptr + e64 * s_s_e + k_K[None, :] * s_s_o + (j_J // (BLOCK_SIZE // 2))[:, None]
+        mask = (j_J < N // 2)[:, None]
+    else:
+        j_J = tl.arange(0, BLOCK_K // 2)
+        q_ptrs = q_ptr + e64 * s_q_e + wrow_N[None, :] * s_q_o + j_J[:, None]
+        s_ptrs = s_ptr + e64 * s_s_e + wrow_N[None, :] * s_s_o + (j_J // (BLOCK_SIZE // 2))[:, None]
+        mask = mask_N[None, :]
+    return q_ptrs, s_ptrs, mask
+
+
+@triton.jit
+def fp4_weight_tile(q_ptrs, s_ptrs, ts, mask, k0, K, s_q_o, s_s_o, FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    TRANSPOSED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Tile [BLOCK_K, BLOCK_N] of the logical W_e^T (rows k0 + [0, BLOCK_K), k0 a multiple of BLOCK_K) in DTYPE,
+    from fp4_weight_ptrs' pointers and mask (ts: fp4_tensor_scale); 0 outside [K, N] (EVEN_K: K % BLOCK_K == 0,
+    no K mask). The pairs are decoded [BLOCK / 2, ..] and interleaved by join + permute + reshape: Triton 3.6
+    fails to compile (sm90, "Illegal shared layout") a dot operand made by join + reshape alone, or followed by
+    a transpose (docs/validation.md)."""
+    if TRANSPOSED:
+        if not EVEN_K:
+            mask = mask & (tl.arange(0, BLOCK_K) < K - k0)[None, :]
+        lo, hi = fp4_pairs(q_ptrs + k0 * s_q_o, s_ptrs + k0 * s_s_o, ts, mask, FMT)
         return tl.reshape(tl.permute(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (1, 0, 2)), (BLOCK_K, BLOCK_N))
-    j_J = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    mask = (j_J < K // 2)[:, None] & mask_N[None, :]
-    lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, wrow_N[None, :], j_J[:, None], mask, s_q_e, s_q_o, s_s_e, s_s_o,
-                       FMT, BLOCK_SIZE)
+    if not EVEN_K:
+        mask = mask & (tl.arange(0, BLOCK_K // 2) < (K - k0) // 2)[:, None]
+    # Pair j of the tile at k0 has scale (k0 / 2 + j) // (BLOCK_SIZE / 2) = k0 // BLOCK_SIZE + j // (BLOCK_SIZE
+    # / 2), both powers of two: BLOCK_K a multiple of BLOCK_SIZE, or a divisor (then j // (BLOCK_SIZE / 2) = 0).
+    lo, hi = fp4_pairs(q_ptrs + k0 // 2, s_ptrs + k0 // BLOCK_SIZE, ts, mask, FMT)
     return tl.reshape(tl.permute(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
@@ -124,8 +152,9 @@ def _dequantize_kernel(q_ptr, s_ptr, ts_ptr, experts_ptr, out_ptr, O, I, s_q_e, 
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     b = tl.program_id(2) * (BLOCK_I // 2) + tl.arange(0, BLOCK_I // 2)
     mask = (o < O)[:, None] & (b < I // 2)[None, :]
-    lo, hi = fp4_pairs(q_ptr, s_ptr, ts_ptr, e64, o[:, None], b[None, :], mask, s_q_e, s_q_o, s_s_e, s_s_o,
-                       FMT, BLOCK_SIZE)
+    q_ptrs = q_ptr + e64 * s_q_e + o[:, None] * s_q_o + b[None, :]
+    s_ptrs = s_ptr + e64 * s_s_e + o[:, None] * s_s_o + (b // (BLOCK_SIZE // 2))[None, :]
+    lo, hi = fp4_pairs(q_ptrs, s_ptrs, fp4_tensor_scale(ts_ptr, e64, FMT), mask, FMT)
     dtype = out_ptr.dtype.element_ty
     w = tl.reshape(tl.join(lo.to(dtype), hi.to(dtype)), (BLOCK_O, BLOCK_I))
     i = tl.program_id(2) * BLOCK_I + tl.arange(0, BLOCK_I)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from gpu.launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
-from moe.kernels.fp4 import FMT_CODES, PackedWeight, fp4_weight_tile
+from moe.kernels.fp4 import FMT_CODES, PackedWeight, fp4_tensor_scale, fp4_weight_ptrs, fp4_weight_tile
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, autotune, bench, faster, m_bucket, prune_gemm
@@ -141,21 +141,29 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K,
 
 
 @triton.jit
-def _k_loop_fp4(in_ptrs, step_in, q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, s_q_e, s_q_o, s_s_e, s_s_o,
-                a_ptrs, step_a, mask_R, K, acc, acc_r, LORA_IN_LOOP: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FMT: tl.constexpr, W_BLOCK: tl.constexpr,
-                W_PACKED_T: tl.constexpr):
-    """_k_loop with a packed FP4 weight: each weight tile is decoded in registers (fp4.fp4_weight_tile) and
-    rounded to the input's dtype, the value torchao's dequantization gives, before the MMA."""
+def _k_loop_fp4(in_ptrs, step_in, q_ptrs, s_ptrs, ts, mask_W, s_q_o, s_s_o, a_ptrs, step_a, mask_R, K, acc, acc_r,
+                LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, W_FMT: tl.constexpr, W_BLOCK: tl.constexpr, W_PACKED_T: tl.constexpr):
+    """_k_loop with a packed FP4 weight (fp4.fp4_weight_ptrs' pointers, mask_W, ts): each weight tile is decoded
+    in registers (fp4.fp4_weight_tile) and rounded to the input's dtype, the value torchao's dequantization
+    gives, before the MMA."""
     k_K = tl.arange(0, BLOCK_K)
     for i in range(tl.cdiv(K, BLOCK_K)):
-        k_in = k_K < K - i * BLOCK_K
-        x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
-        w = fp4_weight_tile(q_ptr, s_ptr, ts_ptr, e64, wrow_N, mask_N, n0, N, i * BLOCK_K, K, s_q_e, s_q_o, s_s_e,
-                            s_s_o, W_FMT, W_BLOCK, W_PACKED_T, BLOCK_N, BLOCK_K, in_ptrs.dtype.element_ty)
+        if EVEN_K:
+            x = tl.load(in_ptrs)
+        else:
+            k_in = k_K < K - i * BLOCK_K
+            x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
+        # The tile-invariant pointers plus a scalar, not carried and advanced: Triton's axis info is lost on a
+        # loop-carried pointer tile (offline sm90: 32 scale loads per thread and step instead of 2, 501 -> 848 SASS).
+        w = fp4_weight_tile(q_ptrs, s_ptrs, ts, mask_W, i * BLOCK_K, K, s_q_o, s_s_o, W_FMT, W_BLOCK, W_PACKED_T,
+                            EVEN_K, BLOCK_N, BLOCK_K, in_ptrs.dtype.element_ty)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         if LORA_IN_LOOP:
-            a = tl.load(a_ptrs, mask=k_in[:, None] & mask_R[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_R[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=k_in[:, None] & mask_R[None, :], other=0.0)
             acc_r = tl.dot(x, a, acc_r, input_precision=DOT_PRECISION)
             a_ptrs += step_a
         in_ptrs += step_in
@@ -304,10 +312,12 @@ def _grouped_linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if W_FMT != 0:
-            acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, w_ptr, ws_ptr, wts_ptr, e64, wrow_N, mask_N,
-                                     pid_n * BLOCK_N, N, s_w_e, s_w_n, s_ws_e, s_ws_o, a_ptrs, BLOCK_K * s_a_k,
-                                     mask_R, K, acc, acc_r, LORA_IN_LOOP, BLOCK_N, BLOCK_K, DOT_PRECISION, W_FMT,
-                                     W_BLOCK, W_PACKED_T)
+            q_ptrs, s_ptrs, mask_W = fp4_weight_ptrs(w_ptr, ws_ptr, e64, wrow_N, mask_N, pid_n * BLOCK_N, N, s_w_e,
+                                                     s_w_n, s_ws_e, s_ws_o, W_BLOCK, W_PACKED_T, BLOCK_N, BLOCK_K)
+            acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, q_ptrs, s_ptrs, fp4_tensor_scale(wts_ptr, e64, W_FMT),
+                                     mask_W, s_w_n, s_ws_o, a_ptrs, BLOCK_K * s_a_k, mask_R, K, acc, acc_r,
+                                     LORA_IN_LOOP, K % BLOCK_K == 0, BLOCK_N, BLOCK_K, DOT_PRECISION, W_FMT, W_BLOCK,
+                                     W_PACKED_T)
         elif TMA:
             acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K,
                               DOT_PRECISION)
