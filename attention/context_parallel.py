@@ -24,7 +24,7 @@ GDN modes (`parallelism.cp_gdn`, attention/gdn.py):
     heads      head-parallel: the ulysses exchange, conv and delta rule per head over whole rows; needs
                linear_num_key_heads divisible by cp
     state      state passing: each rank runs its own pieces, with every piece's conv tail and recurrent-state
-               transition exchanged by all-gather (gather_pieces); any cp, torch op set
+               transition exchanged by all-gather (gather_pieces); any cp, either op set
 """
 
 from __future__ import annotations
@@ -108,6 +108,25 @@ def varlen_segments(doc_bounds: list[int], batch: int, seq_len: int, size: int, 
     return VarlenSegments(cu_q.to(device), cu_k.to(device), key_index_T.to(device), max(q_lens), max(k_lens))
 
 
+def piece_documents(doc_bounds: list[int], batch: int, seq_len: int, num_pieces: int, pieces: tuple[int, ...],
+                    back: int = 0) -> tuple[list[int], list[bool]]:
+    """(cu_seqlens, continues) of `pieces` (of num_pieces per row) as batch*len(pieces) rows, batch-major, each
+    of seq_len/num_pieces tokens plus the `back` tokens before it (before a row start: zeros, one document).
+    cu_seqlens: document boundaries over those rows flattened, every row start among them; continues: whether
+    each piece's first token continues a document begun before it. doc_bounds as in zigzag_segments."""
+    piece = seq_len // num_pieces
+    width = piece + back
+    starts = set(doc_bounds)
+    cu, continues = [], []
+    for i, (b, p) in enumerate(itertools.product(range(batch), pieces)):
+        begin = b * seq_len + p * piece - back  # flattened position of the extended piece's first token
+        lo = bisect.bisect_left(doc_bounds, max(begin, b * seq_len))
+        hi = bisect.bisect_left(doc_bounds, begin + width)
+        cu += [i * width, *(i * width + c - begin for c in doc_bounds[lo:hi] if c > begin)]
+        continues.append(begin + back not in starts)
+    return [*cu, len(continues) * width], continues
+
+
 @dataclass
 class CPShard:
     """This rank's share of a batch of whole rows, and what the mixers need to compute over whole rows.
@@ -115,7 +134,8 @@ class CPShard:
     meta: the whole rows' attention metadata (attention.attention.AttnMeta: packed mask, cu_seqlens, whether it is
     for the varlen kernel); mode: the attention exchange; position_ids_BS: the whole rows' positions (documents
     restart at 0); gdn_mode: how GDN layers split (CP_GDN_MODES). allgather mode holds either `segments` (meta for
-    the varlen kernel) or `mask_B1sS`."""
+    the varlen kernel) or `mask_B1sS`. gdn_mode state also needs gdn_conv_tail, the GDN conv window minus one: the
+    tokens each piece's conv reads from its predecessor."""
     group: dist.ProcessGroup
     rank: int
     size: int
@@ -123,12 +143,18 @@ class CPShard:
     position_ids_BS: torch.Tensor
     mode: str = "allgather"
     gdn_mode: str = "heads"
+    gdn_conv_tail: int = 0
     index_S: torch.Tensor = field(init=False)
     row_order_S: torch.Tensor = field(init=False)
     segments: VarlenSegments | None = field(init=False)
     mask_B1sS: torch.Tensor | None = field(init=False)
     pieces_2: torch.Tensor | None = field(init=False)  # this rank's pieces (gdn_mode state)
     piece_order_P: torch.Tensor | None = field(init=False)  # gathered pieces, rank-major -> piece order (state)
+    # this rank's pieces as 2B rows (batch-major, local order; gdn_mode state): the delta rule's documents, the
+    # conv's over the pieces extended back by gdn_conv_tail tokens, and which pieces continue a document
+    piece_cu_seqlens: torch.Tensor | None = field(init=False)
+    conv_cu_seqlens: torch.Tensor | None = field(init=False)
+    continues_n: torch.Tensor | None = field(init=False)
 
     def __post_init__(self):
         if self.mode not in CP_ATTENTION_MODES:
@@ -145,11 +171,17 @@ class CPShard:
                          if allgather and varlen else None)
         self.mask_B1sS = self._attention_mask() if allgather and not varlen else None
         # index tensors of the state-passing exchanges, made once per batch rather than in every GDN layer
-        self.pieces_2 = self.piece_order_P = None
+        self.pieces_2 = self.piece_order_P = self.piece_cu_seqlens = self.conv_cu_seqlens = self.continues_n = None
         if self.gdn_mode == "state":
             rank_major = [p for r in range(self.size) for p in zigzag_pieces(self.size, r)]
             self.pieces_2 = torch.tensor(self.pieces, device=device)
             self.piece_order_P = torch.tensor([rank_major.index(p) for p in range(2 * self.size)], device=device)
+            bounds = self._document_bounds()
+            cu, continues = piece_documents(bounds, B, S, 2 * self.size, self.pieces)
+            conv_cu, _ = piece_documents(bounds, B, S, 2 * self.size, self.pieces, self.gdn_conv_tail)
+            self.piece_cu_seqlens, self.conv_cu_seqlens = (torch.tensor(c, dtype=torch.int32, device=device)
+                                                           for c in (cu, conv_cu))
+            self.continues_n = torch.tensor(continues, device=device)
 
     @property
     def seq_len(self) -> int:
@@ -195,6 +227,8 @@ def gather_sequence(x_BsF: torch.Tensor, shard: CPShard) -> torch.Tensor:
 def gather_pieces(x_2F: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """Every piece's value in piece order: [2, ...] (this rank's pieces, local order) -> [2*cp, ...]; backward
     reduce-scatters."""
+    if shard.size == 1:  # one rank holds both pieces: nothing to exchange (a single-device run of the state path)
+        return x_2F
     gathered = _all_gather_autograd(x_2F.contiguous(), 0, shard.group)  # rank r's pieces at 2r, 2r+1
     return gathered.index_select(0, shard.piece_order_P)
 

@@ -24,16 +24,19 @@ Context parallelism (meta.cp, zigzag pieces: attention/context_parallel.py), exa
   predecessor's last conv_kernel-1 pre-conv tokens (one all-gather of every piece's tail). The delta rule is
   linear in (initial state, values), so one pass with values [v | 0_K] from the state [0 | I_K] gives every
   output as o0 + o_I S_in and the piece's state map S_end = P S_in + S0_end ([S0_end | P] is the final
-  state; a document start inside the piece makes P = 0). The maps of all pieces (one all-gather, [B, HV, K,
-  V+K] each) composed in row order give each piece's incoming state S_in. Autograd runs through the
-  collectives and the composition. Any cp; costs about (V+K)/V of a delta-rule pass; op set torch only (the
-  fla ops take no initial state).
+  state; a piece that starts a document starts from 0 instead, and a document start inside a piece makes
+  P = 0). The maps of all pieces (one all-gather, [B, HV, K, V+K] each) composed in row order give each
+  piece's incoming state S_in. Autograd runs through the collectives and the composition. Any cp; costs
+  about (V+K)/V of a delta-rule pass; either op set (the pieces' document tables come from the CPShard).
 
 Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py) in `GDN_OP_SETS` (config key
 model.gdn_op_set; "auto" = fla on CUDA when installed, else torch), chosen at build time, one contract:
     docs = ops.prepare_docs(cu_seqlens, B, S, device)
     y_BSD = ops.causal_conv1d_silu(x_BSD, weight_DW, docs)
     o_BSHV = ops.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
+    o_BSHV, S_BHKV = ops.chunk_gated_delta_rule(..., docs, initial_state=S0_BHKV, output_final_state=True)
+(initial_state: each row's state before its first token, read up to its first document start after column 0;
+zeros for a row that starts a document. S_BHKV: the state after each row's last token, fp32.)
 `torch` is plain PyTorch (CPU path, reference); `fla` wraps flash-linear-attention's CUDA kernels in
 opaque torch.library custom ops and is imported only when chosen.
 
@@ -238,58 +241,60 @@ class GatedDeltaNet(nn.Module):
         """_mix of this rank's two zigzag pieces, exactly as on whole rows, every head: the pieces run as 2B
         rows (n = B*2, batch-major: a view of the local order), each from its predecessor's conv tail and the
         recurrent state entering it."""
-        if self.op_set != "torch":
-            raise ValueError(f"parallelism.cp_gdn: state starts each piece's delta rule from an initial state, which "
-                             f"GDN op set {self.op_set!r} does not offer; set model.gdn_op_set: torch or "
-                             "parallelism.cp_gdn: heads")
         B, s, D = qkv_BsD.shape
-        starts_BS = self.ops.prepare_docs(cp.meta.cu_seqlens, B, cp.seq_len, qkv_BsD.device)
-        qkv_nPD, starts_nP = self._conv_pieces(qkv_BsD.reshape(2 * B, s // 2, D), starts_BS, cp)
+        n, P = 2 * B, s // 2
+        qkv_nPD = self._conv_pieces(qkv_BsD.reshape(n, P, D), cp)
         q, k, v = qkv_nPD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        g_nPH, beta_nPH = self._decay_and_strength(b_BsH.reshape(2 * B, s // 2, -1),
-                                                   a_BsH.reshape(2 * B, s // 2, -1), slice(None))
+        g_nPH, beta_nPH = self._decay_and_strength(b_BsH.reshape(n, P, -1), a_BsH.reshape(n, P, -1), slice(None))
         k_heads, v_shape = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
-        o_nPHV = self._delta_rule_pieces(q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
-                                         v.unflatten(-1, v_shape), g_nPH, beta_nPH, starts_nP, cp)
-        return o_nPHV.reshape(B, s, *v_shape)
+        docs = self.ops.prepare_docs(cp.piece_cu_seqlens, n, P, qkv_BsD.device)
+        o_nPHW, maps_nHKW = delta_rule_state_maps(self.ops, q.unflatten(-1, k_heads), k.unflatten(-1, k_heads),
+                                                  v.unflatten(-1, v_shape), g_nPH, beta_nPH, docs, cp.continues_n)
+        maps_pBHKW = gather_pieces(maps_nHKW.unflatten(0, (B, 2)).transpose(0, 1), cp)
+        state_in_nHKV = incoming_states(maps_pBHKW, self.head_v_dim, cp.pieces).transpose(0, 1).flatten(0, 1)
+        return with_incoming_state(o_nPHW, state_in_nHKV).to(v.dtype).reshape(B, s, *v_shape)
 
-    def _conv_pieces(self, x_nPD, starts_BS, cp: CPShard):
-        """(silu(causal conv) of every local piece, the pieces' document starts starts_nP): each piece is
-        prefixed with its predecessor's last W-1 pre-conv tokens (zeros before piece 0) and those tokens'
-        document starts, so the window reaches back across the piece boundary unless a document starts."""
+    def _conv_pieces(self, x_nPD, cp: CPShard):
+        """silu(causal conv) of every local piece: each piece is prefixed with its predecessor's last W-1 pre-conv
+        tokens (zeros before piece 0), so the window reaches back across the piece boundary unless a document
+        starts (cp.conv_cu_seqlens: the documents of the extended pieces)."""
         n, P = x_nPD.shape[:2]
         W = self.conv1d.kernel_size[0]
         if P < W - 1:
             raise ValueError(f"parallelism.cp_gdn: state reads a conv tail of conv_kernel-1 = {W - 1} tokens from "
                              f"the previous zigzag piece, but pieces hold seq_len/(2*cp) = {P}; use a longer "
                              "data.seq_len, a smaller cp or parallelism.cp_gdn: heads")
+        if cp.gdn_conv_tail != W - 1:
+            raise ValueError(f"the CPShard's document tables are for a conv tail of {cp.gdn_conv_tail} tokens, this "
+                             f"GDN layer's conv window reads {W - 1}: build the CPShard with gdn_conv_tail={W - 1}")
         tails_2BTD = x_nPD[:, P - (W - 1):].unflatten(0, (n // 2, 2)).transpose(0, 1)
         tails_pBTD = gather_pieces(tails_2BTD, cp)
         # predecessor of piece p at index p: a zero tail before piece 0
         tails_pBTD = torch.cat([torch.zeros_like(tails_pBTD[:1]), tails_pBTD])
         pred_nTD = tails_pBTD.index_select(0, cp.pieces_2).transpose(0, 1).flatten(0, 1)
-        # row columns of each extended piece; the clamped ones (before piece 0) are starts: their taps stay unused
-        cols_2T = torch.stack([torch.arange(p * P - (W - 1), (p + 1) * P, device=x_nPD.device) for p in cp.pieces])
-        starts_nT = starts_BS[:, cols_2T.clamp_min(0)].flatten(0, 1)
-        y_nTD = self.ops.causal_conv1d_silu(torch.cat([pred_nTD, x_nPD], dim=1), self._conv_weight(slice(None)),
-                                            starts_nT)
-        return y_nTD[:, W - 1:], starts_nT[:, W - 1:]
+        docs = self.ops.prepare_docs(cp.conv_cu_seqlens, n, P + W - 1, x_nPD.device)
+        y_nTD = self.ops.causal_conv1d_silu(torch.cat([pred_nTD, x_nPD], dim=1), self._conv_weight(slice(None)), docs)
+        return y_nTD[:, W - 1:]
 
-    def _delta_rule_pieces(self, q_nPHK, k_nPHK, v_nPHV, g_nPH, beta_nPH, starts_nP, cp: CPShard):
-        """o_nPHV of the delta rule on every local piece from the state entering it. One pass with values
-        [v | 0_K] from the state [0 | I_K] gives the outputs [o0 | o_I] and the final state [S0_end | P];
-        with S_in from every piece's map, o = o0 + o_I S_in (linearity in the initial state)."""
-        n, P, HV, V = v_nPHV.shape
-        K = q_nPHK.shape[-1]
-        v_aug_nPHW = torch.cat([v_nPHV.float(), v_nPHV.new_zeros(n, P, HV, K, dtype=torch.float32)], dim=-1)
-        eye_nHKK = torch.eye(K, device=v_nPHV.device).expand(n, HV, K, K)
-        init_nHKW = torch.cat([eye_nHKK.new_zeros(n, HV, K, V), eye_nHKK], dim=-1)
-        o_nPHW, final_nHKW = self.ops.chunk_gated_delta_rule(q_nPHK, k_nPHK, v_aug_nPHW, g_nPH, beta_nPH, starts_nP,
-                                                             initial_state=init_nHKW, output_final_state=True)
-        maps_pBHKW = gather_pieces(final_nHKW.unflatten(0, (n // 2, 2)).transpose(0, 1), cp)
-        state_in_nHKV = incoming_states(maps_pBHKW, V, cp.pieces).transpose(0, 1).flatten(0, 1)
-        o_nPHV = o_nPHW[..., :V] + torch.einsum("nphk,nhkv->nphv", o_nPHW[..., V:], state_in_nHKV)
-        return o_nPHV.to(v_nPHV.dtype)
+
+def delta_rule_state_maps(ops, q_nPHK, k_nPHK, v_nPHV, g_nPH, beta_nPH, docs, continues_n):
+    """(o_nPHW, maps_nHKW) of the delta rule on n pieces, W = V + K: one pass with values [v | 0_K] from the state
+    [0 | I_K] (0 for a piece that starts a document, continues_n False) gives the outputs [o0 | o_I] for a zero
+    and a unit incoming state and the final state [S0_end | P], the piece's state map S_end = S0_end + P S_in.
+    The values stay in v's dtype (zeros are exact), the initial state in fp32."""
+    n, P, HV, V = v_nPHV.shape
+    K = q_nPHK.shape[-1]
+    v_aug_nPHW = torch.cat([v_nPHV, v_nPHV.new_zeros(n, P, HV, K)], dim=-1)
+    eye_nHKK = torch.eye(K, device=v_nPHV.device) * continues_n.view(n, 1, 1, 1)
+    init_nHKW = torch.cat([eye_nHKK.new_zeros(n, HV, K, V), eye_nHKK.expand(n, HV, K, K)], dim=-1)
+    return ops.chunk_gated_delta_rule(q_nPHK, k_nPHK, v_aug_nPHW, g_nPH, beta_nPH, docs, initial_state=init_nHKW,
+                                      output_final_state=True)
+
+
+def with_incoming_state(o_nPHW: torch.Tensor, state_in_nHKV: torch.Tensor) -> torch.Tensor:
+    """o = o0 + o_I S_in (fp32) from delta_rule_state_maps' outputs and the pieces' incoming states."""
+    V = state_in_nHKV.shape[-1]
+    return o_nPHW[..., :V].float() + torch.einsum("nphk,nhkv->nphv", o_nPHW[..., V:].float(), state_in_nHKV)
 
 
 def incoming_states(maps_pBHKW: torch.Tensor, value_dim: int, pieces: tuple[int, ...]) -> torch.Tensor:

@@ -5,7 +5,7 @@ The CPU path and the numerical reference of the `fla` op set (same three functio
     docs = prepare_docs(cu_seqlens, B, S, device)       # what the ops need to reset at document starts
     y_BSD = causal_conv1d_silu(x_BSD, weight_DW, docs)   # depthwise causal conv, window reset per document
     o_BSHV = chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
-    o_BSHV, S_BHKV = chunk_gated_delta_rule(..., initial_state=S0_BHKV, output_final_state=True)
+    o_BSHV, S_BHKV = chunk_gated_delta_rule(..., docs, initial_state=S0_BHKV, output_final_state=True)
 
 Shapes: B rows, S tokens per row, D conv channels, W conv width, H key heads, HV value heads (a
 multiple of H; key head h serves value heads h*HV/H .. (h+1)*HV/H - 1), K / V head dims.
@@ -103,9 +103,9 @@ def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS, i
     """o_BSHV of the gated delta rule, state S [K, V] per value head:
       S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
 
-    initial_state: S_0 [B, HV, K, V] (None: zeros), read by the tokens before the first document start
-    (starts_BS[:, 0] False: the row continues a document begun before it). output_final_state: return
-    (o_BSHV, S_BHKV fp32), the state after the last token.
+    initial_state: S_0 [B, HV, K, V] (None: zeros), the state before each row's first token: its tokens up to
+    the first document start after column 0 continue it (pass zeros for a row that starts a document; the fla
+    op set's contract too). output_final_state: return (o_BSHV, S_BHKV fp32), the state after the last token.
 
     a_t = exp(g_t), zero at document starts. Per chunk of C tokens (WY form, cumulative log decay c):
       u = T beta v,  w = T (beta k * exp(c) * carry),  T = (I + strict_lower(beta K K^T * P))^-1
@@ -114,6 +114,8 @@ def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, starts_BS, i
     with P_ij = exp(c_i - c_j) where same_doc_ij, else 0; every c_i - c_j is a segment sum of g.
     """
     B, S, HV, _ = v_BSHV.shape
+    if initial_state is not None:  # column 0 continues the initial state's document
+        starts_BS = torch.cat([torch.zeros_like(starts_BS[:, :1]), starts_BS[:, 1:]], dim=1)
     group = HV // q_BSHK.shape[2]
     num_chunks = -(-S // CHUNK)
     q_BSHK = l2_normalize(q_BSHK.float()).repeat_interleave(group, dim=2) * q_BSHK.shape[-1] ** -0.5

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from attention.attention import build_attn_meta, resolve_attn_backend
 from attention.context_parallel import CPShard, zigzag_index
-from attention.gdn import GDN_OP_SETS
 from runtime.config import Config, ConfigError
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import IGNORE_INDEX, GDNConfig, QwenConfig
@@ -45,6 +44,7 @@ class ContextParallel:
     mode: str
     attn_backend: str
     gdn_mode: str = "heads"
+    gdn_conv_tail: int = 0  # GDN conv window - 1: the tokens a piece's conv reads from its predecessor (state)
 
     @classmethod
     def build(cls, meshes: Meshes | None, dims: ParallelDims, rank: int, cfg: Config,
@@ -52,8 +52,9 @@ class ContextParallel:
         if dims.cp == 1:
             return None
         check_context_parallel(cfg, model_cfg)
+        conv_tail = model_cfg.gdn.conv_kernel - 1 if model_cfg.gdn is not None else 0
         return cls(meshes.world.get_group("cp"), rank % dims.cp, dims.cp, cfg.parallelism.cp_attention,
-                   model_cfg.attn_backend, cfg.parallelism.cp_gdn)
+                   model_cfg.attn_backend, cfg.parallelism.cp_gdn, conv_tail)
 
     def shard(self, batch) -> CPBatch:
         """This rank's tokens of every row; the whole rows' metadata goes into the CPShard (on the batch's
@@ -64,7 +65,8 @@ class ContextParallel:
         device = batch.input_ids.device
         backend = resolve_attn_backend(self.attn_backend, device)
         meta = build_attn_meta(batch.position_ids, batch.cu_seqlens, batch.max_seqlen, backend)
-        shard = CPShard(self.group, self.rank, self.size, meta, batch.position_ids, self.mode, self.gdn_mode)
+        shard = CPShard(self.group, self.rank, self.size, meta, batch.position_ids, self.mode, self.gdn_mode,
+                        self.gdn_conv_tail)
         labels = shard.take(batch.labels)
         return CPBatch(input_ids=shard.take(batch.input_ids), labels=labels,
                        position_ids=shard.take(batch.position_ids),
@@ -74,7 +76,7 @@ class ContextParallel:
 def check_context_parallel(cfg: Config, model_cfg: QwenConfig) -> None:
     """What cp > 1 needs of the data and the model, as ConfigErrors (every rank raises alike, before any
     collective): rows cut into 2*cp equal pieces, heads that split for Ulysses and for head-parallel GDN layers,
-    GDN state passing on the torch op set with pieces no shorter than the conv tail."""
+    GDN state passing with pieces no shorter than the conv tail."""
     cp, mode = cfg.parallelism.cp, cfg.parallelism.cp_attention
     try:
         zigzag_index(cfg.data.seq_len, cp, 0)
@@ -89,12 +91,12 @@ def check_context_parallel(cfg: Config, model_cfg: QwenConfig) -> None:
             raise ConfigError(f"parallelism.cp_attention: ulysses needs the {kv} kv heads to divide cp={cp} or be "
                               "divisible by it; use cp_attention: allgather or another cp")
     if any(model_cfg.is_linear_attention(i) for i in range(model_cfg.num_layers)):
-        _check_gdn(cfg, model_cfg.gdn, model_cfg.gdn_op_set)
+        _check_gdn(cfg, model_cfg.gdn)
 
 
-def _check_gdn(cfg: Config, gdn: GDNConfig, op_set: str) -> None:
-    """GDN layers under parallelism.cp_gdn: heads need cp | num_k_heads; state needs the torch op set ("auto"
-    resolved as the layers resolve it) and pieces of at least conv_kernel-1 tokens."""
+def _check_gdn(cfg: Config, gdn: GDNConfig) -> None:
+    """GDN layers under parallelism.cp_gdn: heads need cp | num_k_heads; state needs pieces of at least
+    conv_kernel-1 tokens (either op set)."""
     cp, piece = cfg.parallelism.cp, cfg.data.seq_len // (2 * cfg.parallelism.cp)
     if cfg.parallelism.cp_gdn == "heads":
         if gdn.num_k_heads % cp:
@@ -102,10 +104,6 @@ def _check_gdn(cfg: Config, gdn: GDNConfig, op_set: str) -> None:
                               f"heads) and need cp to divide linear_num_key_heads={gdn.num_k_heads}; or set "
                               "parallelism.cp_gdn: state")
         return
-    resolved = GDN_OP_SETS.resolve(op_set)
-    if resolved != "torch":
-        raise ConfigError(f"parallelism.cp_gdn: state starts the delta rule from an initial state, which GDN op set "
-                          f"{resolved!r} does not offer; set model.gdn_op_set: torch or parallelism.cp_gdn: heads")
     if piece < gdn.conv_kernel - 1:
         raise ConfigError(f"parallelism.cp_gdn: state reads conv tails of linear_conv_kernel_dim-1 = "
                           f"{gdn.conv_kernel - 1} tokens from the previous zigzag piece, but pieces hold "

@@ -5,7 +5,9 @@ whole rows in one process (fp32, gloo, op set torch): output, input gradient and
 Rows: row 0 packs documents that cross zigzag pieces, start exactly at a piece boundary, are shorter than the
 conv window (one of them across a boundary, so a conv tail holds document starts); row 1 is one document. The
 layer has 2 key heads, so cp=4 is a case head-parallel refuses. The op's initial / final state is checked
-against one run over the concatenation, across chunk boundaries.
+against one run over the concatenation, across chunk boundaries; the pieces' document tables (piece_documents)
+against the whole rows' starts; cp size 1 (both pieces on one rank, no process group: the single-GPU fla tests
+in tests/gpu/test_cp_gdn_gpu.py) against whole rows.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _state_passing_rank(rank, world_size, layout, S):
     grads_ref = {n: p.grad.clone() for n, p in layer.named_parameters()}
     layer.zero_grad()
 
-    shard = CPShard(dist.group.WORLD, rank, world_size, meta, position_ids, gdn_mode="state")
+    shard = CPShard(dist.group.WORLD, rank, world_size, meta, position_ids, gdn_mode="state", gdn_conv_tail=3)
     x_local = shard.take(x.detach()).requires_grad_()
     y = layer(x_local, AttnMeta(cp=shard))
     y.backward(shard.take(dy))
@@ -127,32 +129,65 @@ def test_state_passing_runs_where_head_parallel_cannot():
     _hybrid_check(**{"parallelism.cp": 4, "parallelism.cp_gdn": "state"})
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"model.gdn_op_set": "fla"}, "set model.gdn_op_set: torch or parallelism.cp_gdn: heads"),
-    ({"data.seq_len": 8}, r"pieces hold data.seq_len/\(2\*cp\) = 1"),
-], ids=["fla op set", "pieces shorter than the conv tail"])
-def test_state_passing_refuses_what_it_cannot_run(overrides, match):
+def test_state_passing_refuses_pieces_shorter_than_the_conv_tail():
     from runtime.config import ConfigError
 
-    with pytest.raises(ConfigError, match=match):
-        _hybrid_check(**{"parallelism.cp": 4, "parallelism.cp_gdn": "state", **overrides})
+    with pytest.raises(ConfigError, match=r"pieces hold data.seq_len/\(2\*cp\) = 1"):
+        _hybrid_check(**{"parallelism.cp": 4, "parallelism.cp_gdn": "state", "data.seq_len": 8})
 
 
-def test_state_passing_refuses_auto_resolved_to_fla(monkeypatch):
-    """model.gdn_op_set auto on a CUDA machine with fla installed: refused by the cp checks, before any collective."""
+def test_state_passing_accepts_auto_resolved_to_fla(monkeypatch):
+    """model.gdn_op_set auto on a CUDA machine with fla installed: state passing runs on either op set."""
     from attention.gdn import GDN_OP_SETS
-    from runtime.config import ConfigError
 
     monkeypatch.setattr(GDN_OP_SETS, "resolve", lambda name: "fla")
-    with pytest.raises(ConfigError, match="GDN op set 'fla' does not offer"):
-        _hybrid_check(**{"parallelism.cp": 2, "parallelism.cp_gdn": "state"})
+    _hybrid_check(**{"parallelism.cp": 2, "parallelism.cp_gdn": "state"})
 
 
-def test_layer_refuses_state_passing_without_the_torch_op_set():
+def test_one_rank_runs_both_pieces():
+    """cp size 1 without a process group (what the single-GPU fla tests run): both pieces of every row on one
+    rank, gather_pieces the identity; equal to the whole rows, forward and gradients, op set torch."""
+    layer = _layer("qwen3_5")
+    position_ids, meta = _rows(32)
+    torch.manual_seed(1)
+    x = torch.randn(2, 32, 32, requires_grad=True)
+    shard = CPShard(None, 0, 1, meta, position_ids, gdn_mode="state", gdn_conv_tail=3)
+    y_ref, y = layer(x, meta), layer(x, AttnMeta(cp=shard))
+    dy = torch.randn_like(y)
+    grads_ref, grads = (torch.autograd.grad(out, [x, *layer.parameters()], dy) for out in (y_ref, y))
+    assert rel_err(y, y_ref) <= TOL
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert rel_err(g, g_ref) <= TOL
+
+
+def test_layer_refuses_a_shard_built_for_another_conv_window():
     """Before any collective (the shard has no process group)."""
     layer = _layer("qwen3_5")
-    layer.op_set = "fla"
     position_ids, meta = _rows(32)
-    shard = CPShard(None, 0, 2, meta, position_ids, gdn_mode="state")
-    with pytest.raises(ValueError, match="set model.gdn_op_set: torch or parallelism.cp_gdn: heads"):
+    shard = CPShard(None, 0, 2, meta, position_ids, gdn_mode="state", gdn_conv_tail=2)
+    with pytest.raises(ValueError, match="build the CPShard with gdn_conv_tail=3"):
         layer(torch.randn(2, 16, 32), AttnMeta(cp=shard))
+
+
+@pytest.mark.parametrize("S,cp,back", [(32, 2, 0), (32, 2, 3), (32, 4, 3), (48, 3, 3)])
+def test_piece_documents_match_the_whole_rows(S, cp, back):
+    """piece_documents against the whole rows' document starts column by column: a boundary wherever a
+    document starts inside an extended piece or the extended piece begins; continues where a piece's first
+    token is no document start."""
+    from attention.context_parallel import piece_documents
+
+    position_ids, meta = _rows(S)
+    B, P = position_ids.shape[0], S // (2 * cp)
+    starts_BS = (position_ids == 0).tolist()
+    bounds = sorted(set(meta.cu_seqlens.tolist()) | set(range(0, B * S + 1, S)))
+    for rank in range(cp):
+        pieces = (rank, 2 * cp - 1 - rank)
+        cu, continues = piece_documents(bounds, B, S, 2 * cp, pieces, back)
+        expected_cu, expected_continues = [], []
+        for i, (b, p) in enumerate(itertools.product(range(B), pieces)):
+            cols = range(p * P - back, (p + 1) * P)
+            expected_cu += [i * (P + back) + j for j, c in enumerate(cols)
+                            if j == 0 or (c >= 0 and starts_BS[b][c])]
+            expected_continues.append(not starts_BS[b][p * P])
+        assert cu == [*expected_cu, len(expected_continues) * (P + back)]
+        assert continues == expected_continues
