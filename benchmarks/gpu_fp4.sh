@@ -2,6 +2,7 @@
 # FP4 expert weights on one GPU (issue 18), carry [".whl"] (torchao and the rest the image lacks), H100 or H200,
 # one part per device call (each compiles many kernel variants: the FP4 tests alone take ~580 s on an H100):
 #   bash benchmarks/gpu_fp4.sh tests;  bash benchmarks/gpu_fp4.sh dense;  bash benchmarks/gpu_fp4.sh bench;  ... e2e
+#   (sweep, check and fit are asked for by name only)
 #   tests  tests/gpu/test_fp4_gpu.py: scattermoe on packed weights vs eager on the dequantized ones (bf16, the
 #          real expert shapes, both formats, LoRA) and the memory accounting (no dequantized copy)
 #   dense  the dense scattermoe GPU tests and the quant unit tests: a change to the packed path touches the
@@ -13,6 +14,11 @@
 #   check  what fits one call after a decode change: the dequantize kernel bit for bit, scattermoe on packed
 #          experts at the Qwen3-30B-A3B shape (both formats, LoRA and frozen), the memory accounting; then the
 #          expert layer on bf16 / MXFP4 / NVFP4 weights at that shape (time and transient peak, scattermoe)
+#   sweep  one call (< 9 min) after a decode or tuning change: the decode of every code under every scale
+#          byte compiled for the GPU and the dequantize kernel bit for bit, scattermoe on packed experts vs eager
+#          at the Qwen3-30B-A3B shape (both formats, LoRA and frozen); the expert layer (bf16 / MXFP4 / NVFP4,
+#          LoRA r=16, autotuned); then each FP4 GEMM config forced on every packed GEMM (MOE_FP4_GEMM_CONFIG),
+#          ep1 fwd+bwd ms per format, one line per config (the autotuner may mix configs across the 4 GEMMs)
 #   fit    the whole Qwen3-30B-A3B (48 layers) LoRA on MXFP4 experts, rows of 8192, no checkpointing: peak
 #          against the estimate (runtime.launch --estimate: 66.55 GiB)
 # Logs in $OUT/*.log, rows in $OUT/*.json; the summary comes last.
@@ -34,6 +40,29 @@ if [[ $parts == *check* ]]; then
   tail -n 3 "$OUT/fp4_check.log"
   python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 \
     --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
+fi
+if [[ $parts == *sweep* ]]; then
+  timeout 150 python -m pytest -q -rs tests/unit/test_quant.py tests/gpu/test_fp4_gpu.py \
+    -k "compiled_decode or dequantize_kernel or qwen3-30b-a3b" > "$OUT/fp4_sweep_tests.log" 2>&1
+  tail -n 3 "$OUT/fp4_sweep_tests.log"
+  timeout 120 python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 \
+    --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
+  # BM,BN,BK,warps,stages[,persistent]: tuning.FP4_GEMM_CONFIGS (compiled by the runs above), then two more
+  # (compiled here). The timeouts keep the whole part under 9 minutes.
+  for cfg in 128,128,64,8,3 128,256,64,8,3 256,64,64,8,3 256,128,64,8,3 256,64,64,8,3,1 256,64,64,8,4 \
+             256,64,128,8,2; do
+    MOE_FP4_GEMM_CONFIG=$cfg timeout 40 python - "$cfg" >> "$OUT/fp4_sweep.log" 2>&1 <<'PY'
+import sys
+from benchmarks.bench_experts import Row, bench_row
+cells = []
+for mode in ("lora16-mxfp4", "lora16-nvfp4"):
+    row = bench_row(Row("qwen3-30b-a3b", 8192, mode, 1, "scattermoe"), iters=10, warmup=3, matmul=None)
+    cells.append(f"{mode[7:]} {row.fwd_ms:6.3f} {row.fwd_bwd_ms:6.3f} {row.steady_ms:6.3f}")
+print(f"sweep {sys.argv[1]:16s} " + "   ".join(cells), flush=True)
+PY
+    rc=$?
+    ((rc)) && echo "sweep $cfg failed (rc $rc; 124: timed out)" >> "$OUT/fp4_sweep.log"
+  done
 fi
 if [[ $parts == *bench* ]]; then
   python -m benchmarks.bench_quant --experts 128 --out "$OUT" > "$OUT/bench_quant.log" 2>&1
@@ -58,6 +87,8 @@ fi
 echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
 [[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 24
+[[ -f $OUT/fp4_sweep.log ]] && echo "config (MOE_FP4_GEMM_CONFIG)  fmt fwd fwd+bwd steady ms (ep1)" \
+  && grep -E "^sweep|Error" "$OUT/fp4_sweep.log"
 for tag in "${tags[@]}"; do
   grep -E "^(ours|baseline) +lora |^ratio|failed:" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"
 done

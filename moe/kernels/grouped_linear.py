@@ -44,7 +44,7 @@ from gpu.launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
 from moe.kernels.fp4 import FMT_CODES, PackedWeight, fp4_tensor_scale, fp4_weight_ptrs, fp4_weight_tile
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
-from moe.kernels.tuning import GEMM_CONFIGS, INTERPRET, autotune, bench, faster, m_bucket, prune_gemm
+from moe.kernels.tuning import ALL_GEMM_CONFIGS, INTERPRET, autotune, bench, faster, m_bucket, prune_gemm
 
 # Segment search vector width; a floor keeps one compiled variant for every E up to 256.
 _MIN_BLOCK_E = 256
@@ -231,7 +231,7 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
 
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
-@autotune(configs=GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
+@autotune(configs=ALL_GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
                                             "GLU_FWD", "TMA", "DOT_PRECISION", "W_FMT", "W_PACKED_T"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit

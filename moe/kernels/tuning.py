@@ -4,6 +4,9 @@ Contract:
     GEMM_CONFIGS / XTY_CONFIGS / FACTOR_GRAD_CONFIGS
                                  candidate triton.Configs (one fixed small config under TRITON_INTERPRET=1,
                                  where autotuning over several configs does not work)
+    FP4_GEMM_CONFIGS             the grouped GEMM's candidates when its weight is FP4-packed (prune_gemm keeps
+                                 each family to its own launches); MOE_FP4_GEMM_CONFIG="BM,BN,BK,warps,stages[,1]"
+                                 (1: persistent) replaces them by that one config (benchmarks/gpu_fp4.sh sweep)
     prune_gemm / prune_xty / prune_factor_grads
                                  `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
@@ -88,6 +91,27 @@ else:
     FACTOR_GRAD_CONFIGS = [_factor_config(*c) for c in ((128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                                                         (256, 64, 8, 3))]
 
+# Packed FP4 weights: every row block that reads a weight tile decodes it again in its K loop (integer and
+# fp32 ALU work in the MMA warps), so taller row blocks decode less per MMA. Offline sm_90a SASS (Triton 3.6)
+# per K step and warp, for the same MMA work: 128x128x64 ~291-308 instructions, 256x64x64 ~209-218 (its
+# accumulator 64 registers per thread, as 128x128's); which wins is measured (gpu_fp4.sh sweep).
+FP4_GEMM_CONFIGS = GEMM_CONFIGS if INTERPRET else [_gemm_config(*c) for c in (
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
+    (256, 64, 64, 8, 3, True))]
+if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
+    _bm, _bn, _bk, _warps, _stages, *_persistent = (int(v) for v in os.environ["MOE_FP4_GEMM_CONFIG"].split(","))
+    FP4_GEMM_CONFIGS = [_gemm_config(_bm, _bn, _bk, _warps, _stages, bool(_persistent and _persistent[0]))]
+
+
+def _gemm_key(c: triton.Config) -> tuple:
+    return (*(c.kwargs[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")), c.num_warps, c.num_stages)
+
+
+_DENSE_KEYS = {_gemm_key(c) for c in GEMM_CONFIGS}
+_FP4_KEYS = {_gemm_key(c) for c in FP4_GEMM_CONFIGS}
+# The grouped GEMM's config list: both families, each config once.
+ALL_GEMM_CONFIGS = GEMM_CONFIGS + [c for c in FP4_GEMM_CONFIGS if _gemm_key(c) not in _DENSE_KEYS]
+
 
 def _family(configs: list[triton.Config], names: tuple[str, ...], dims: tuple[int, ...]) -> list[triton.Config]:
     """The narrow configs when one of `dims` is rank-sized, else the wide ones (all when none match)."""
@@ -141,6 +165,10 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
     cols = 2 * args["N"] if glu_fwd else args["N"]
     min_n = 2 * _MIN_DOT if glu_fwd else _MIN_DOT
     device = args["in_ptr"].device.index
+    # A packed weight's launches take the FP4 family, the others the dense one (all configs when a caller
+    # forced others: the tests' one_config).
+    family = _FP4_KEYS if args["W_FMT"] else _DENSE_KEYS
+    configs = [c for c in configs if _gemm_key(c) in family] or configs
     kept = {}
     for c in _family(configs, ("BLOCK_N",), (cols,)):
         bm = c.kwargs["BLOCK_M"]

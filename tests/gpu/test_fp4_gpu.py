@@ -1,5 +1,5 @@
 """scattermoe on FP4-packed experts (bf16 activations) vs the eager backend in fp32 on the dequantized weights,
-at real MoE shapes (norm-relative error <= 1e-2), every tuned GEMM config on each packed path, and the memory
+at real MoE shapes (norm-relative error <= 1e-2), every FP4 GEMM config on each packed path, and the memory
 the packed experts hold and need.
 
 With LoRA (B non-zero) one backward checks dx, the routing-weight gradient, dA and dB; without (rank 0, the
@@ -20,7 +20,8 @@ from moe.experts import GroupedExperts
 from moe.kernels import grouped_linear as gl
 from moe.kernels.fp4 import PackedWeight, dequantize_fp4
 from quant import FP4Weight, quantize_experts
-from tests.gpu.test_grouped_gemm_paths_gpu import WIDE, one_config, operands, rel_err  # noqa: F401 (fixture)
+from moe.kernels.tuning import FP4_GEMM_CONFIGS
+from tests.gpu.test_grouped_gemm_paths_gpu import one_config, operands, rel_err  # noqa: F401 (fixture)
 from tests.gpu.test_scattermoe_gpu import SHAPES  # E, H, I, k of the expert tests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -80,13 +81,13 @@ def test_scattermoe_on_packed_experts_matches_eager_fp32(shape, fmt, rank):
         assert err <= TOL, f"{shape} {fmt} {name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("config", WIDE, ids=[str(c) for c in WIDE])
+@pytest.mark.parametrize("config", FP4_GEMM_CONFIGS, ids=[str(c) for c in FP4_GEMM_CONFIGS])
 def test_each_config_on_each_packed_path(config, one_config):  # noqa: F811 (the fixture)
-    """Each candidate config forced on every GEMM that reads a packed weight (Qwen3-30B-A3B shapes), against
-    CUTLASS on the dequantized bf16 weights (the same MMA inputs): gate_up (gathered rows, SwiGLU epilogue),
-    down (W), g and dx (the transposed packed view), and down / dx with a split and a fused LoRA. NVFP4 only:
-    the formats differ in the element-wise scale decode alone, not in what a config changes (tiles, layouts,
-    the persistent loop), and each config compiles ~7 kernels."""
+    """Each FP4 candidate config (tuning.FP4_GEMM_CONFIGS) forced on every GEMM that reads a packed weight
+    (Qwen3-30B-A3B shapes), against CUTLASS on the dequantized bf16 weights (the same MMA inputs): gate_up
+    (gathered rows, SwiGLU epilogue), down (W), g and dx (the transposed packed view), and down / dx with a split
+    and a fused LoRA. NVFP4 only: the formats differ in the element-wise scale decode alone, not in what a config
+    changes (tiles, layouts, the persistent loop), and each config compiles ~7 kernels."""
     fmt = "nvfp4"
     one_config(config)
     slots, t = operands()
