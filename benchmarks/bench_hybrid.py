@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_hybrid [--tokens 8192] [--backend grouped_mm] [--gdn-op-set fla] [--out DIR]
     python -m benchmarks.bench_hybrid --gdn-layer [--out DIR]
+    python -m benchmarks.bench_hybrid --gdn-state [--gdn-op-set fla] [--out DIR]
     python -m benchmarks.bench_hybrid --dry          # CPU smoke run, tiny stack, eager only
 
 Stack: 4 Qwen3.5-35B-A3B-shaped blocks (harness.SHAPES; 3 Gated DeltaNet + 1 gated attention block, 256
@@ -13,6 +14,12 @@ Target: zero graph breaks and compiled >= 1.15x eager.
 --gdn-layer: one GDN layer at Qwen3.5 dimensions, 4 rows x 4096 tokens packed with documents of 1000
 tokens, fwd+bwd per op set (fla eager, fla compiled, torch). The fla op set needs the GDN wheels
 (pyproject extra `gdn`; on the GPU machines the two-call install in benchmarks/gpu_hybrid.sh).
+
+--gdn-state: the delta rule of GDN state passing (parallelism.cp_gdn: state) against a plain delta rule over the
+same tokens, Qwen3.5-35B-A3B GDN dims, one row of 16384 tokens (one document), bf16, fwd+bwd: the row cut into
+2, 4, 8, 16 pieces (2*cp), each run from the state [0 | I_K] with values [v | 0_K] and the pieces' maps composed
+(attention/gdn.py's functions, all pieces on one GPU: per token what every cp rank computes; the all-gathers of
+a real cp run are not in it).
 """
 
 from __future__ import annotations
@@ -140,6 +147,48 @@ def gdn_layer(args, report: Report) -> None:
             report.add({"op_set": op_set, "mode": mode, "ms": None, "note": f"n/a: {type(exc).__name__}: {exc}"[:120]})
 
 
+def gdn_state(args, report: Report) -> None:
+    import importlib
+
+    from attention.context_parallel import piece_documents
+    from attention.gdn import delta_rule_state_maps, incoming_states, with_incoming_state
+
+    ops = importlib.import_module(f"attention.gdn_ops_{args.gdn_op_set}")
+    S, Hk, Hv, K, V = 16384, 16, 32, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(1, S, Hk, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, S, Hv, V, device="cuda", generator=gen).to(torch.bfloat16)
+    g = -torch.rand(1, S, Hv, device="cuda", generator=gen) * 0.05
+    beta = torch.rand(1, S, Hv, device="cuda", generator=gen).to(torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    report.header(f"GDN delta rule fwd+bwd, {S} tokens (one document), Qwen3.5-35B-A3B GDN dims (Hk {Hk}, Hv {Hv}, "
+                  f"K {K}, V {V}), bf16, op set {args.gdn_op_set}: plain vs state passing's pieces")
+
+    def plain():
+        docs = ops.prepare_docs(torch.tensor([0, S], dtype=torch.int32, device="cuda"), 1, S, "cuda")
+        return lambda: ops.chunk_gated_delta_rule(*leaves, docs)
+
+    def pieces(num):
+        P = S // num
+        cu, continues = piece_documents([0, S], 1, S, num, tuple(range(num)))
+        docs = ops.prepare_docs(torch.tensor(cu, dtype=torch.int32, device="cuda"), num, P, "cuda")
+        continues_n = torch.tensor(continues, device="cuda")
+
+        def run():
+            o_nPHW, maps_nHKW = delta_rule_state_maps(ops, *(t.view(num, P, *t.shape[2:]) for t in leaves), docs,
+                                                      continues_n)
+            state_in_nHKV = incoming_states(maps_nHKW.unsqueeze(1), V, tuple(range(num))).squeeze(1)
+            return with_incoming_state(o_nPHW, state_in_nHKV).to(v.dtype).view(1, S, Hv, V)
+        return run
+
+    base = None
+    for mode, fn in [("plain", plain()), *((f"state {n} pieces", pieces(n)) for n in (2, 4, 8, 16))]:
+        torch.cuda.reset_peak_memory_stats()
+        ms = steady_ms(lambda fn=fn: fn().float().square().mean().backward(), args.iters, warmup=3)
+        base = base or ms
+        report.add({"mode": mode, "ms": ms, "ratio": ms / base, "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -148,6 +197,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--gdn-layer", action="store_true", help="instead of the stack: one GDN layer per op set")
+    ap.add_argument("--gdn-state", action="store_true",
+                    help="instead of the stack: state passing's per-piece delta rule vs a plain one")
     ap.add_argument("--dry", action="store_true",
                     help="CPU smoke run: tiny stack, 64 tokens, fp32, eager experts, torch GDN ops, eager only")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -155,6 +206,11 @@ def main() -> None:
     if args.gdn_layer:
         gdn_layer(args, Report("bench_hybrid_gdn_layer", [Column("mode", "mode", width=14),
                                                           Column("ms", "ms", ".2f", 8)], args.out))
+        return
+    if args.gdn_state:
+        gdn_state(args, Report("bench_hybrid_gdn_state", [Column("mode", "mode", width=16), Column("ms", "ms", ".2f", 8),
+                                                          Column("ratio", "x plain", ".2f"),
+                                                          Column("peak_gib", "peak GiB", ".2f")], args.out))
         return
     device, dtype = "cuda", torch.bfloat16
     if args.dry:

@@ -5,7 +5,8 @@
 - Ops in bf16 vs the torch op set in fp32 on the same (bf16-representable) inputs, packed rows (several
   documents per row, several rows, cu_seqlens) and plain rows, strided q/k/v views as the layer passes
   them: forward and every input gradient, norm-relative <= 2e-2.
-- torch.library.opcheck of the four custom ops (schema, fake tensors, autograd registration, AOT).
+- torch.library.opcheck of the four custom ops (schema, fake tensors, autograd registration, AOT); the delta
+  rule with and without initial / final states (state passing: tests/gpu/test_cp_gdn_gpu.py).
 - The layer (both layouts) with op set fla vs op set torch on the same weights, packed: forward and all
   parameter gradients; torch.compile(fullgraph=True) of the fla layer: zero graph breaks, same results.
 
@@ -145,16 +146,24 @@ def test_conv_bf16_matches_torch(batch, seq, cu):
 
 # ---- opcheck --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("state", [False, True], ids=["no state", "initial and final state"])
 @pytest.mark.parametrize("cu", [CU_SEQLENS, None], ids=["packed", "rows"])
-def test_opcheck(cu):
+def test_opcheck(cu, state):
     batch, seq = (1, CU_SEQLENS[-1]) if cu else (2, 300)
     cu_seqlens = cu_tensor(cu)
     q, k, v, g, beta = (t.contiguous() for t in delta_rule_inputs(batch, seq, hk=2, hv=4, dk=64, dv=64))
     scale = 64 ** -0.5
-    torch.library.opcheck(gdn_ops_fla.gdr_fwd, (*leaves([q, k, v, g, beta]), cu_seqlens, scale))
-    _, q_n, q_rstd, k_n, k_rstd, g_cum, A = gdn_ops_fla.gdr_fwd(q, k, v, g, beta, cu_seqlens, scale)
-    bwd_args = (torch.randn_like(v), q_n, q_rstd, k_n, k_rstd, v, g_cum, beta, A, cu_seqlens, scale)
+    num_states = len(cu) - 1 if cu else batch
+    h0 = torch.randn(num_states, 4, 64, 64, device="cuda") if state else None
+    fwd_args = (*leaves([q, k, v, g, beta]), h0 if h0 is None else leaves([h0])[0], cu_seqlens, scale, state)
+    torch.library.opcheck(gdn_ops_fla.gdr_fwd, fwd_args)
+    _, ht, q_n, q_rstd, k_n, k_rstd, g_cum, A = gdn_ops_fla.gdr_fwd(q, k, v, g, beta, h0, cu_seqlens, scale, state)
+    assert ht.shape == ((num_states, 4, 64, 64) if state else (0,))
+    dht = torch.randn_like(ht) if state else None
+    bwd_args = (torch.randn_like(v), dht, q_n, q_rstd, k_n, k_rstd, v, g_cum, beta, A, h0, cu_seqlens, scale)
     torch.library.opcheck(gdn_ops_fla.gdr_bwd, bwd_args)
+    if state:
+        return
     x = torch.randn(batch, seq, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 4, device="cuda", dtype=torch.bfloat16)
     torch.library.opcheck(gdn_ops_fla.conv_fwd, (*leaves([x, w]), cu_seqlens))
