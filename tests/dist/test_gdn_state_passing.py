@@ -160,6 +160,22 @@ def test_one_rank_runs_both_pieces():
         assert rel_err(g, g_ref) <= TOL
 
 
+def test_state_path_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) of the state path (cp size 1, op set torch; aot_eager: no C++ compiler needed):
+    the pieces' document tables are tensors of the CPShard, nothing data-dependent is traced."""
+    from torch._dynamo.utils import counters
+
+    layer = _layer("qwen3_5")
+    position_ids, meta = _rows(32)
+    shard = CPShard(None, 0, 1, meta, position_ids, gdn_mode="state", gdn_conv_tail=3)
+    x = torch.randn(2, 32, 32)
+    torch._dynamo.reset()
+    counters.clear()
+    y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, AttnMeta(cp=shard))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert rel_err(y, layer(x, AttnMeta(cp=shard))) <= TOL
+
+
 def test_layer_refuses_a_shard_built_for_another_conv_window():
     """Before any collective (the shard has no process group)."""
     layer = _layer("qwen3_5")
