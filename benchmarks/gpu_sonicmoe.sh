@@ -30,13 +30,14 @@ DEADLINE=${DEADLINE:-570}
 
 site_of() { echo "$SITES/$1/site-packages"; }
 
-pythonpath_of() {  # TAG's site-packages, its DSL folder, then the project
+pythonpath_of() {  # TAG's site-packages, its DSL folder, the carried .whl wheels (torchao), then the project
   local site pp
   site=$(site_of "$1")
   pp=$site
   for sub in nvidia_cutlass_dsl/dsl_packages nvidia_cutlass_dsl/python_packages; do
     [ -d "$site/$sub" ] && pp=$pp:$site/$sub
   done
+  [ -d /tmp/site ] && pp=$pp:/tmp/site
   echo "$pp:$PWD"
 }
 
@@ -169,6 +170,10 @@ case "$verb" in
     [ "${1:-}" = "--" ] && shift
     steps=${*:-smoke tests bench}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1
+    if [ -d .whl ]; then  # torchao for the FP4-base cases (carry .whl beside .whl-sonic-TAG-2)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >/dev/null 2>&1 || echo "warning: .whl install failed"
+    fi
     python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
     chosen=""
     for tag in "${tags[@]}"; do
@@ -186,14 +191,29 @@ case "$verb" in
     PYTHONPATH=$(pythonpath_of "$chosen")
     export PYTHONPATH QUACK_CACHE_DIR=/tmp/quack-cache/$chosen PYTHONUNBUFFERED=1
     if [[ $steps == *tests* ]]; then
+      kargs=()
+      [ -n "${TESTS_K:-}" ] && kargs=(-k "$TESTS_K")
       timeout "$(left)" python3 -m pytest -m gpu tests/gpu/test_sonicmoe_gpu.py -q -rf --tb=short -p no:cacheprovider \
-        --timeout=240 2>&1 | tee "$OUT/sonicmoe_tests.log" | grep -E "passed|failed|FAILED|Error|error" | tail -n 40
+        --timeout=240 "${kargs[@]}" 2>&1 | tee "$OUT/sonicmoe_tests.log" | grep -E "passed|failed|FAILED|Error|error" | tail -n 40
       echo "== tests exit ${PIPESTATUS[0]} ($(left) s left)"
     fi
     if [[ $steps == *bench* ]]; then
+      # shellcheck disable=SC2086  # BENCH_ARGS: more bench_experts options, e.g. "--modes lora16"
       timeout "$(left)" python3 -m benchmarks.bench_experts --shapes qwen3-30b-a3b \
-        --backends sonicmoe,scattermoe,transformers --out "$OUT" 2>&1 | tee "$OUT/sonicmoe_bench.log" | tail -n 45
+        --backends "${BACKENDS:-sonicmoe,scattermoe,transformers}" ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sonicmoe_bench.log" | tail -n 45
       echo "== bench exit ${PIPESTATUS[0]} ($(left) s left)"
+    fi
+    if [[ $steps == *tuned* ]]; then  # QuACK's autotuner instead of its default configs (P fixed in the bench)
+      mkdir -p "$OUT/tuned"
+      timeout "$(left)" python3 -c "
+import sys
+import moe.backends.sonicmoe as sm
+sm.fixed_gemm_configs = lambda modules: None
+from benchmarks.bench_experts import main
+sys.argv = ['bench_experts', '--shapes', 'qwen3-30b-a3b', '--backends', 'sonicmoe', '--modes', 'full',
+            '--out', '$OUT/tuned']
+main()" 2>&1 | tee "$OUT/sonicmoe_tuned.log" | grep -E "^qwen3|Error|error" | tail -n 20
+      echo "== tuned exit ${PIPESTATUS[0]} ($(left) s left)"
     fi
     ;;
   *)

@@ -247,9 +247,6 @@ class Config(Section):
         if p.cp > 1 and self.data.seq_len % (2 * p.cp):
             raise ValueError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
                              f"data.seq_len (now {self.data.seq_len}) to a multiple of {2 * p.cp}")
-        if p.cp > 1 and p.cp_gdn == "state" and self.model.gdn_op_set == "fla":
-            raise ValueError("parallelism.cp_gdn: state starts the delta rule from an initial state, which GDN op set "
-                             "fla does not offer; set model.gdn_op_set: torch or parallelism.cp_gdn: heads")
         if p.dispatcher == "deepep" and (missing := deepep_unavailable_reason()):
             raise ValueError(f"parallelism.dispatcher: deepep cannot run here: {missing}; or use all_to_all")
         if p.dispatcher == "local" and p.ep > 1:

@@ -317,3 +317,11 @@ def test_fixture_configs_validate_as_model_config(model_config):
 @pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_validates(path):
     load_config(path)
+
+
+def test_gdn_state_passing_accepts_both_op_sets():
+    # both GDN op sets take an initial state (gdr_fwd/gdr_bwd with initial_state / dh0): neither is refused
+    for op_set in ("torch", "fla"):
+        cfg = config_from_dict(with_(lambda r, o=op_set: (r["model"].update(gdn_op_set=o), r.setdefault(
+            "parallelism", {}).update(cp=2, cp_gdn="state"))))
+        assert cfg.model.gdn_op_set == op_set and cfg.parallelism.cp_gdn == "state"
