@@ -2,7 +2,7 @@
 # Wheel folders for benchmarks/gpu_sonicmoe.sh: candidate (nvidia-cutlass-dsl, quack-kernels, sonic-moe)
 # sets for the GPU image (torch 2.11 cu130, Python 3.12, Triton 3.6), downloaded here (CPU side, PyPI).
 # Run from the project's root:
-#     bash benchmarks/sonicmoe_wheels.sh            # every set below
+#     bash benchmarks/sonicmoe_wheels.sh            # set a (the one that runs)
 #     bash benchmarks/sonicmoe_wheels.sh a b        # only those
 # Set TAG gets two folders, each under one run's 64 MiB carry (ignored by git: /.whl*/ in .gitignore):
 #     .whl-sonic-TAG-1   the first 46 MiB part of the CuTe DSL library wheel (cu13 flavor)
@@ -12,8 +12,9 @@
 #
 # The sets (evidence in the SonicMoE issue's report; every sonic-moe release declares torch<=2.9.1, so all of
 # them run sonic-moe without its declared pins):
-#   a  cutlass-dsl 4.8.1 + quack 0.6.5 + sonic-moe 0.1.2.post1: the set that imported but failed in quack
-#      with "epilogue fn depends on <ContextVar _LOC_TRANSFORMS> ... no fail-closed semantic key". That
+#   a  cutlass-dsl 4.8.1 + quack 0.6.5 + sonic-moe 0.1.2.post1: THE SET THAT RUNS (H200, torch 2.11, 2026-11-25:
+#      docs/validation.md; pinned in pyproject's sonicmoe extra); the default. Its earlier failure in quack,
+#      "epilogue fn depends on <ContextVar _LOC_TRANSFORMS> ... no fail-closed semantic key", was this: that
 #      TypeError comes from quack/gemm_runtime/identity.py (quack >= 0.6.2), which fingerprints every
 #      function an epilogue reaches unless its file lies under ".../site-packages/" or ".../dist-packages/";
 #      unpacked into /tmp/site, cutlass's own functions were fingerprinted and their module globals (the
@@ -41,7 +42,7 @@ SONIC=0.1.2.post1
 LIMIT=$((64 * 1024 * 1024))
 
 tags=("$@")
-[ ${#tags[@]} -gt 0 ] || tags=(a b c)
+[ ${#tags[@]} -gt 0 ] || tags=(a)  # b and c: the fallbacks if a later image breaks a
 for tag in "${tags[@]}"; do
   [ -n "${DSL[$tag]:-}" ] || { echo "unknown set $tag (known: ${!DSL[*]})"; exit 1; }
   v=${DSL[$tag]} q=${QUACK[$tag]}

@@ -39,8 +39,9 @@ The package is imported on the first call (`load_sonic`), never by this module: 
 runs without it. Without the package or without CUDA the backend is registered as unavailable, and asking
 for it raises the registry's error with the install hint.
 
-Written from sonic-moe 0.1.2.post1's and quack's sources, not yet run on a GPU: tests/gpu/test_sonicmoe_gpu.py
-(first its package-vs-`emulate_general_routing` case) is the check (benchmarks/gpu_sonicmoe.sh runs it).
+Checked on an H200 with nvidia-cutlass-dsl 4.8.1, quack-kernels 0.6.5 and sonic-moe 0.1.2.post1
+(tests/gpu/test_sonicmoe_gpu.py through benchmarks/gpu_sonicmoe.sh; docs/validation.md). Speed: scattermoe is
+faster at every measured shape (docs/benchmarks.md), so `auto` never picks this backend.
 """
 
 from __future__ import annotations
