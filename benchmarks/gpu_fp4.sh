@@ -17,8 +17,9 @@
 #   sweep  one call (< 9 min) after a decode or tuning change: the decode of every code under every scale
 #          byte compiled for the GPU and the dequantize kernel bit for bit, scattermoe on packed experts vs eager
 #          at the Qwen3-30B-A3B shape (both formats, LoRA and frozen); the expert layer (bf16 / MXFP4 / NVFP4,
-#          LoRA r=16, autotuned); then each FP4 GEMM config forced on every packed GEMM (MOE_FP4_GEMM_CONFIG),
-#          ep1 fwd+bwd ms per format, one line per config (the autotuner may mix configs across the 4 GEMMs)
+#          LoRA r=16, autotuned), all on the fused path (MOE_FP4_PATH=fused); then each FP4 GEMM config forced on
+#          every packed GEMM (MOE_FP4_GEMM_CONFIG), ep1 fwd+bwd ms per format, one line per config (the autotuner
+#          may mix configs across the 4 GEMMs)
 #   chunked one call (< 9 min on an H200): the chunked path's GPU tests (forced at the Qwen3-30B-A3B shape, both
 #          formats, LoRA and frozen, chunks of 48 MB and of 3 experts; the dequantize kernel's skip; the memory on both
 #          paths), then the expert layer there (T=8192, ep1, LoRA r=16): bf16, and MXFP4 / NVFP4 with the fused
@@ -48,6 +49,7 @@ if [[ $parts == *check* ]]; then
     --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
 fi
 if [[ $parts == *sweep* ]]; then
+  export MOE_FP4_PATH=fused  # the configs swept are the K-loop decode's (the chunked path: part chunked)
   timeout 150 python -m pytest -q -rs tests/unit/test_quant.py tests/gpu/test_fp4_gpu.py \
     -k "compiled_decode or dequantize_kernel or qwen3-30b-a3b" > "$OUT/fp4_sweep_tests.log" 2>&1
   tail -n 3 "$OUT/fp4_sweep_tests.log"
@@ -69,6 +71,7 @@ PY
     rc=$?
     ((rc)) && echo "sweep $cfg failed (rc $rc; 124: timed out)" >> "$OUT/fp4_sweep.log"
   done
+  unset MOE_FP4_PATH
 fi
 if [[ $parts == *chunked* ]]; then
   timeout 240 python -m pytest -q -rs tests/gpu/test_fp4_gpu.py -k "chunked or dequantize_kernel_equals_torch" \

@@ -379,3 +379,31 @@ def test_launches_of_unknown_rows_get_persistent_configs(monkeypatch):
         return sorted((c.kwargs["BLOCK_M"], c.kwargs["PERSISTENT"]) for c in kept)
     assert pruned(False) == [(16, False), (32, True)]
     assert pruned(True) == [(16, True), (32, True)]
+
+
+def test_fp4_path_is_measured_per_gemm_and_weight_never_per_row_count(monkeypatch):
+    """Unforced (tuning.FP4_PATH None) on a GPU, each packed GEMM asks tuning.faster, keyed by the weight and the
+    launch's variant only (every rank asks for the same keys, whatever its rows), and takes its winner; "fused"
+    while undecided; on the CPU nothing is timed ("fused")."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(tuning, "FP4_PATH", None)
+    asked = []
+
+    def faster(key, candidates):
+        asked.append(key)
+        assert set(candidates()) == set(tuning.FP4_PATHS)
+        return "chunked"
+    monkeypatch.setattr(gl, "faster", faster)
+    weight = PackedWeight.of(FP4Weight.from_dense(torch.randn(4, 64, 32), "mxfp4"))
+    paths = dict.fromkeys(tuning.FP4_PATHS)
+    cpu = torch.empty(8, 32)
+    assert gl._fp4_path(cpu, weight, None, paths, gather=False) == "fused" and not asked
+    for rows in (8, 4096):
+        gpu = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16, rows=rows)
+        lora = gl.LoraView(torch.empty(4, 2, 32), torch.empty(4, 64, 2), 1.0, True)
+        assert gl._fp4_path(gpu, weight, None, paths, gather=False) == "chunked"
+        assert gl._fp4_path(gpu, weight.t(), None, paths, gather=True) == "chunked"
+        assert gl._fp4_path(gpu, weight, lora, paths, gather=True, glu_fwd=True) == "chunked"
+    assert asked[:3] == asked[3:] and len(set(asked[:3])) == 3
+    monkeypatch.setattr(gl, "faster", lambda key, candidates: None)
+    assert gl._fp4_path(gpu, weight, None, paths, gather=False) == "fused"
