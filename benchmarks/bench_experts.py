@@ -17,7 +17,7 @@ which adds them and the bf16 lora16 rows beside them) run LoRA r=16 on FP4-packe
 benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path
 forced; it picks it by itself only for small experts); on FP4 modes, by --backends only, `scattermoe-fp4fused`
 and `scattermoe-fp4chunked` (the packed weights decoded in the K loop, or dequantized chunk by chunk of experts
-and read by the dense kernels: tuning.FP4_PATH forced; `scattermoe` alone measures which per GEMM). MHz is the SM clock after the steady timing.
+and read by the dense kernels: tuning.FP4_PATH forced; `scattermoe` alone takes MOE_FP4_PATH: fused unless set, `measured` times both per GEMM). MHz is the SM clock after the steady timing.
 Then it checks the targets (set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1
 ratio once more with the ep1 and ep4 cases in turns, at the same clocks: for one layer, and per layer
 of 4 layers under one backward call (as in a model). A variant that fails prints its error and the

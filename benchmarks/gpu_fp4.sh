@@ -92,6 +92,7 @@ print("chunked mode          backend                chunk MB  fwd ms  fwd+bwd  s
 bf16 = None
 for mode, backend, mb in rows:
     tuning.FP4_CHUNK_BYTES = (mb or 48) << 20
+    tuning.FP4_PATH = "measured" if backend == "scattermoe" and mode != "lora16" else "fused"
     try:
         r = bench_row(Row("qwen3-30b-a3b", 8192, mode, 1, backend), iters=10, warmup=3, matmul=None)
     except Exception as exc:  # noqa: BLE001 (the next rows still run)

@@ -23,7 +23,8 @@ Public launchers:
     swiglu_backward(g_SI, slots, gate_up_S2I, weights_Mk, gu_B_E2Ir)
                                                        -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
 A base weight w_ENK may also be an FP4-packed fp4.PackedWeight (its .t() the backward's transposed view), read
-by one of two paths (tuning.FP4_PATH names one, else the faster is measured per GEMM and weight, _fp4_path):
+by one of two paths (tuning.FP4_PATH: "fused" by default, or "chunked", or "measured" per GEMM and weight,
+_fp4_path):
     fused    its tiles are decoded in registers in the pointer K loop (W_FMT constexpr; no TMA, never CUTLASS;
              a dense weight compiles to the same code as without that branch): every row block of an expert
              decodes its weight tiles again
@@ -457,10 +458,10 @@ def _weight_launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | Pa
 
 def _fp4_path(in_: torch.Tensor, w: PackedWeight, lora: LoraView | None, paths: dict, *, gather: bool,
               glu_fwd: bool = False, **_) -> str:
-    """tuning.FP4_PATH when set; else the path measured faster for this GEMM (tuning.faster, the same on every
-    rank: the key holds the weight and the launch's variant, never a row count); "fused" where nothing is
-    timed (the CPU interpreter; a CUDA-graph capture before a winner is known)."""
-    if tuning.FP4_PATH:
+    """tuning.FP4_PATH when it names a path; "measured": the path measured faster for this GEMM (tuning.faster,
+    the same on every rank: the key holds the weight and the launch's variant, never a row count); "fused" where
+    nothing is timed (the CPU interpreter; a CUDA-graph capture before a winner is known)."""
+    if tuning.FP4_PATH != "measured":
         return tuning.FP4_PATH
     if not in_.is_cuda:
         return "fused"

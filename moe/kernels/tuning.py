@@ -10,8 +10,8 @@ Contract:
     FP4_PATH, fp4_chunk_experts(shape, dtype)
                                  how a GEMM reads a packed weight: decoded in its K loop ("fused") or chunk by
                                  chunk of fp4_chunk_experts experts dequantized into one buffer that the dense
-                                 kernel reads ("chunked"); FP4_PATH None: measured per weight (faster);
-                                 MOE_FP4_PATH=fused|chunked forces one, MOE_FP4_CHUNK_MB sets the chunk's bytes
+                                 kernel reads ("chunked"); "measured": the faster per weight (faster);
+                                 MOE_FP4_PATH=fused (default)|chunked|measured, MOE_FP4_CHUNK_MB the chunk's bytes
     prune_gemm / prune_xty / prune_factor_grads
                                  `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
@@ -112,11 +112,12 @@ if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
 # A packed weight read chunk by chunk: each chunk's experts are dequantized into one reused buffer, which the
 # dense kernel then reads while it is still in L2 (50 MB on an H100 / H200): 48 MB is 8 experts of
 # Qwen3-30B-A3B's gate_up in bf16, 16 of its down. Whether that beats the decode in the K loop is measured
-# per weight unless MOE_FP4_PATH forces one (benchmarks/gpu_fp4.sh chunked).
+# per weight with MOE_FP4_PATH=measured (benchmarks/gpu_fp4.sh chunked). The default stays "fused", the path
+# checked on GPUs, until the chunked kernels have passed their GPU tests (docs/validation.md).
 FP4_PATHS = ("fused", "chunked")
-FP4_PATH = os.environ.get("MOE_FP4_PATH") or None
-if FP4_PATH not in (None, *FP4_PATHS):
-    raise ValueError(f"MOE_FP4_PATH={FP4_PATH!r}: choose one of {FP4_PATHS} (or leave it unset: measured)")
+FP4_PATH = os.environ.get("MOE_FP4_PATH", "fused")
+if FP4_PATH not in (*FP4_PATHS, "measured"):
+    raise ValueError(f"MOE_FP4_PATH={FP4_PATH!r}: choose one of {FP4_PATHS} or 'measured' (the faster per weight)")
 FP4_CHUNK_BYTES = int(float(os.environ.get("MOE_FP4_CHUNK_MB", "48")) * 2**20)
 
 

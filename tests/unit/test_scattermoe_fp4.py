@@ -382,11 +382,11 @@ def test_launches_of_unknown_rows_get_persistent_configs(monkeypatch):
 
 
 def test_fp4_path_is_measured_per_gemm_and_weight_never_per_row_count(monkeypatch):
-    """Unforced (tuning.FP4_PATH None) on a GPU, each packed GEMM asks tuning.faster, keyed by the weight and the
+    """With tuning.FP4_PATH "measured" on a GPU, each packed GEMM asks tuning.faster, keyed by the weight and the
     launch's variant only (every rank asks for the same keys, whatever its rows), and takes its winner; "fused"
     while undecided; on the CPU nothing is timed ("fused")."""
     from types import SimpleNamespace
-    monkeypatch.setattr(tuning, "FP4_PATH", None)
+    monkeypatch.setattr(tuning, "FP4_PATH", "measured")
     asked = []
 
     def faster(key, candidates):
