@@ -55,10 +55,11 @@ if [[ $parts == *sweep* ]]; then
   tail -n 3 "$OUT/fp4_sweep_tests.log"
   timeout 120 python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 \
     --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
-  # BM,BN,BK,warps,stages[,persistent]: tuning.FP4_GEMM_CONFIGS (compiled by the runs above), then two more
-  # (compiled here). The timeouts keep the whole part under 9 minutes.
-  for cfg in 128,128,64,8,3 128,256,64,8,3 256,64,64,8,3 256,128,64,8,3 256,64,64,8,3,1 256,64,64,8,4 \
-             256,64,128,8,2; do
+  # BM,BN,BK,warps,stages[,persistent]: tuning.FP4_GEMM_CONFIGS (compiled by the runs above), then SWEEP_MORE
+  # (compiled here; the taller row blocks measured on 2026-11-25 were "256,64,64,8,3 256,64,64,8,3,1
+  # 256,64,64,8,4 256,64,128,8,2"). The timeouts keep the whole part under 9 minutes.
+  # shellcheck disable=SC2086
+  for cfg in 128,128,64,8,3 128,256,64,8,3 256,128,64,8,3 ${SWEEP_MORE:-}; do
     MOE_FP4_GEMM_CONFIG=$cfg timeout 40 python - "$cfg" >> "$OUT/fp4_sweep.log" 2>&1 <<'PY'
 import sys
 from benchmarks.bench_experts import Row, bench_row

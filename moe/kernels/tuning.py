@@ -97,13 +97,12 @@ else:
     FACTOR_GRAD_CONFIGS = [_factor_config(*c) for c in ((128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                                                         (256, 64, 8, 3))]
 
-# Packed FP4 weights: every row block that reads a weight tile decodes it again in its K loop (integer and
-# fp32 ALU work in the MMA warps), so taller row blocks decode less per MMA. Offline sm_90a SASS (Triton 3.6)
-# per K step and warp, for the same MMA work: 128x128x64 ~291-308 instructions, 256x64x64 ~209-218 (its
-# accumulator 64 registers per thread, as 128x128's); which wins is measured (gpu_fp4.sh sweep).
+# Packed FP4 weights decoded in the K loop (integer and fp32 ALU work in the MMA warps). Taller row blocks
+# decode less per MMA (offline sm_90a SASS: 256x64x64 ~27% fewer instructions per K step than 128x128x64) but
+# measured 2x slower on an H200 (registers: one CTA per SM); 128x128x64 won, 128x256 and 256x128 came within
+# ~25% (gpu_fp4.sh sweep, docs/benchmarks.md), so only these three are tried.
 FP4_GEMM_CONFIGS = GEMM_CONFIGS if INTERPRET else [_gemm_config(*c) for c in (
-    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
-    (256, 64, 64, 8, 3, True))]
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
 if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
     _bm, _bn, _bk, _warps, _stages, *_persistent = (int(v) for v in os.environ["MOE_FP4_GEMM_CONFIG"].split(","))
     FP4_GEMM_CONFIGS = [_gemm_config(_bm, _bn, _bk, _warps, _stages, bool(_persistent and _persistent[0]))]
