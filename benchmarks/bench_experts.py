@@ -207,7 +207,13 @@ def layer_case(row: Row):
         layer, backend, ids = transformers_layer(ex, ids)
         return layer, backend, x, ids, w, flops
     backend = expert_backend("scattermoe" if row.backend in VARIANTS else row.backend)
-    return ex, backend, x, ids, w, flops
+    return ex, with_valid_slots(backend, ids), x, ids, w, flops
+
+
+def with_valid_slots(backend, ids):
+    """The backend as MoEBlock calls it under EP: with the dispatcher's valid-slot count (scattermoe sizes its
+    expert-sorted buffers by it)."""
+    return functools.partial(backend, valid_slots=int((ids >= 0).sum()))
 
 
 def sync() -> None:
@@ -327,7 +333,7 @@ def stacked_step(shape: str, T: int, mode: str, ep: int, layers: int):
     autograd engine's fixed cost per backward call is shared by the layers, as in a model."""
     cases = [make_case(shape, T, mode, ep) for _ in range(layers)]
     _, x, ids, w, _ = cases[0]
-    return fwd_bwd_step("scattermoe", [case[0] for case in cases], x, ids, w)
+    return fwd_bwd_step(with_valid_slots(expert_backend("scattermoe"), ids), [case[0] for case in cases], x, ids, w)
 
 
 def alternated_ratio(shape: str, T: int, mode: str, ep: int, layers: int, rounds: int = 3,

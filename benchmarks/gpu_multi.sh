@@ -6,7 +6,8 @@
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
 #               then a resume on another ep (ep=2 -> ep=N)
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters)
-#               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12)
+#               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
+#               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
 #   hostbound   issue 17 item 6 under EP: the same model at 8 layers, LoRA, ep=N, eager / compiled / compiled
@@ -24,7 +25,8 @@ verify() {  # tag, world, then runtime.verify flags
   shift 2
   [ "$world" -le "$N" ] || { summary+=("verify $tag: skipped (needs $world GPUs)"); return; }
   torchrun --standalone --nproc_per_node "$world" -m runtime.verify "$@" --steps 3 > "$OUT/verify_$tag.log" 2>&1
-  summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $?)")
+  local rc=$?
+  summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $rc)")
 }
 
 tokens_row() {  # tag, world, run dir: median tok/s/GPU, MFU, peak GiB over steps 4..
@@ -71,6 +73,9 @@ fi
 if [[ $parts == *throughput* ]]; then
   train_run "full-ep$N" "$N" --ep "$N"
   train_run "lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32
+  gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  [ "$gib" -ge $((120 * 1024)) ] && train_run "full-ep$N-noac" "$N" --ep "$N" \
+    --set parallelism.activation_checkpoint=none
 fi
 if [[ $parts == *scaling* ]]; then
   for ep in 1 2 4 8; do

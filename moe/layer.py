@@ -76,7 +76,8 @@ class MoEBlock(nn.Module):
         x_TH = x.reshape(-1, shape[-1])
         routing = self.gate(x_TH)
         routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
-        y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend)
+        y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend,
+                            valid_slots=routed.valid_slots)
         out_TH = self.dispatcher.combine(y_MH, routed)
         return self.add_shared(x_TH, out_TH, routing.aux_loss).reshape(shape)
 

@@ -206,13 +206,15 @@ def _gdn(run: Run, records: bool) -> Count:
 
 
 def _moe(run: Run, records: bool) -> tuple[Count, bool]:
-    """Router, scattermoe experts (under EP on every received row, -1 slots included) and the gated shared
-    expert; returns the count and whether the block's output needs a gradient.
+    """Router, scattermoe experts and the gated shared expert; returns the count and whether the block's
+    output needs a gradient.
 
     Router: fp32 probabilities, the top-k values and their sum (renormalized), the routing weights (stream
-    dtype) the experts keep. Experts, per slot: gate_up [2I] and the weighted SwiGLU [I] in the compute dtype,
-    LoRA's two rank-sized products, the slot maps and the expert ids (these on ctx: kept in every mode).
-    Under EP: the received rows in the compute dtype and each sent row's source token."""
+    dtype) the experts keep. Experts, per valid slot (k per token: under EP the dispatcher's valid-slot count
+    sizes them, not the received rows' M*k): gate_up [2I] and the weighted SwiGLU [I] in the compute dtype,
+    LoRA's two rank-sized products; per received slot (-1 ones included): the slot maps and the expert ids
+    (these on ctx: kept in every mode). Under EP: the received rows in the compute dtype and each sent row's
+    source token."""
     q, c, s = run.q, run.p.compute, run.p.stream
     E, k, I, H = q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.hidden_size
     Is, v, lora = q.shared_expert_intermediate_size, run.visits, run.adapters(["experts"])
@@ -222,7 +224,7 @@ def _moe(run: Run, records: bool) -> tuple[Count, bool]:
         return Count(matmuls=matmuls), False
     held = k * v * (SLOT_MAPS + INDEX)
     savers = (1 if run.full else 0) + (1 if run.ep == 1 else 0) + (3 if run.full and Is else 0)
-    kept = _input(run, savers) + held + v * (s * k + k * c * (3 * I + (2 * run.lora_rank if lora else 0)))
+    kept = _input(run, savers) + held + v * s * k + k * c * (3 * I + (2 * run.lora_rank if lora else 0))
     if run.ep > 1:
         kept += v * (c * H + INDEX)
     if router:
@@ -296,12 +298,13 @@ def loss_buffers(vocab: int, hidden: int, tokens: int, compute: int, lm_head_byt
 
 
 def expert_backward_buffers(run: Run, tokens: int) -> float:
-    """scattermoe's backward of one MoE block (moe/backends/scattermoe.py), per slot: d gate_up [2I] with
-    g [I] and dy in slot order [H] (when the expert weights train), or with the dx slots [H] and dx rows."""
+    """scattermoe's backward of one MoE block (moe/backends/scattermoe.py), per valid slot: d gate_up [2I] with
+    g [I] and dy in slot order [H] (when the expert weights train), or with the dx slots [H]; then the dx
+    rows [H] per received row."""
     q, c = run.q, run.p.compute
     k, I, H = q.num_experts_per_tok, q.moe_intermediate_size, q.hidden_size
-    per_slot = max(3 * I + (H if run.full else 0), 2 * I + H + H / k)
-    return tokens * run.visits * k * c * per_slot
+    per_token = max(k * (3 * I + (H if run.full else 0)), k * (2 * I + H) + run.visits * H)
+    return tokens * c * per_token
 
 
 def _recomputed_block(run: Run, tokens: int, model: QwenForCausalLM, copies: bool) -> int:

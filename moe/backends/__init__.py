@@ -1,9 +1,12 @@
 """Expert compute backends, interchangeable under one contract, in the `EXPERT_BACKENDS` registry.
 
-    y_MH = expert_backend(name)(x_MH, expert_ids_Mk, weights_Mk, experts)
+    y_MH = expert_backend(name)(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None)
 
 computes y[m] = sum_j weights[m, j] * expert_{ids[m, j]}(x[m]) over slots with id >= 0, where
 expert(x) = down(silu(gate(x)) * up(x)) (+ LoRA). Sentinel-skip: no row is computed for a -1 slot.
+valid_slots: the number of slots with id >= 0 when the caller knows it on the host (the EP dispatchers'
+Routed.valid_slots), else None; it must be exact. scattermoe sizes its per-slot buffers by it (under EP
+most of the M*k slots are -1), grouped_mm takes it instead of reading the count from the device.
 Backends read weights only through `experts.base_weight(name)` and `experts.lora(name)`.
 """
 
@@ -19,7 +22,7 @@ from gpu.registry import Registry
 
 class ExpertBackend(Protocol):
     def __call__(self, x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                 experts) -> torch.Tensor: ...
+                 experts, valid_slots: int | None = None) -> torch.Tensor: ...
 
 
 def resolve_expert_backend(name: str, device: torch.device | str) -> str:

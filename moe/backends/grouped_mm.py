@@ -135,13 +135,13 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
 
 @EXPERT_BACKENDS.register("grouped_mm")
 def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                       experts) -> torch.Tensor:
+                       experts, valid_slots: int | None = None) -> torch.Tensor:
     k = expert_ids_Mk.shape[1]
     slots_N, offs_E, valid_N = sort_slots(expert_ids_Mk, experts.num_experts)
     if torch.compiler.is_compiling():
         valid_N1 = valid_N.unsqueeze(-1)
-    else:
-        slots_N, valid_N1 = slots_N[:int(offs_E[-1])], None  # host sync: the valid-slot count
+    else:  # the valid-slot count from the dispatcher, else from the device (a host sync)
+        slots_N, valid_N1 = slots_N[:valid_slots if valid_slots is not None else int(offs_E[-1])], None
     rows_N = slots_N // k
     # Also on the input: the GEMM backward leaves dx of the -1 rows unwritten, and this where's
     # backward keeps those rows out of dx_MH.

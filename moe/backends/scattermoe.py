@@ -1,8 +1,10 @@
 """`scattermoe` expert backend: ScatterMoE-style Triton kernels with fused LoRA and sentinel-skip.
 
-    y_MH = expert_backend("scattermoe")(x_MH, expert_ids_Mk, weights_Mk, experts)
+    y_MH = expert_backend("scattermoe")(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None)
 
-Shapes: M routed rows, k slots, S = M*k, E local experts, H hidden, I intermediate, r LoRA rank.
+Shapes: M routed rows, k slots, E local experts, H hidden, I intermediate, r LoRA rank, S the rows of the
+expert-sorted buffers below: the valid slots when the caller passes their number (valid_slots: the EP
+dispatchers know it on the host; at ep=4 with k=8 about 28% of the M*k slots are valid), else M*k.
 Weights are read in the GroupedExperts layout through strides (gate_up [E, 2I, H], down [E, H, I],
 A [E, r, in], B [E, out, r]); the backward's transposes are views, never copies.
 
@@ -61,7 +63,7 @@ from moe.kernels.grouped_linear import (
     swiglu_backward,
 )
 from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
-from moe.kernels.routing import SlotOrder, combine, gather_rows, sort_slots
+from moe.kernels.routing import SlotOrder, combine, gather_rows, slot_capacity, sort_slots
 from quant import FP4Weight
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
@@ -187,9 +189,9 @@ class _ScatterMoE(torch.autograd.Function):
 # its codes (in the weight's slot), block scales and tensor scales, with `fmt` naming the format ("" dense).
 
 
-def _slots_of(ids_Mk: torch.Tensor, num_experts: int, order_S, inv_S, offsets_E1, rows_S) -> SlotOrder:
+def _slots_of(ids_Mk: torch.Tensor, num_experts: int, order_S, inv_S, offsets_E1, rows_S, capacity: int) -> SlotOrder:
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_Mk.contiguous().view(-1),
-                     topk=ids_Mk.shape[1], num_experts=num_experts, rows_S=rows_S)
+                     topk=ids_Mk.shape[1], num_experts=num_experts, rows_S=rows_S, capacity=capacity)
 
 
 def _weight(w: torch.Tensor, scale: torch.Tensor | None, tensor_scale: torch.Tensor | None,
@@ -238,8 +240,9 @@ def _fwd_op(x_MH: torch.Tensor, weights_Mk: torch.Tensor, w_gu: torch.Tensor, w_
             down_B: torch.Tensor | None, gu_scale: torch.Tensor | None, gu_tscale: torch.Tensor | None,
             down_scale: torch.Tensor | None, down_tscale: torch.Tensor | None, ids_Mk: torch.Tensor,
             order_S: torch.Tensor, inv_S: torch.Tensor, offsets_E1: torch.Tensor, rows_S: torch.Tensor,
-            scaling: float, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S)
+            capacity: int, scaling: float, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+    slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S, capacity)
     y_MH, gu_S2I, hw_SI, xa_Sr, hwa_Sr = _forward(x_MH, weights_Mk, _weight(w_gu, gu_scale, gu_tscale, fmt),
                                                   _weight(w_down, down_scale, down_tscale, fmt), gu_A, gu_B,
                                                   down_A, down_B, slots, scaling)
@@ -248,8 +251,8 @@ def _fwd_op(x_MH: torch.Tensor, weights_Mk: torch.Tensor, w_gu: torch.Tensor, w_
 
 @_fwd_op.register_fake
 def _(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale, down_scale, down_tscale,
-      ids_Mk, order_S, inv_S, offsets_E1, rows_S, scaling, fmt):
-    S, I2 = order_S.shape[0], w_gu.shape[1]  # dim 1 is the output dim, packed or not
+      ids_Mk, order_S, inv_S, offsets_E1, rows_S, capacity, scaling, fmt):
+    S, I2 = capacity, w_gu.shape[1]  # dim 1 is the output dim, packed or not
     r_shape = (S, gu_A.shape[1]) if gu_A is not None else (0,)
     return (x_MH.new_empty(x_MH.shape), x_MH.new_empty(S, I2), x_MH.new_empty(S, I2 // 2),
             x_MH.new_empty(r_shape), x_MH.new_empty(r_shape))
@@ -262,8 +265,8 @@ def _bwd_op(dy_MH: torch.Tensor, x_MH: torch.Tensor, weights_Mk: torch.Tensor, w
             gu_tscale: torch.Tensor | None, down_scale: torch.Tensor | None, down_tscale: torch.Tensor | None,
             gu_S2I: torch.Tensor, hw_SI: torch.Tensor, xa_Sr: torch.Tensor, hwa_Sr: torch.Tensor,
             ids_Mk: torch.Tensor, order_S: torch.Tensor, inv_S: torch.Tensor, offsets_E1: torch.Tensor,
-            rows_S: torch.Tensor, scaling: float, fmt: str, needs: list[bool]) -> list[torch.Tensor]:
-    slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S)
+            rows_S: torch.Tensor, capacity: int, scaling: float, fmt: str, needs: list[bool]) -> list[torch.Tensor]:
+    slots = _slots_of(ids_Mk, w_gu.shape[0], order_S, inv_S, offsets_E1, rows_S, capacity)
     saved = (x_MH, weights_Mk, _weight(w_gu, gu_scale, gu_tscale, fmt), _weight(w_down, down_scale, down_tscale, fmt),
              gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr)
     grads = _backward(dy_MH, saved, slots, scaling, tuple(needs))
@@ -272,7 +275,8 @@ def _bwd_op(dy_MH: torch.Tensor, x_MH: torch.Tensor, weights_Mk: torch.Tensor, w
 
 @_bwd_op.register_fake
 def _(dy_MH, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale, down_scale,
-      down_tscale, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk, order_S, inv_S, offsets_E1, rows_S, scaling, fmt, needs):
+      down_tscale, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk, order_S, inv_S, offsets_E1, rows_S, capacity, scaling, fmt,
+      needs):
     inputs = (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B)
     return [t.new_empty(t.shape) if need and t is not None else x_MH.new_empty(0)
             for t, need in zip(inputs, needs)]
@@ -280,19 +284,19 @@ def _(dy_MH, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scal
 
 def _setup_context(ctx, inputs, output):
     (x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale, down_scale, down_tscale,
-     ids_Mk, order_S, inv_S, offsets_E1, rows_S, scaling, fmt) = inputs
+     ids_Mk, order_S, inv_S, offsets_E1, rows_S, capacity, scaling, fmt) = inputs
     _, gu_S2I, hw_SI, xa_Sr, hwa_Sr = output
     ctx.save_for_backward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_scale, gu_tscale,
                           down_scale, down_tscale, gu_S2I, hw_SI, xa_Sr, hwa_Sr, ids_Mk, order_S, inv_S,
                           offsets_E1, rows_S)
-    ctx.scaling, ctx.fmt = scaling, fmt
+    ctx.capacity, ctx.scaling, ctx.fmt = capacity, scaling, fmt
 
 
 def _op_backward(ctx, dy_MH, *_unused_activation_grads):
     needs = [bool(n) for n in ctx.needs_input_grad[:8]]
-    grads = torch.ops.moert.scattermoe_bwd(dy_MH, *ctx.saved_tensors, ctx.scaling, ctx.fmt, needs)
+    grads = torch.ops.moert.scattermoe_bwd(dy_MH, *ctx.saved_tensors, ctx.capacity, ctx.scaling, ctx.fmt, needs)
     # no gradient for the scales, the routing and the scalars
-    return (*[g if n else None for g, n in zip(grads, needs)], *[None] * 11)
+    return (*[g if n else None for g, n in zip(grads, needs)], *[None] * 12)
 
 
 _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -308,7 +312,7 @@ def _check(experts) -> None:
 
 @EXPERT_BACKENDS.register("scattermoe")
 def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                       experts) -> torch.Tensor:
+                       experts, valid_slots: int | None = None) -> torch.Tensor:
     _check(experts)
     # Under autocast the fp32 residual stream and fp32 master weights enter here; the kernels have no
     # autocast rule, so every operand takes the compute dtype (no copy when it already has it).
@@ -331,7 +335,8 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
         order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts)
         return torch.ops.moert.scattermoe_fwd(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down),
                                               *gu_scales, *down_scales, expert_ids_Mk, order_S, inv_S, offsets_E1,
-                                              rows_S, experts.lora_scaling, fmt)[0]
-    slots = sort_slots(expert_ids_Mk, experts.num_experts)
+                                              rows_S, slot_capacity(expert_ids_Mk.numel(), valid_slots),
+                                              experts.lora_scaling, fmt)[0]
+    slots = sort_slots(expert_ids_Mk, experts.num_experts, valid_slots)
     return _ScatterMoE.apply(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down), slots,
                              experts.lora_scaling)

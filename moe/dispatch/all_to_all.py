@@ -11,9 +11,10 @@ Dispatch
      valid ones there, so combine receives one partial sum per (token, rank).
   2. The send buffer lists the (rank, token) pairs rank-major, tokens ascending (token_S); each row
      carries the token's ids remapped to the destination's local ids, -1 for slots owned elsewhere.
-  3. The split sizes are exchanged (the only host-device sync), then x, weights and ids each travel
-     in one uneven all_to_all. The M received rows are grouped by source rank, each source's rows in
-     its token order.
+  3. The split sizes are exchanged with the valid-slot counts (the only host-device sync; the received
+     valid slots size the backend's per-slot buffers: Routed.valid_slots), then x, weights and ids each
+     travel in one uneven all_to_all. The M received rows are grouped by source rank, each source's rows
+     in its token order.
 Combine: the reverse all_to_all sends each row's partial sum back to its source rank, where
   index_add adds the partial sums of each token.
 Autograd: the backward of an all_to_all is the reverse all_to_all, so dispatch's backward has the
@@ -111,13 +112,16 @@ class AllToAllDispatcher(Dispatcher):
         T = x_TH.shape[0]
         owner_Tk = topk_ids_Tk // self.num_local_experts
         needs_TR = torch.zeros(T, self.ep, dtype=torch.bool, device=x_TH.device).scatter_(1, owner_Tk, True)
-        send_splits, recv_splits = self._exchange_splits(needs_TR.sum(0))
+        # scatter_add, not bincount: bincount on CUDA reads the ids' maximum to the host
+        slots_R = needs_TR.new_zeros(self.ep, dtype=torch.int64).scatter_add_(
+            0, owner_Tk.reshape(-1), torch.ones_like(owner_Tk.reshape(-1)))
+        send_splits, recv_splits, valid_slots = self._exchange_counts(needs_TR.sum(0), slots_R)
         token_S, rank_S = _send_order(needs_TR, sum(send_splits))
         ids_Sk = self._local_ids(topk_ids_Tk.index_select(0, token_S), rank_S)
         x_MH, w_Mk, ids_Mk = _DispatchAllToAll.apply(
             x_TH.index_select(0, token_S), topk_w_Tk.index_select(0, token_S), ids_Sk,
             send_splits, recv_splits, self.group)
-        return AllToAllRouted(x_MH, ids_Mk, w_Mk, token_S, send_splits, recv_splits, T)
+        return AllToAllRouted(x_MH, ids_Mk, w_Mk, token_S, send_splits, recv_splits, T, valid_slots=valid_slots)
 
     def combine(self, y_MH: torch.Tensor, routed: AllToAllRouted) -> torch.Tensor:
         if y_MH.shape != routed.x_MH.shape:
@@ -127,12 +131,15 @@ class AllToAllDispatcher(Dispatcher):
                                       routed.recv_splits, self.group)
         return y_SH.new_zeros(routed.num_tokens, y_SH.shape[1]).index_add(0, routed.token_S, y_SH)
 
-    def _exchange_splits(self, send_counts_R: torch.Tensor) -> tuple[list[int], list[int]]:
-        recv_counts_R = torch.empty_like(send_counts_R)
-        dist.all_to_all_single(recv_counts_R, send_counts_R, group=self.group)
+    def _exchange_counts(self, rows_R: torch.Tensor, slots_R: torch.Tensor) -> tuple[list[int], list[int], int]:
+        """(rows sent to each rank, rows received from each, valid slots received in all) from the rows and
+        valid slots this rank sends to each rank, in one all_to_all of [R, 2] counts."""
+        send_R2 = torch.stack([rows_R, slots_R.to(rows_R.dtype)], dim=1)
+        recv_R2 = torch.empty_like(send_R2)
+        dist.all_to_all_single(recv_R2, send_R2, group=self.group)
         # The one host-device sync of EP: the uneven all_to_alls need their split sizes on the host.
-        counts = torch.cat([send_counts_R, recv_counts_R]).tolist()
-        return counts[:self.ep], counts[self.ep:]
+        send, recv = torch.stack([send_R2, recv_R2]).tolist()
+        return [rows for rows, _ in send], [rows for rows, _ in recv], sum(slots for _, slots in recv)
 
     def _local_ids(self, ids_Sk: torch.Tensor, rank_S: torch.Tensor) -> torch.Tensor:
         """Global ids -> the destination rank's local ids, -1 where another rank owns the slot."""

@@ -7,7 +7,9 @@ Shapes: T tokens of this rank, H hidden, k top-k, M rows this rank computes.
     out_TH = dispatcher.combine(y_MH, routed)
 
 `expert_ids_Mk` holds *local* expert ids, or -1 for a slot whose expert lives on another rank;
-backends skip -1 slots. `y_MH` is already the routing-weighted sum over the valid slots of each
+backends skip -1 slots. `valid_slots`, where the dispatcher knows it on the host without a sync (an EP
+exchange brings its counts to the host anyway), is the number of slots with an id >= 0: backends size
+their per-slot buffers by it instead of M*k (under EP most slots are -1). None: not known. `y_MH` is already the routing-weighted sum over the valid slots of each
 row, so combine only has to bring rows home and add them per token. Both calls are differentiable:
 the backward of dispatch is a combine-shaped op and vice versa, and gradients reach x_TH and
 topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
@@ -19,7 +21,7 @@ sync, no data-dependent shape); where not, the runtime compiles the MoE block ar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +31,7 @@ class Routed:
     x_MH: torch.Tensor           # rows this rank computes
     expert_ids_Mk: torch.Tensor  # local expert id per slot, -1 where the expert lives elsewhere
     weights_Mk: torch.Tensor     # routing weights, dtype as given to dispatch; -1 slots are ignored
+    valid_slots: int | None = field(default=None, kw_only=True)  # slots with an id >= 0, when known on the host
 
 
 class Dispatcher(ABC):

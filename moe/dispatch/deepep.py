@@ -266,7 +266,7 @@ class DeepEPDispatcher(Dispatcher):
         exchange = _Exchange()
         x_MH, w_Mk, ids_Mk = _DeepEPDispatch.apply(x_TH, topk_w_Tk, topk_ids_Tk, self, exchange)
         return DeepEPRouted(x_MH, ids_Mk, w_Mk, exchange.handle, x_TH.shape[0], exchange.tokens_per_expert,
-                            self.rank)
+                            self.rank, valid_slots=sum(exchange.tokens_per_expert))
 
     def combine(self, y_MH: torch.Tensor, routed: DeepEPRouted) -> torch.Tensor:
         if y_MH.shape != routed.x_MH.shape:

@@ -1,6 +1,7 @@
 """Gather -> grouped expert linear (+ fused LoRA) -> epilogue, over expert-sorted rows (ScatterMoE style).
 
-Shapes: M routed rows, S = M*k slots, E experts, N output columns, K reduction, r LoRA rank.
+Shapes: M routed rows, S the rows of expert-sorted buffers (slots.capacity: the valid slots when the caller
+knows their number, else all M*k), E experts, N output columns, K reduction, r LoRA rank.
 Each expert-sorted position p (see routing.SlotOrder) belongs to expert e and reads input row
 `order[p] // k` of a token-layout input (gather=True) or row p of an expert-sorted input:
 
@@ -387,7 +388,7 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWei
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
-    S = slots.num_slots
+    S = slots.capacity
     lora_in_loop = lora is not None and not lora.split
     # TMA: expert-sorted rows only (sm90 TMA cannot gather); the fused LoRA's K loop stays on pointers.
     weight_args, weight_constexprs = _weight_args(w_ENK)
@@ -496,7 +497,7 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
     else allocated for the fused kernel to fill."""
     if lora is None:
         return None
-    ia_Sr = in_.new_empty(slots.num_slots, lora.rank)
+    ia_Sr = slots.new_rows(in_, lora.rank)
     if lora.split:
         _launch(in_, slots, lora.A_ErK, lora.rank, None, None, ia_Sr, gather=gather)
     return ia_Sr
@@ -507,9 +508,8 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor | 
     """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and hw[p] = w[slot(p)] * silu(gate) * up, for valid
     positions p (w the routing weight of the slot)."""
     I2 = w_E2IH.shape[1]
-    S = slots.num_slots
-    gu_S2I = x_MH.new_empty(S, I2)
-    h_SI = x_MH.new_empty(S, I2 // 2)
+    gu_S2I = slots.new_rows(x_MH, I2)
+    h_SI = slots.new_rows(x_MH, I2 // 2)
     xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
     _weight_launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, glu_fwd=True, aux=h_SI,
                    rw_S=weights_Mk.reshape(-1))
@@ -522,7 +522,7 @@ def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | Pac
     A split LoRA's intermediate may be passed in (ia_Sr) when the caller already has it."""
     if lora is None and not gather:
         return expert_gemm(in_, slots, w_ENK), None
-    out_SN = in_.new_empty(slots.num_slots, w_ENK.shape[1])
+    out_SN = slots.new_rows(in_, w_ENK.shape[1])
     if ia_Sr is None or not lora.split:
         ia_Sr = _rank_buffer(in_, slots, lora, gather)
     _weight_launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather)
@@ -552,7 +552,7 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | Pac
     rank); ours where CUTLASS does not apply. A packed weight takes our kernel's fused or chunked path
     (_weight_launch). Rows at -1 positions are left unspecified, as everywhere."""
     if isinstance(w_ENK, PackedWeight):  # CUTLASS would need a dense copy of every expert
-        out_SN = in_SK.new_empty(slots.num_slots, w_ENK.shape[1])
+        out_SN = slots.new_rows(in_SK, w_ENK.shape[1])
         _weight_launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
         return out_SN
     rows_ok = cutlass_ok(in_SK, w_ENK)
@@ -574,7 +574,7 @@ def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) ->
 
 
 def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight) -> torch.Tensor:
-    out_SN = in_SK.new_empty(slots.num_slots, w_ENK.shape[1])
+    out_SN = slots.new_rows(in_SK, w_ENK.shape[1])
     _launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
     return out_SN
 
@@ -639,13 +639,13 @@ def swiglu_backward(g_SI: torch.Tensor, slots: SlotOrder, gu_S2I: torch.Tensor, 
     g_SI = dy[token] @ W_down_e (with the down LoRA's part) in expert-sorted order. One pass over each
     row block (a SwiGLU-backward epilogue inside the GEMM measured slower than CUTLASS plus this pass): d gate_up = SwiGLU'(w g), d w = <g, h>, and with gu_B_E2Ir (the gate_up LoRA B
     [E, 2I, r]) also d gate_up @ B_gu. Returns d gate_up [S, 2I], d gate_up @ B_gu [S, r] (None without
-    gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots).
+    gu_B_E2Ir) and d weights [M, k] (fp32, zero at -1 slots: per slot, all M*k of them).
     """
     S, I, E = slots.num_slots, g_SI.shape[1], slots.num_experts
-    dgu_S2I = g_SI.new_empty(S, 2 * I)
+    dgu_S2I = slots.new_rows(g_SI, 2 * I)
     dw_S = torch.empty(S, device=g_SI.device, dtype=torch.float32)
     R = gu_B_E2Ir.shape[2] if gu_B_E2Ir is not None else 0
-    dgub_Sr = g_SI.new_empty(S, R) if gu_B_E2Ir is not None else None
+    dgub_Sr = slots.new_rows(g_SI, R) if gu_B_E2Ir is not None else None
     block_m, block_n, warps = _SWIGLU_BWD_TILE_LORA if gu_B_E2Ir is not None else _SWIGLU_BWD_TILE
     launch(_swiglu_backward_kernel, (cdiv(S, block_m) + E,), (
         g_SI, g_SI.stride(0), gu_S2I, gu_S2I.stride(0), dgu_S2I, dgu_S2I.stride(0), gu_B_E2Ir,

@@ -1,6 +1,6 @@
 """Per-expert reductions over expert-sorted rows: the weight and LoRA-factor gradients, without atomics.
 
-Shapes: S = M*k slots, E experts, P and Q the two output dimensions.
+Shapes: S the rows of expert-sorted operands (slots.capacity), E experts, P and Q the two output dimensions.
 
     out[e] = scaling * sum_{p in segment e} (w[p] *) L[row_L(p)]^T R[row_R(p)]       -> [E, P, Q]
 
@@ -103,7 +103,7 @@ def grouped_xty(L: torch.Tensor, R: torch.Tensor, slots: SlotOrder, *, gather_l:
 
     launch(_grouped_xty_kernel, grid, (
         L, L.stride(0), L.stride(1), R, R.stride(0), R.stride(1), slots.order_S, slots.offsets_E1, rw_S,
-        slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.num_slots)),
+        slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.capacity)),
         {"GATHER_L": gather_l, "GATHER_R": gather_r, "SCALE_L": rw_S is not None,
          "DOT_PRECISION": dot_precision(L.dtype)})
     return out_EPQ
@@ -248,6 +248,6 @@ def _launch_factor_grads(present: list[FactorGrad], outs_ErQ: list[torch.Tensor]
         return (sum(cdiv(Q, meta["BLOCK_Q"]) for Q in Qs), slots.num_experts)
 
     launch(_factor_grads_kernel, grid, (
-        *args, slots.rows_S, slots.offsets_E1, scaling, m_bucket(slots.num_slots)),
+        *args, slots.rows_S, slots.offsets_E1, scaling, m_bucket(slots.capacity)),
         {"NUM": len(present), **{f"GATHER_{i}": g for i, g in enumerate(gathers)}, "BLOCK_P": block_p,
          "DOT_PRECISION": dot_precision(present[0].L_Sr.dtype)})

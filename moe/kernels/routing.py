@@ -1,14 +1,18 @@
 """Expert-sorted slot order, the gather into it and the routing-weighted combine (sentinel-skip layout).
 
-Shapes: M routed rows, k slots per row, S = M*k slots (slot s = m*k + j), E local experts, H hidden.
+Shapes: M routed rows, k slots per row, S = M*k slots (slot s = m*k + j), E local experts, H hidden,
+V valid slots (id >= 0).
 
-    slots = sort_slots(expert_ids_Mk, E)     # no host sync: every size comes from the shapes
-    y_MH = combine(z_SH, slots, weights_Mk)  # y[m] = sum_j w[m,j] * z[pos(m,j)] over slots with id >= 0
-    xg_SH = gather_rows(x_MH, slots)         # xg[p] = x[rows[p]] for the valid positions p < offsets[E]
+    slots = sort_slots(expert_ids_Mk, E, valid_slots=None)  # no host sync: every size is given or a shape
+    y_MH = combine(z_VH, slots, weights_Mk)  # y[m] = sum_j w[m,j] * z[pos(m,j)] over slots with id >= 0
+    xg_VH = gather_rows(x_MH, slots)         # xg[p] = x[rows[p]] for the valid positions p < offsets[E]
 
 Valid slots (id >= 0) are sorted by expert to the front; -1 slots get the sentinel key E, land behind
-every expert segment and are never read or computed by any kernel. Rows of the sorted buffers that
-belong to -1 slots stay unwritten (torch.empty) and are masked out wherever they could be seen.
+every expert segment and are never read or computed by any kernel. Buffers in expert-sorted order
+(slots.new_rows) have `slots.capacity` rows: V (rounded up to 8) when the caller knows it on the host
+(under EP the dispatcher does, and most slots are -1 there), else S. Rows past the valid positions stay
+unwritten (torch.empty) and are masked out wherever they could be seen; no kernel touches a position
+>= offsets[E].
 
 sort_slots is a stable counting sort in three launches (host time, not GPU time, is what the small
 torch ops cost here), over blocks of BLOCK_S slots and keys 0..E (E = the -1 slots):
@@ -41,10 +45,15 @@ class SlotOrder:
     topk: int
     num_experts: int
     rows_S: torch.Tensor       # int32: token row at each sorted position (order_S // topk)
+    capacity: int              # rows of the expert-sorted buffers, >= offsets[E]: slot_capacity(S, V)
 
     @property
     def num_slots(self) -> int:
         return self.order_S.numel()
+
+    def new_rows(self, like: torch.Tensor, cols: int) -> torch.Tensor:
+        """An uninitialized expert-sorted buffer [capacity, cols] of like's dtype and device."""
+        return like.new_empty(self.capacity, cols)
 
 
 # Slots per program of the sort: each block is ranked by one tl.sort, whose cost per slot grows with
@@ -165,8 +174,28 @@ def _scatter_kernel(ids_ptr, before_ptr, offsets_ptr, order_ptr, rows_ptr, inv_p
     tl.store(inv_ptr + slot_B, pos_B, mask=mask_B)
 
 
-def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int) -> SlotOrder:
+# Rows of a buffer sized by the valid slots are rounded up to this: CUTLASS's grouped GEMMs take bf16 operands
+# whose row counts are multiples of 8 (grouped_linear.cutlass_ok), as M*k is for k = 8.
+_ROW_ALIGN = 8
+
+
+def slot_capacity(num_slots: int, valid_slots: int | None) -> int:
+    """Rows of the expert-sorted buffers: the valid slots when known (rounded up to _ROW_ALIGN, at most all
+    slots), else all slots; at least one where there are slots (an empty buffer would reach the GEMMs'
+    tensor descriptors). sym_min / sym_max: under torch.compile the counts are symbolic, and min / max would
+    guard on which side wins (a recompile when it flips)."""
+    if valid_slots is None:
+        return num_slots
+    if not 0 <= valid_slots <= num_slots:
+        raise ValueError(f"valid_slots={valid_slots} outside [0, {num_slots}] (the M*k slots)")
+    return torch.sym_min(num_slots, torch.sym_max(-(-valid_slots // _ROW_ALIGN) * _ROW_ALIGN, 1))
+
+
+def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int | None = None) -> SlotOrder:
     """Expert-sorted order of the M*k slots, by three kernels and no host sync.
+
+    valid_slots: the number of ids >= 0, when the caller knows it on the host (it must be exact: the
+    buffers sized by it hold every valid position); the SlotOrder's capacity is slot_capacity(M*k, it).
 
     Key of a slot: its expert id, or num_experts for a -1 slot (the sentinels sort behind every
     expert segment). Stable: equal keys keep slot order, so each expert's rows stay in token order
@@ -178,13 +207,14 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int) -> SlotOrder:
     E, topk = num_experts, expert_ids_Mk.shape[1]
     ids_S = expert_ids_Mk.contiguous().view(-1)
     S, dev = ids_S.numel(), ids_S.device
+    capacity = slot_capacity(S, valid_slots)
     order_S = torch.empty(S, device=dev, dtype=torch.int32)
     rows_S = torch.empty(S, device=dev, dtype=torch.int32)
     inv_S = torch.empty(S, device=dev, dtype=torch.int32)
     if S == 0:  # no zero-size grids
         offsets_E1 = torch.zeros(E + 1, device=dev, dtype=torch.int32)
         return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
-                         num_experts=E, rows_S=rows_S)
+                         num_experts=E, rows_S=rows_S, capacity=capacity)
     block_s = _block_s(S)
     num_blocks = cdiv(S, block_s)
     assert (E + 2) * block_s < 2**31 and (num_blocks + 1) * (E + 1) < 2**31 and S < 2**31, "int32 indexing"
@@ -198,7 +228,7 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int) -> SlotOrder:
     launch(_scatter_kernel, (num_blocks,), (ids_S, scratch, offsets_E1, order_S, rows_S, inv_S, S, E, topk),
            {"BLOCK_S": block_s, "num_warps": _scatter_warps(block_s)})
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
-                     num_experts=E, rows_S=rows_S)
+                     num_experts=E, rows_S=rows_S, capacity=capacity)
 
 
 @triton.jit
@@ -256,14 +286,15 @@ def _gather_rows_kernel(x_ptr, s_x_m, s_x_h, rows_ptr, offsets_ptr, out_ptr, s_o
 
 
 def gather_rows(x_MH: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
-    """[S, H] expert-sorted copy of the token rows: out[p] = x[rows[p]] for the valid positions; the rows
-    of -1 slot positions are left unwritten (index_select would copy all S, 4x the work at 75% -1 slots)."""
-    S, H = slots.num_slots, x_MH.shape[1]
-    out_SH = torch.empty(S, H, device=x_MH.device, dtype=x_MH.dtype)
-    if S == 0 or H == 0:
-        return out_SH
+    """[capacity, H] expert-sorted copy of the token rows: out[p] = x[rows[p]] for the valid positions; rows
+    of -1 slot positions (capacity S) are left unwritten (index_select would copy all S, 4x the work at 75%
+    -1 slots)."""
+    P, H = slots.capacity, x_MH.shape[1]
+    out_PH = slots.new_rows(x_MH, H)
+    if P == 0 or H == 0:
+        return out_PH
     block_h = min(_GATHER_COLS, next_power_of_2(H))
-    launch(_gather_rows_kernel, (cdiv(S, _GATHER_ROWS), cdiv(H, block_h)), (
-        x_MH, *x_MH.stride(), slots.rows_S, slots.offsets_E1, out_SH, out_SH.stride(0), H, slots.num_experts),
+    launch(_gather_rows_kernel, (cdiv(P, _GATHER_ROWS), cdiv(H, block_h)), (
+        x_MH, *x_MH.stride(), slots.rows_S, slots.offsets_E1, out_PH, out_PH.stride(0), H, slots.num_experts),
         {"BLOCK_P": _GATHER_ROWS, "BLOCK_H": block_h, "num_warps": 4})
-    return out_SH
+    return out_PH

@@ -34,7 +34,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
     assert err <= TOL, f"{what}: norm-relative error {err:.2e} > {TOL:.0e}"
 
 
-def identity_backend(x_MH, expert_ids_Mk, weights_Mk, experts):
+def identity_backend(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None):
     """Every expert is the identity: y = x * (sum of the valid slots' weights)."""
     valid_w_Mk = torch.where(expert_ids_Mk >= 0, weights_Mk, torch.zeros_like(weights_Mk))
     return valid_w_Mk.sum(-1, keepdim=True) * x_MH
@@ -147,7 +147,7 @@ def run_moe(dispatcher, backend, experts, x_TH, topk_ids_Tk, topk_w_Tk, grad_out
     x_TH = x_TH.clone().requires_grad_()
     topk_w_Tk = topk_w_Tk.clone().requires_grad_()
     routed = dispatcher.dispatch(x_TH, topk_ids_Tk, topk_w_Tk)
-    y_MH = backend(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, experts)
+    y_MH = backend(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, experts, valid_slots=routed.valid_slots)
     out_TH = dispatcher.combine(y_MH, routed)
     # The residual x + moe(x) keeps every rank's loss differentiable, even a rank whose MoE output has
     # no history (it computed no rows): that rank must still join the backward collectives.
@@ -169,6 +169,8 @@ def check_routed_layout(routed, batch: Batch, rank: int, ep: int) -> None:
     assert torch.equal(routed.weights_Mk, batch.topk_w_Nk[rows_M].double())
     local_ids_Nk = torch.where(owned_Nk, batch.topk_ids_Nk - rank * E_local, -1)
     assert torch.equal(routed.expert_ids_Mk, local_ids_Nk[rows_M])
+    # exact (backends size buffers by it): the slots of this rank's experts over every source's tokens
+    assert routed.valid_slots == int(owned_Nk.sum())
 
 
 def check_case(case: Case, rank: int, ep: int, seed: int) -> list[int]:

@@ -3,7 +3,9 @@
 Every case with a rank trains the base weights and a LoRA (B non-zero) at once, so one backward checks
 dx, the routing-weight gradient, dW, dA and dB; rank-0 cases are a full fine-tune without LoRA (the
 bare GEMMs run on torch._grouped_mm). Every shape takes the split-LoRA path; `fused` cases force the
-fused one, `empty` cases leave the last experts without rows (their gradients must be zeros).
+fused one, `empty` cases leave the last experts without rows (their gradients must be zeros). ep > 1 cases
+pass valid_slots as MoEBlock does under EP (the expert-sorted buffers hold the valid slots only); `guarded`
+cases make those buffers with NaN rows past their end and check that no kernel (TMA, CUTLASS) wrote there.
 The autocast case runs the experts as training does on one GPU: fp32 master weights for what trains,
 a frozen bf16 base, the fp32 residual stream entering under bf16 autocast.
 """
@@ -15,6 +17,7 @@ import torch
 
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
+from moe.kernels.routing import SlotOrder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -34,7 +37,8 @@ CASES = [
     ("olmoe", 2048, 16, 1, ""), ("olmoe", 8192, 64, 2, ""),
     ("mixtral-8x7b", 2048, 16, 1, ""), ("mixtral-8x7b", 2048, 64, 1, ""), ("mixtral-8x7b", 8192, 16, 1, ""),
     ("qwen3-30b-a3b", 8192, 0, 1, ""), ("qwen3-30b-a3b", 2048, 0, 4, ""), ("qwen3.5-35b-a3b", 2048, 0, 2, "empty"),
-    ("mixtral-8x7b", 2048, 0, 1, ""),
+    ("mixtral-8x7b", 2048, 0, 1, ""), ("qwen3-30b-a3b", 8192, 16, 4, "guarded"),
+    ("qwen3-30b-a3b", 8192, 0, 4, "guarded"),
 ]
 TOL = 1e-2
 
@@ -57,12 +61,12 @@ def make_routing(T: int, E: int, k: int, ep: int) -> tuple[torch.Tensor, torch.T
     return ids, w, E_local
 
 
-def fwd_bwd(ex: GroupedExperts, backend: str, x, ids, w, dy) -> dict[str, torch.Tensor]:
+def fwd_bwd(ex: GroupedExperts, backend: str, x, ids, w, dy, **kwargs) -> dict[str, torch.Tensor]:
     x = x.detach().requires_grad_(True)
     w = w.detach().requires_grad_(True)
     for p in ex.parameters():
         p.grad = None
-    y = expert_backend(backend)(x, ids, w, ex)
+    y = expert_backend(backend)(x, ids, w, ex, **kwargs)
     y.backward(dy)
     out = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
     out.update({n: p.grad for n, p in ex.named_parameters()})
@@ -82,7 +86,19 @@ def test_bf16_matches_fp32_eager(shape, T, rank, ep, variant, monkeypatch):
     ex = make_experts(E_local, H, I, rank)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    got = {n: t.float() for n, t in fwd_bwd(ex, "scattermoe", x, ids, w, dy).items()}
+    guarded = []
+    if variant == "guarded":
+        def new_rows(self, like, cols):
+            whole = like.new_full((self.capacity + 64, cols), float("nan"))
+            guarded.append((self.capacity, whole))
+            return whole[:self.capacity]
+        monkeypatch.setattr(SlotOrder, "new_rows", new_rows)
+    valid = {"valid_slots": int((ids >= 0).sum())} if ep > 1 else {}
+    got = {n: t.float() for n, t in fwd_bwd(ex, "scattermoe", x, ids, w, dy, **valid).items()}
+    assert guarded or variant != "guarded"
+    for capacity, whole in guarded:
+        assert capacity == -(-valid["valid_slots"] // 8) * 8, capacity
+        assert torch.isnan(whole[capacity:]).all(), "written past the rows"
     ex.float()
     ref = fwd_bwd(ex, "eager", x.float(), ids, w, dy.float())
     errors = {n: ((got[n] - r).norm() / r.norm().clamp_min(1e-30)).item() for n, r in ref.items()}

@@ -396,6 +396,7 @@ def _check_fake(rank: int, ep: int) -> list[int]:
             if disp is dispatcher:
                 assert routed.weights_Mk.dtype == w.dtype and routed.expert_ids_Mk.dtype == ids_Nk.dtype
                 assert routed.tokens_per_expert == tokens_per_local_expert(routed.expert_ids_Mk, E // ep)
+                assert routed.valid_slots == int((routed.expert_ids_Mk >= 0).sum())
                 src_rank, src_tok = routed.sources()
                 assert torch.equal(routed.x_MH.detach(), x_NH[torch.tensor(starts)[src_rank] + src_tok])
         ref, got = results

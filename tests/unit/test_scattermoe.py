@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.kernels import tuning
-from moe.kernels.routing import sort_slots
+from moe.kernels.routing import SlotOrder, sort_slots
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_scattermoe_gpu.py covers the kernels",
@@ -51,13 +51,13 @@ def routing(M: int, E: int, k: int, seed: int = 1) -> tuple[torch.Tensor, torch.
     return ids, torch.rand(M, k, generator=g)
 
 
-def run(name: str, ex: GroupedExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> dict:
+def run(name: str, ex: GroupedExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, **kwargs) -> dict:
     """Output and every gradient that exists, after one backward of <y, dy>."""
     x = x.detach().requires_grad_(x.requires_grad)
     w = w.detach().requires_grad_(True)
     for p in ex.parameters():
         p.grad = None
-    y = expert_backend(name)(x, ids, w, ex)
+    y = expert_backend(name)(x, ids, w, ex, **kwargs)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
     (y * dy).sum().backward()
     out = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
@@ -65,8 +65,8 @@ def run(name: str, ex: GroupedExperts, x: torch.Tensor, ids: torch.Tensor, w: to
     return out
 
 
-def assert_matches_eager(ex, x, ids, w):
-    got, ref = run("scattermoe", ex, x, ids, w), run("eager", ex, x, ids, w)
+def assert_matches_eager(ex, x, ids, w, **kwargs):
+    got, ref = run("scattermoe", ex, x, ids, w, **kwargs), run("eager", ex, x, ids, w)
     for name, r in ref.items():
         g = got[name]
         if r is None:
@@ -132,6 +132,68 @@ def test_no_rows():
     got = run("scattermoe", ex, torch.randn(0, H, requires_grad=True), torch.empty(0, 2, dtype=torch.long),
               torch.rand(0, 2))
     assert got["y"].shape == (0, H) and got["gate_up"].abs().max() == 0 and got["down_lora_B"].abs().max() == 0
+
+
+# ----------------------------------------------------------------------------- buffers sized by valid_slots
+
+
+def ep_routing(M: int, k: int, owned: range, num_experts: int = 16, seed: int = 3):
+    """Routing as one EP rank receives it: the local ids of the experts in `owned`, -1 for the others' slots."""
+    ids, w = routing(M, num_experts, k, seed)
+    return torch.where((ids >= owned.start) & (ids < owned.stop), ids - owned.start, -1), w
+
+
+@pytest.fixture
+def guarded_rows(monkeypatch):
+    """Every expert-sorted buffer (SlotOrder.new_rows) is made with NaN rows past its capacity and its own rows
+    NaN too; returns the (capacity, whole buffer) pairs made. A kernel that read a row it never wrote, or
+    wrote past the capacity, shows up as NaN in the results or as a guard row that is no longer NaN."""
+    made = []
+
+    def new_rows(self, like, cols):
+        whole = like.new_full((self.capacity + 3, cols), float("nan"))
+        made.append((self.capacity, whole))
+        return whole[:self.capacity]
+    monkeypatch.setattr(SlotOrder, "new_rows", new_rows)
+    return made
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["valid_slots", "all-slots"])
+@pytest.mark.parametrize("rank,split", [(0, False), (R, False), (R, True)], ids=["full", "lora-fused", "lora-split"])
+def test_valid_slots_sizes_the_sorted_buffers(rank, split, given, monkeypatch, guarded_rows):
+    """EP's layout (rank 1 of ep=4: most slots -1). With valid_slots every expert-sorted buffer has that many
+    rows rounded up to 8, not M*k; no kernel touches a row past them, nor reads a row it did not write (all
+    NaN here); output and every gradient equal eager's, as without valid_slots (buffers of M*k rows)."""
+    if rank:
+        monkeypatch.setattr("moe.backends.scattermoe._SPLIT_MIN_WEIGHT_ELEMS", 0 if split else 10**9)
+    M, k = 11, 4
+    ex = make_experts(4, rank)
+    ids, w = ep_routing(M, k, range(4, 8))
+    ids[3] = -1  # a row none of whose experts is here
+    valid = int((ids >= 0).sum())
+    assert 0 < valid < ids.numel() // 2
+    got = assert_matches_eager(ex, torch.randn(M, H, requires_grad=True), ids, w,
+                               valid_slots=valid if given else None)
+    assert got["y"][3].abs().max() == 0 and got["dw"][3].abs().max() == 0
+    assert valid % 8 and guarded_rows  # rows past the valid ones inside the buffer too
+    assert {capacity for capacity, _ in guarded_rows} == {-(-valid // 8) * 8 if given else M * k}
+    for capacity, whole in guarded_rows:
+        assert torch.isnan(whole[capacity:]).all(), "a kernel wrote past the buffer's rows"
+
+
+def test_valid_slots_zero_and_out_of_range():
+    """A rank whose rows hold no slot of its experts: zeros (a buffer of one row); rows are rounded up to 8 but
+    never past M*k; a wrong count is refused."""
+    ex = make_experts(4, R)
+    M = 5
+    got = run("scattermoe", ex, torch.randn(M, H, requires_grad=True), torch.full((M, 2), -1), torch.rand(M, 2),
+              valid_slots=0)
+    for name, g in got.items():
+        assert g.abs().max() == 0, name
+    assert sort_slots(torch.full((M, 2), -1), 4, valid_slots=0).capacity == 1
+    assert sort_slots(torch.zeros(M, 2, dtype=torch.long), 4, valid_slots=9).capacity == 10
+    with pytest.raises(ValueError, match="valid_slots=11 outside"):
+        sort_slots(torch.zeros(M, 2, dtype=torch.long), 4, valid_slots=11)
 
 
 def test_zero_scaling_equals_base():
@@ -290,6 +352,37 @@ def test_compiled_backend_equals_eager_without_graph_breaks(rank):
         assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6), name
 
 
+def test_compiled_backend_takes_valid_slots_that_change_per_call(guarded_rows):
+    """The compiled ops take the buffers' row count as an argument: two EP routings of other M and valid-slot
+    counts through one compiled function give eager's output and gradients, buffers of valid_slots rows."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    ex = make_experts(4, R)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = expert_backend("scattermoe")
+    compiled = torch.compile(lambda *a, **kw: backend(*a, **kw), backend="aot_eager", fullgraph=True)
+    for M, seed in ((9, 3), (14, 5)):
+        ids, w = ep_routing(M, 4, range(4, 8), seed=seed)
+        valid = int((ids >= 0).sum())
+        x = torch.randn(M, H, requires_grad=True)
+        ref = run("eager", ex, x, ids, w)
+        for p in ex.parameters():
+            p.grad = None
+        guarded_rows.clear()
+        x_c, w_c = x.detach().clone().requires_grad_(True), w.clone().requires_grad_(True)
+        torch._dynamo.maybe_mark_dynamic(x_c, 0)
+        y = compiled(x_c, ids, w_c, ex, valid_slots=valid)
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(7))).sum().backward()
+        got = {"y": y.detach(), "dx": x_c.grad, "dw": w_c.grad, **{n: p.grad for n, p in ex.named_parameters()}}
+        for name, want in ref.items():
+            err = ((got[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+            assert err <= TOL, f"M={M} {name}: {err:.2e}"
+        assert {capacity for capacity, _ in guarded_rows} == {-(-valid // 8) * 8}
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementations, autograd registration and AOT dispatch of the ops."""
     from moe.kernels.routing import sort_slots
@@ -301,7 +394,7 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.moert.scattermoe_sort.default, (ids, 4))
     slots = sort_slots(ids, 4)
     params = (ex.gate_up, ex.down, *ex.lora("gate_up"), *ex.lora("down"), None, None, None, None)  # dense: no scales
-    tail = (ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S, ex.lora_scaling, "")
+    tail = (ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S, slots.capacity, ex.lora_scaling, "")
     torch.library.opcheck(torch.ops.moert.scattermoe_fwd.default, (x, w, *params, *tail))
 
 

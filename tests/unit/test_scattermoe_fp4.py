@@ -237,7 +237,7 @@ def test_custom_op_with_packed_weights_passes_opcheck():
     gu, down = packed.base_weight("gate_up").packed, packed.base_weight("down").packed
     args = (x, w, gu.qdata, down.qdata, *packed.lora("gate_up"), *packed.lora("down"), gu.scale, gu.tensor_scale,
             down.scale, down.tensor_scale, ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S,
-            packed.lora_scaling, "nvfp4")
+            slots.capacity, packed.lora_scaling, "nvfp4")
     torch.library.opcheck(torch.ops.moert.scattermoe_fwd.default, args)
 
 
