@@ -9,7 +9,6 @@ the same way with chunk boundaries between experts with rows and empty ones, and
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -23,12 +22,11 @@ triton = pytest.importorskip("triton")
 from gpu import launch as gpu_launch
 from moe.backends import expert_backend
 from moe.backends import scattermoe as scattermoe_module
-from moe.experts import GroupedExperts
 from moe.kernels import grouped_linear as gl
 from moe.kernels import tuning
 from moe.kernels.fp4 import PackedWeight, dequantize_fp4
 from moe.kernels.routing import sort_slots
-from quant import FP4Weight, quantize_experts
+from quant import FP4Weight
 from tests.unit.test_quant import (
     _experts_pair,
     _torchao_dequantize,
@@ -244,24 +242,6 @@ def test_custom_op_with_packed_weights_passes_opcheck():
 # ----------------------------------------------------------------------------- the chunked path
 
 
-def _chunk_pair(fmt: str, rank: int, E: int):
-    """_pair with E experts: packed experts and a frozen dense copy of their dequantized values."""
-    torch.manual_seed(0)
-    packed = GroupedExperts(E, H, I, lora_rank=rank, lora_alpha=2 * rank if rank else None)
-    with torch.no_grad():
-        packed.gate_up.normal_(0, 0.2)
-        packed.down.normal_(0, 0.2)
-        if rank:
-            packed.gate_up_lora_B.normal_(std=0.1)
-            packed.down_lora_B.normal_(std=0.1)
-    dense = copy.deepcopy(packed)
-    quantize_experts(packed, fmt)
-    with torch.no_grad():
-        for proj in ("gate_up", "down"):
-            dense.base_weight(proj).copy_(packed.dense_weight(proj)).requires_grad_(False)
-    return packed, dense
-
-
 @pytest.fixture
 def chunked(monkeypatch):
     """Forces the chunked path with `chunk` experts per chunk; returns the record of what it dequantized (the
@@ -306,7 +286,7 @@ def test_chunked_path_equals_eager_on_dequantized(case, fmt, lora, monkeypatch, 
     rank = 0 if lora == "frozen" else R
     if rank:
         monkeypatch.setattr(scattermoe_module, "_SPLIT_MIN_WEIGHT_ELEMS", 0 if lora == "lora-split" else 10**9)
-    packed, dense = _chunk_pair(fmt, rank, E)
+    packed, dense = _experts_pair(fmt, rank, hidden=H, intermediate=I, std=0.2, num_experts=E)
     M, k = 12, 3
     g = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
