@@ -3,7 +3,7 @@
     describe(err, context) -> Failure
 
 - a user error (config, data, checkpoint, resume, divergence, permissions, full disk, a corrupted DCP
-  checkpoint, a command-line typo): `error: <what> (<file/key/step>); <fix>`, exit 1;
+  checkpoint, a command-line typo, the GPU out of memory): `error: <what> (<file/key/step>); <fix>`, exit 1;
 - anything else is a bug: `error: internal error (...)` under its traceback, exit 70;
 - Ctrl-C or SIGTERM: `interrupted at step N; the last checkpoint is <dir>; continue with: <command>
   --resume`, exit 128 + the signal.
@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import shlex
 import shutil
 import signal
@@ -192,6 +193,8 @@ def user_error_line(err: BaseException, context: RunContext) -> str | None:
         return f"error: {err}"
     if message := collective_error_message(err):
         return f"error: {message}"
+    if oom := next((e for e in _chain(err) if "torch.OutOfMemoryError" in _qualnames(e)), None):
+        return out_of_memory_line(oom, context)
     ckpt = _checkpoint_call(err)
     failures = _checkpoint_failures(err)
     causes = [e for _, e in failures] if failures else [err]
@@ -205,6 +208,30 @@ def user_error_line(err: BaseException, context: RunContext) -> str | None:
     if (ckpt and (failures or corrupt)) or (failures and corrupt):
         return unreadable_checkpoint_line(ckpt[1] if ckpt else None, failures or [(0, err)])
     return None
+
+
+def out_of_memory_line(err: BaseException, context: RunContext) -> str:
+    """A CUDA out-of-memory error: what torch says of the allocation, then the config keys that shrink a rank's
+    memory and the command that estimates it (runtime.estimate)."""
+    text = str(err)
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
+    device = re.search(r"GPU (\d+) has a total capac\w* of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
+    if asked and device:
+        what = f"{asked[1]} asked with {device[3]} of GPU {device[1]}'s {device[2]} free"
+    else:
+        what = (text.strip().splitlines() or [type(err).__name__])[0][:160]
+    fix = ("set parallelism.activation_checkpoint: selective or full, lower data.seq_len or train.micro_batch_size, "
+           "spread the model over more ranks (ep, cp, dp_shard), or with LoRA quant.base_weights: mxfp4")
+    spare = re.search(r"([\d.]+) (\w+) is reserved by PyTorch but unallocated", text)
+    if spare and spare[2] == "GiB" and float(spare[1]) >= 1:
+        fix += (f", or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ({spare[1]} GiB reserved but unallocated: "
+                "fragmentation)")
+    if context.module == "runtime.launch":
+        world = env_world()[1]
+        args = [a for a in context.argv if a != "--resume"]
+        fix += (f"; `python -m runtime.launch --estimate --world-size {world} {shlex.join(args)}` prints what each "
+                "rank needs")
+    return f"error: out of GPU memory ({what}{_step_note(context)}); {fix}"
 
 
 def os_error_line(err: OSError, fallback: Path | None, context: RunContext) -> str:

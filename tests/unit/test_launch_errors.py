@@ -313,3 +313,36 @@ def test_checkpoint_estimate_and_disk_warning(tmp_path, monkeypatch, caplog):
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warning.startswith(f"low disk space for checkpoints ({tmp_path / 'checkpoints'}: 0.0 MiB free, ~4.4 MiB "
                               "needed for 2 checkpoint(s) of ~2.2 MiB: 190,848 parameters x 4 B x 3")
+
+
+# torch 2.x's message (c10's CUDA caching allocator), as users see it
+OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is "
+       "free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory 75.30 "
+       "GiB is allocated by PyTorch, and {spare} is reserved by PyTorch but unallocated. If reserved but unallocated "
+       "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+       "documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+
+
+def test_out_of_gpu_memory_is_a_user_error_with_the_fix():
+    """A CUDA OOM is not a bug of ours: one line with what was asked and free, the step, the config keys that
+    shrink a rank, and the estimate command for this very run; raised as itself or inside another error."""
+    context = RunContext(["--ep", "4", "cfg.yaml", "--resume"])
+    context.progress.step, context.progress.training = 7, True
+    failure = describe(torch.OutOfMemoryError(OOM.format(spare="520.57 MiB")), context)
+    assert (failure.kind, failure.exit_code) == ("user", 1)
+    assert failure.line.startswith("error: out of GPU memory (2.00 GiB asked with 1.06 GiB of GPU 0's 79.19 GiB "
+                                   "free, at step 7); set parallelism.activation_checkpoint: selective or full")
+    assert "quant.base_weights: mxfp4" in failure.line and "expandable_segments" not in failure.line
+    assert failure.line.endswith("`python -m runtime.launch --estimate --world-size 1 --ep 4 cfg.yaml` prints what "
+                                 "each rank needs")
+    try:
+        try:
+            raise torch.OutOfMemoryError(OOM.format(spare="9.35 GiB"))
+        except torch.OutOfMemoryError as oom:
+            raise RuntimeError("a hook failed") from oom
+    except RuntimeError as err:
+        wrapped = describe(err, RunContext(["cfg.yaml"], module="runtime.verify"))
+    assert wrapped.kind == "user" and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (9.35 GiB" in wrapped.line
+    assert "--estimate" not in wrapped.line  # runtime.verify's flags are not runtime.launch's
+    assert describe(torch.OutOfMemoryError("out of memory"), RunContext([])).line.startswith(
+        "error: out of GPU memory (out of memory); set")
