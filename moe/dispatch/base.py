@@ -9,8 +9,9 @@ Shapes: T tokens of this rank, H hidden, k top-k, M rows this rank computes.
 `expert_ids_Mk` holds *local* expert ids, or -1 for a slot whose expert lives on another rank;
 backends skip -1 slots. `valid_slots`, where the dispatcher knows it on the host without a sync (an EP
 exchange brings its counts to the host anyway), is the number of slots with an id >= 0: backends size
-their per-slot buffers by it instead of M*k (under EP most slots are -1). None: not known. `y_MH` is already the routing-weighted sum over the valid slots of each
-row, so combine only has to bring rows home and add them per token. Both calls are differentiable:
+their per-slot buffers by it instead of M*k (under EP most slots are -1). None: not known. `y_MH` is
+already the routing-weighted sum over the valid slots of each row, so combine only has to bring rows
+home and add them per token. Both calls are differentiable:
 the backward of dispatch is a combine-shaped op and vice versa, and gradients reach x_TH and
 topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
 
