@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from moe.kernels import routing, tuning
-from moe.kernels.routing import gather_rows, sort_slots
+from moe.kernels.routing import SlotOrder, gather_rows, slot_capacity, sort_slots
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_routing_gpu.py covers the kernels",
@@ -121,15 +121,17 @@ def test_layout_example():
                          ids=["some-invalid", "all-valid", "all-invalid"])
 def test_gather_rows_writes_the_valid_positions(M, k, E, H, invalid, small_blocks, monkeypatch):
     """out[p] = x[slot // k] for the valid sorted positions (x a column-strided view); the -1 tail is
-    never written (with NaN-filled allocations its rows stay NaN)."""
+    never written (with NaN-filled buffers its rows stay NaN). With valid_slots the output has
+    slot_capacity's rows (the valid ones rounded up to 8), the same valid rows."""
     ids = random_ids(M, k, E, seed=M + H, invalid=invalid)
     x = torch.randn(H, M).t()
-    slots = sort_slots(ids, E)
     valid = int((ids >= 0).sum())
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    out = gather_rows(x, slots)
-    monkeypatch.setattr(torch, "empty", real_empty)
-    ref = x[(slots.order_S[:valid] // k).long()]
-    assert out.shape == (M * k, H) and torch.equal(out[:valid], ref)
-    assert out[valid:].isnan().all()
+    real_new_rows = SlotOrder.new_rows
+    monkeypatch.setattr(SlotOrder, "new_rows",
+                        lambda self, like, cols: real_new_rows(self, like, cols).fill_(float("nan")))
+    for given, rows in ((None, M * k), (valid, slot_capacity(M * k, valid))):
+        slots = sort_slots(ids, E, given)
+        out = gather_rows(x, slots)
+        ref = x[(slots.order_S[:valid] // k).long()]
+        assert out.shape == (rows, H) and torch.equal(out[:valid], ref)
+        assert out[valid:].isnan().all()

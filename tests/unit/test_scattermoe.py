@@ -292,8 +292,9 @@ def test_swiglu_backward_pass(monkeypatch):
     g, gu = torch.randn(S, I), torch.randn(S, 2 * I)
     gu_B = torch.randn(E, 2 * I, r)
     g[n:], gu[n:] = float("nan"), float("nan")  # rows of -1 positions are never written upstream
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    real_empty, real_new_rows = torch.empty, SlotOrder.new_rows
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))  # dw
+    monkeypatch.setattr(SlotOrder, "new_rows", lambda *a: real_new_rows(*a).fill_(float("nan")))  # dgu, dgub
     dgu, dgub, dw = gl.swiglu_backward(g, slots, gu, w, gu_B)
     monkeypatch.setattr(torch, "empty", real_empty)
 
