@@ -47,8 +47,6 @@ MESHES = {
     "hsdp2x2_ep2": (4, {"dp_replicate": 2, "ep": 2}),
     "fsdp4_ep2_selective_ac": (4, {"ep": 2, "activation_checkpoint": "selective"}),
     "ep2_full_ac": (2, {"ep": 2, "activation_checkpoint": "full"}),
-    # the Triton kernels (interpreted on the CPU) behind the EP dispatcher's sentinel layout
-    "fsdp4_ep2_scattermoe": (4, {"ep": 2, "expert_backend": "scattermoe"}),
     # context parallelism: rows split over cp ranks (zigzag), attention by K/V all-gather or Ulysses
     "cp2": (2, {"cp": 2}),
     "cp4": (4, {"cp": 4}),
@@ -59,10 +57,12 @@ MESHES = {
 
 
 def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, quant: str = "none",
-                 model: dict | None = None) -> None:
-    """STEPS distributed steps on `world` gloo ranks against the single-process run of the same config."""
-    dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model)[0]
-    cfg = tiny_config(lora, str(tmp_path / "ref"), quant=quant, model=model, **parallelism)
+                 model: dict | None = None, timeout_s: float = 60, reference: dict | None = None) -> None:
+    """STEPS distributed steps on `world` gloo ranks against the single-process run of the same config
+    (with `reference`'s parallelism keys changed, e.g. another expert backend)."""
+    dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model,
+                          timeout_s=timeout_s)[0]
+    cfg = tiny_config(lora, str(tmp_path / "ref"), quant=quant, model=model, **{**parallelism, **(reference or {})})
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
     ok, lines = compare(dist_steps, reference_run(cfg, dims, STEPS, torch.device("cpu")), "float32")
@@ -76,6 +76,15 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
 def test_distributed_matches_single_process(run_dist, tmp_path, mesh, lora):
     world, parallelism = MESHES[mesh]
     check_parity(run_dist, tmp_path, world, lora, parallelism)
+
+
+def test_scattermoe_under_ep_matches_single_process(run_dist, tmp_path):
+    """The Triton kernels (interpreted on the CPU) behind the EP dispatcher's sentinel layout and valid-slot
+    count, under FSDP, LoRA on (frozen base: the LoRA factor kernels; the full fine-tune's dW kernels are
+    tests/unit/test_scattermoe.py's), against one process on grouped_mm (an independent reference, and not a
+    second interpreted run). Four ranks interpreting kernels on CI's two cores: a longer timeout."""
+    check_parity(run_dist, tmp_path, 4, True, {"ep": 2, "expert_backend": "scattermoe"}, timeout_s=300,
+                 reference={"expert_backend": "grouped_mm"})
 
 
 # FP4-packed experts (LoRA on top): each EP rank quantizes its own experts, FSDP leaves the packed buffers

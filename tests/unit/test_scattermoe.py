@@ -158,12 +158,12 @@ def guarded_rows(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("given", [True, False], ids=["valid_slots", "all-slots"])
 @pytest.mark.parametrize("rank,split", [(0, False), (R, False), (R, True)], ids=["full", "lora-fused", "lora-split"])
-def test_valid_slots_sizes_the_sorted_buffers(rank, split, given, monkeypatch, guarded_rows):
+def test_valid_slots_sizes_the_sorted_buffers(rank, split, monkeypatch, guarded_rows):
     """EP's layout (rank 1 of ep=4: most slots -1). With valid_slots every expert-sorted buffer has that many
     rows rounded up to 8, not M*k; no kernel touches a row past them, nor reads a row it did not write (all
-    NaN here); output and every gradient equal eager's, as without valid_slots (buffers of M*k rows)."""
+    NaN here); output and every gradient equal eager's. (Without valid_slots, buffers of M*k rows with the
+    -1 positions' rows unwritten: test_matches_eager.)"""
     if rank:
         monkeypatch.setattr("moe.backends.scattermoe._SPLIT_MIN_WEIGHT_ELEMS", 0 if split else 10**9)
     M, k = 11, 4
@@ -172,11 +172,10 @@ def test_valid_slots_sizes_the_sorted_buffers(rank, split, given, monkeypatch, g
     ids[3] = -1  # a row none of whose experts is here
     valid = int((ids >= 0).sum())
     assert 0 < valid < ids.numel() // 2
-    got = assert_matches_eager(ex, torch.randn(M, H, requires_grad=True), ids, w,
-                               valid_slots=valid if given else None)
+    got = assert_matches_eager(ex, torch.randn(M, H, requires_grad=True), ids, w, valid_slots=valid)
     assert got["y"][3].abs().max() == 0 and got["dw"][3].abs().max() == 0
     assert valid % 8 and guarded_rows  # rows past the valid ones inside the buffer too
-    assert {capacity for capacity, _ in guarded_rows} == {-(-valid // 8) * 8 if given else M * k}
+    assert {capacity for capacity, _ in guarded_rows} == {-(-valid // 8) * 8}
     for capacity, whole in guarded_rows:
         assert torch.isnan(whole[capacity:]).all(), "a kernel wrote past the buffer's rows"
 
