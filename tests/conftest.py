@@ -28,6 +28,22 @@ TINY_DENSE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num
               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256}
 
 
+def nan_slot_buffers(monkeypatch, guard_rows: int = 0) -> list:
+    """Makes every expert-sorted buffer (moe.kernels.routing.SlotOrder.new_rows) all NaN, with `guard_rows` NaN rows
+    past its capacity; returns the (capacity, whole buffer) pairs made. A kernel that read a row it never wrote
+    shows up as NaN in its results, one that wrote past the capacity as a guard row no longer NaN."""
+    from moe.kernels.routing import SlotOrder
+
+    made = []
+
+    def new_rows(self, like, cols):
+        whole = like.new_full((self.capacity + guard_rows, cols), float("nan"))
+        made.append((self.capacity, whole))
+        return whole[:self.capacity]
+    monkeypatch.setattr(SlotOrder, "new_rows", new_rows)
+    return made
+
+
 def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
     """Random values everywhere (norms and routers too), so parity does not pass by symmetry."""
     g = torch.Generator().manual_seed(seed)

@@ -111,11 +111,11 @@ class AllToAllDispatcher(Dispatcher):
         check_routing_shapes(x_TH, topk_ids_Tk, topk_w_Tk)
         T = x_TH.shape[0]
         owner_Tk = topk_ids_Tk // self.num_local_experts
-        needs_TR = torch.zeros(T, self.ep, dtype=torch.bool, device=x_TH.device).scatter_(1, owner_Tk, True)
-        # scatter_add, not bincount: bincount on CUDA reads the ids' maximum to the host
-        slots_R = needs_TR.new_zeros(self.ep, dtype=torch.int64).scatter_add_(
-            0, owner_Tk.reshape(-1), torch.ones_like(owner_Tk.reshape(-1)))
-        send_splits, recv_splits, valid_slots = self._exchange_counts(needs_TR.sum(0), slots_R)
+        # slots of each token per rank: a token travels to the ranks with any, their sum is the valid slots there
+        slots_TR = torch.zeros(T, self.ep, dtype=torch.int64, device=x_TH.device).scatter_add_(
+            1, owner_Tk, torch.ones_like(owner_Tk))
+        needs_TR = slots_TR > 0
+        send_splits, recv_splits, valid_slots = self._exchange_counts(needs_TR.sum(0), slots_TR.sum(0))
         token_S, rank_S = _send_order(needs_TR, sum(send_splits))
         ids_Sk = self._local_ids(topk_ids_Tk.index_select(0, token_S), rank_S)
         x_MH, w_Mk, ids_Mk = _DispatchAllToAll.apply(
@@ -134,7 +134,7 @@ class AllToAllDispatcher(Dispatcher):
     def _exchange_counts(self, rows_R: torch.Tensor, slots_R: torch.Tensor) -> tuple[list[int], list[int], int]:
         """(rows sent to each rank, rows received from each, valid slots received in all) from the rows and
         valid slots this rank sends to each rank, in one all_to_all of [R, 2] counts."""
-        send_R2 = torch.stack([rows_R, slots_R.to(rows_R.dtype)], dim=1)
+        send_R2 = torch.stack([rows_R, slots_R], dim=1)
         recv_R2 = torch.empty_like(send_R2)
         dist.all_to_all_single(recv_R2, send_R2, group=self.group)
         # The one host-device sync of EP: the uneven all_to_alls need their split sizes on the host.

@@ -17,7 +17,7 @@ import torch
 
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
-from moe.kernels.routing import SlotOrder
+from tests.conftest import nan_slot_buffers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -86,13 +86,7 @@ def test_bf16_matches_fp32_eager(shape, T, rank, ep, variant, monkeypatch):
     ex = make_experts(E_local, H, I, rank)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    guarded = []
-    if variant == "guarded":
-        def new_rows(self, like, cols):
-            whole = like.new_full((self.capacity + 64, cols), float("nan"))
-            guarded.append((self.capacity, whole))
-            return whole[:self.capacity]
-        monkeypatch.setattr(SlotOrder, "new_rows", new_rows)
+    guarded = nan_slot_buffers(monkeypatch, guard_rows=64) if variant == "guarded" else []
     valid = {"valid_slots": int((ids >= 0).sum())} if ep > 1 else {}
     got = {n: t.float() for n, t in fwd_bwd(ex, "scattermoe", x, ids, w, dy, **valid).items()}
     assert guarded or variant != "guarded"

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from moe.kernels import routing, tuning
-from moe.kernels.routing import SlotOrder, gather_rows, slot_capacity, sort_slots
+from moe.kernels.routing import gather_rows, slot_capacity, sort_slots
+from tests.conftest import nan_slot_buffers
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_routing_gpu.py covers the kernels",
@@ -126,9 +127,7 @@ def test_gather_rows_writes_the_valid_positions(M, k, E, H, invalid, small_block
     ids = random_ids(M, k, E, seed=M + H, invalid=invalid)
     x = torch.randn(H, M).t()
     valid = int((ids >= 0).sum())
-    real_new_rows = SlotOrder.new_rows
-    monkeypatch.setattr(SlotOrder, "new_rows",
-                        lambda self, like, cols: real_new_rows(self, like, cols).fill_(float("nan")))
+    nan_slot_buffers(monkeypatch)
     for given, rows in ((None, M * k), (valid, slot_capacity(M * k, valid))):
         slots = sort_slots(ids, E, given)
         out = gather_rows(x, slots)

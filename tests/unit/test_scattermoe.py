@@ -23,7 +23,8 @@ triton = pytest.importorskip("triton")
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.kernels import tuning
-from moe.kernels.routing import SlotOrder, slot_capacity, sort_slots
+from moe.kernels.routing import slot_capacity, sort_slots
+from tests.conftest import nan_slot_buffers
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_scattermoe_gpu.py covers the kernels",
@@ -145,17 +146,8 @@ def ep_routing(M: int, k: int, owned: range, num_experts: int = 16, seed: int = 
 
 @pytest.fixture
 def guarded_rows(monkeypatch):
-    """Every expert-sorted buffer (SlotOrder.new_rows) is made with NaN rows past its capacity and its own rows
-    NaN too; returns the (capacity, whole buffer) pairs made. A kernel that read a row it never wrote, or
-    wrote past the capacity, shows up as NaN in the results or as a guard row that is no longer NaN."""
-    made = []
-
-    def new_rows(self, like, cols):
-        whole = like.new_full((self.capacity + 3, cols), float("nan"))
-        made.append((self.capacity, whole))
-        return whole[:self.capacity]
-    monkeypatch.setattr(SlotOrder, "new_rows", new_rows)
-    return made
+    """Expert-sorted buffers all NaN, with 3 NaN guard rows past their end (tests.conftest.nan_slot_buffers)."""
+    return nan_slot_buffers(monkeypatch, guard_rows=3)
 
 
 @pytest.mark.parametrize("rank,split", [(0, False), (R, False), (R, True)], ids=["full", "lora-fused", "lora-split"])
@@ -291,9 +283,9 @@ def test_swiglu_backward_pass(monkeypatch):
     g, gu = torch.randn(S, I), torch.randn(S, 2 * I)
     gu_B = torch.randn(E, 2 * I, r)
     g[n:], gu[n:] = float("nan"), float("nan")  # rows of -1 positions are never written upstream
-    real_empty, real_new_rows = torch.empty, SlotOrder.new_rows
+    real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))  # dw
-    monkeypatch.setattr(SlotOrder, "new_rows", lambda *a: real_new_rows(*a).fill_(float("nan")))  # dgu, dgub
+    nan_slot_buffers(monkeypatch)  # dgu, dgub
     dgu, dgub, dw = gl.swiglu_backward(g, slots, gu, w, gu_B)
     monkeypatch.setattr(torch, "empty", real_empty)
 
