@@ -125,7 +125,7 @@ test)
   n=$(nvidia-smi -L | wc -l)
   set -o pipefail
   set +e
-  python3 -m pytest -q -s tests/gpu/test_deepep_gpu.py 2>&1 | tee "$OUT/test_deepep.log" | tail -n 40
+  timeout 300 python3 -m pytest -q -s tests/gpu/test_deepep_gpu.py 2>&1 | tee "$OUT/test_deepep.log" | tail -n 40
   if [ -f "$SRC/DeepEP/tests/test_intranode.py" ]; then  # DeepEP's own check of its kernels, smaller shapes
     (cd "$SRC/DeepEP/tests" && timeout 300 python3 test_intranode.py --num-processes "$n" --num-tokens 1024 \
       --hidden 2048 --num-topk 8 --num-experts 128) > "$OUT/deepep_test_intranode.log" 2>&1
@@ -133,7 +133,7 @@ test)
   fi
   for ep in 2 4; do
     [ "$ep" -le "$n" ] || continue
-    torchrun --standalone --nproc_per_node "$ep" -m runtime.verify --ep "$ep" --set parallelism.dispatcher=deepep \
+    timeout 180 torchrun --standalone --nproc_per_node "$ep" -m runtime.verify --ep "$ep" --set parallelism.dispatcher=deepep \
       examples/tiny-qwen3-moe.yaml --steps 3 2>&1 | tee "$OUT/verify_deepep_ep$ep.log" | grep -vE "^\s*$|Warning|warn" \
       | tail -n 8
   done
@@ -144,7 +144,7 @@ bench)
   install_wheel
   n=$(nvidia-smi -L | wc -l)
   for d in all_to_all deepep; do
-    torchrun --standalone --nproc_per_node "$n" -m benchmarks.bench_ep --dispatcher "$d" --out "$OUT/bench_ep_$d" \
+    timeout 240 torchrun --standalone --nproc_per_node "$n" -m benchmarks.bench_ep --dispatcher "$d" --out "$OUT/bench_ep_$d" \
       2>&1 | tee "$OUT/bench_ep_$d.log" | tail -n 5
   done
   ;;

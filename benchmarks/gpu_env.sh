@@ -1,7 +1,11 @@
-# Sourced by the GPU topic scripts: installs the carried wheels (.whl) into /tmp/site for this run.
+# Sourced by the GPU topic scripts: installs the carried wheels (.whl) into /tmp/site for this run, once per
+# machine and set of wheels (scripts that run side by side in one call must not reinstall under each other).
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || echo "warning: wheel install failed"
+  stamp="/tmp/site/.carried-$(ls .whl | md5sum | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >/dev/null 2>&1 && touch "$stamp" || echo "warning: wheel install failed"
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -9,3 +13,10 @@ fi
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
+
+pack_out() {  # NAME: every log and small file under $OUT except wheels into $OUT/NAME.tgz (8 files come back)
+  local name=$1
+  (cd "$OUT" && find . -type f ! -name '*.whl*' ! -name '*.tgz' -size -8M -print0 \
+    | tar czf "/tmp/$name.tgz" --null -T - && find . -mindepth 1 ! -name '*.whl*' ! -name '*.tgz' -delete \
+    && mv "/tmp/$name.tgz" "$OUT/")
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
-# (hybrid verify runs GDN on the torch op set unless the FLA wheels are installed as gpu_e2e_hybrid.sh says):
+# (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [hostbound]
 #   verify      runtime.verify (bf16 tolerances) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
@@ -12,7 +12,7 @@
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
 #   hostbound   issue 17 item 6 under EP: the same model at 8 layers, LoRA, ep=N, eager / compiled / compiled
 #               with inductor's CUDA graphs (the regions of static shape around the token exchange)
-# Logs under $OUT; the summary table comes last.
+# Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
 source benchmarks/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
 parts=${*:-verify throughput scaling bandwidth}
@@ -24,7 +24,7 @@ verify() {  # tag, world, then runtime.verify flags
   local tag=$1 world=$2
   shift 2
   [ "$world" -le "$N" ] || { summary+=("verify $tag: skipped (needs $world GPUs)"); return; }
-  torchrun --standalone --nproc_per_node "$world" -m runtime.verify "$@" --steps 3 > "$OUT/verify_$tag.log" 2>&1
+  timeout 240 torchrun --standalone --nproc_per_node "$world" -m runtime.verify "$@" --steps 3 > "$OUT/verify_$tag.log" 2>&1
   local rc=$?
   summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $rc)")
 }
@@ -47,7 +47,7 @@ train_run() {  # tag, world, then runtime.launch flags
   shift 2
   [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
   rm -rf "$OUT/$tag"
-  torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
+  timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
     > "$OUT/$tag.log" 2>&1 && summary+=("$(tokens_row "$tag" "$world" "$OUT/$tag")") \
     || summary+=("$tag: failed, see $tag.log: $(grep -E '^error' "$OUT/$tag.log" | head -n 1)")
 }
@@ -60,7 +60,7 @@ if [[ $parts == *verify* ]]; then
   verify cp2 2 --cp 2 "$TINY"
   verify cp2-ep2 4 --cp 2 --ep 2 "$TINY"
   verify cp2-ep2-ulysses 4 --cp 2 --ep 2 "$TINY" --set parallelism.cp_attention=ulysses
-  verify hybrid-cp2 2 --cp 2 "$TINY" --set "model.config={model_type: qwen3_5_moe_text, vocab_size: 520, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, shared_expert_intermediate_size: 48, num_experts: 8, num_experts_per_tok: 2, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 16, linear_value_head_dim: 16, linear_conv_kernel_dim: 4, max_position_embeddings: 256, layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
+  verify hybrid-cp2 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set "model.config={model_type: qwen3_5_moe_text, vocab_size: 520, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, shared_expert_intermediate_size: 48, num_experts: 8, num_experts_per_tok: 2, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 16, linear_value_head_dim: 16, linear_conv_kernel_dim: 4, max_position_embeddings: 256, layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
   # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N
   rm -rf "$OUT/reshard"
@@ -94,4 +94,5 @@ if [[ $parts == *hostbound* ]]; then
     --set "compile.inductor_options={triton.cudagraphs: true}"
 fi
 echo "== summary ($N GPUs)"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+pack_out "gpu_multi_${parts// /_}"
