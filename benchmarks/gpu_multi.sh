@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [hostbound]
 #   verify      runtime.verify (bf16 tolerances) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
-#               then a resume on another ep (ep=2 -> ep=N)
+#               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases whose tag matches
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters)
 #               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
@@ -24,6 +24,7 @@ verify() {  # tag, world, then runtime.verify flags
   local tag=$1 world=$2
   shift 2
   [ "$world" -le "$N" ] || { summary+=("verify $tag: skipped (needs $world GPUs)"); return; }
+  [[ $tag =~ ${ONLY:-.} ]] || return 0
   timeout 240 torchrun --standalone --nproc_per_node "$world" -m runtime.verify "$@" --steps 3 > "$OUT/verify_$tag.log" 2>&1
   local rc=$?
   summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $rc)")
@@ -62,12 +63,14 @@ if [[ $parts == *verify* ]]; then
   verify cp2-ep2-ulysses 4 --cp 2 --ep 2 "$TINY" --set parallelism.cp_attention=ulysses
   verify hybrid-cp2 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set "model.config={model_type: qwen3_5_moe_text, vocab_size: 520, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, shared_expert_intermediate_size: 48, num_experts: 8, num_experts_per_tok: 2, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 16, linear_value_head_dim: 16, linear_conv_kernel_dim: 4, max_position_embeddings: 256, layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
+  verify mxfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=mxfp4
   # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N
   rm -rf "$OUT/reshard"
-  torchrun --standalone --nproc_per_node 2 -m runtime.launch --ep 2 "$TINY" --max-steps 2 --output-dir "$OUT/reshard" \
-    > "$OUT/reshard_a.log" 2>&1
-  torchrun --standalone --nproc_per_node "$N" -m runtime.launch --ep "$N" "$TINY" --max-steps 4 --resume \
-    --output-dir "$OUT/reshard" > "$OUT/reshard_b.log" 2>&1
+  short=(--set optim.warmup_steps=1)
+  timeout 180 torchrun --standalone --nproc_per_node 2 -m runtime.launch --ep 2 "$TINY" --max-steps 2 "${short[@]}" \
+    --output-dir "$OUT/reshard" > "$OUT/reshard_a.log" 2>&1
+  timeout 180 torchrun --standalone --nproc_per_node "$N" -m runtime.launch --ep "$N" "$TINY" --max-steps 4 --resume \
+    "${short[@]}" --output-dir "$OUT/reshard" > "$OUT/reshard_b.log" 2>&1
   summary+=("resume ep2 -> ep$N: rc $? $(grep -c '"loss"' "$OUT/reshard/metrics.jsonl") steps logged")
 fi
 if [[ $parts == *throughput* ]]; then

@@ -20,7 +20,10 @@ from runtime.models.qwen import QwenForCausalLM
 
 def _mp_policy(device_type: str) -> MixedPrecisionPolicy:
     if device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # Inputs arrive in bf16 already (the embedding's output); a cast would rebuild every dataclass argument,
+        # the per-batch AttnMeta and its CPShard (whose derived fields dataclasses.replace refuses), per block.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 
 

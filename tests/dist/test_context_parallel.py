@@ -139,3 +139,39 @@ def test_context_parallel_refuses_heads_that_do_not_split(parallelism, model, ma
         hf = {**TINY_MOE, "model_type": "qwen3_moe", **model}
     with pytest.raises(ConfigError, match=match):
         check_context_parallel(_cfg(**parallelism), config_from_hf(hf))
+
+
+class _Recorder(torch.nn.Module):
+    """A block that keeps the metadata object it was called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.seen = None
+
+    def forward(self, h, meta):
+        self.seen = meta
+        return self.proj(h)
+
+
+def _fsdp_block_sees_the_cp_shard(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime.distributed.fsdp import _mp_policy
+
+    block = _Recorder()
+    # The GPU policy (bf16 compute) on CPU ranks: FSDP casts forward inputs under it unless told not to, and
+    # would rebuild the AttnMeta and CPShard dataclasses (CPShard's derived fields cannot be passed again).
+    fully_shard(block, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=_mp_policy("cuda"))
+    position_ids = _position_ids(1)
+    meta = AttnMeta(cp=CPShard(dist.group.WORLD, rank, world_size, _meta(position_ids), position_ids))
+    out = block(torch.randn(2, 8, dtype=torch.bfloat16), meta)
+    return block.seen is meta and block.seen.cp is meta.cp, out.dtype
+
+
+def test_fsdp_passes_attention_metadata_through_unchanged(run_dist):
+    """Blocks take the batch's AttnMeta (holding the CPShard) as an argument: under the GPU mixed-precision
+    policy FSDP must hand it over as is (runtime.verify --cp 2 failed on NCCL with dataclasses.replace)."""
+    for same, dtype in run_dist(_fsdp_block_sees_the_cp_shard, 2):
+        assert same and dtype == torch.bfloat16

@@ -161,11 +161,11 @@ def test_dequantize_kernel_equals_torch_on_gpu(fmt):
     assert torch.equal(ours.view(torch.int16), w.dequantize(torch.bfloat16).view(torch.int16))
     some = torch.tensor([5, 1], device="cuda")
     assert torch.equal(dequantize_fp4(w, torch.bfloat16, some).view(torch.int16), ours[some].view(torch.int16))
-    # the chunked path's call: a range into a given buffer, experts without rows (1 and 3) skipped
+    # the chunked path's call: experts 1..4 into a given buffer, those without rows (2 and 4) skipped
     out = torch.full((4, 1536, 2048), float("nan"), device="cuda", dtype=torch.bfloat16)
     offsets_E1 = torch.tensor([0, 5, 9, 9, 12, 12, 20, 20, 30], device="cuda", dtype=torch.int32)
     dequantize_fp4(w, torch.bfloat16, range(1, 5), out=out, offsets_E1=offsets_E1)
-    assert torch.equal(out[[0, 2]].view(torch.int16), ours[[2, 4]].view(torch.int16))
+    assert torch.equal(out[[0, 2]].view(torch.int16), ours[[1, 3]].view(torch.int16))
     assert out[[1, 3]].isnan().all()
 
 
