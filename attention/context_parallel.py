@@ -218,9 +218,22 @@ def _to_row_order(concat_B_S: torch.Tensor, shard: CPShard) -> torch.Tensor:
     return concat_B_S.index_select(1, shard.row_order_S)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: NCCL's reduce-scatter (an all-gather's backward)
+    refuses strided input, and a transposed view's gradient is strided (gloo copies it silently)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def gather_sequence(x_BsF: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """All ranks' tokens in row order: [B, S_loc, ...] -> [B, S, ...]; backward reduce-scatters."""
-    gathered = _all_gather_autograd(x_BsF.transpose(0, 1).contiguous(), 0, shard.group)
+    gathered = _ContiguousGrad.apply(_all_gather_autograd(x_BsF.transpose(0, 1).contiguous(), 0, shard.group))
     return _to_row_order(gathered.transpose(0, 1), shard)
 
 

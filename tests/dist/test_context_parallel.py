@@ -175,3 +175,40 @@ def test_fsdp_passes_attention_metadata_through_unchanged(run_dist):
     policy FSDP must hand it over as is (runtime.verify --cp 2 failed on NCCL with dataclasses.replace)."""
     for same, dtype in run_dist(_fsdp_block_sees_the_cp_shard, 2):
         assert same and dtype == torch.bfloat16
+
+
+class _RefuseStridedGrad(torch.autograd.Function):
+    """Stands between the all-gather and its consumers: fails as NCCL's reduce-scatter does on strided input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        assert grad.is_contiguous(), f"the all-gather's backward got a strided gradient {tuple(grad.stride())}"
+        return grad
+
+
+def _gather_sequence_backward(rank, world_size):
+    import attention.context_parallel as cpm
+
+    real = cpm._all_gather_autograd
+    cpm._all_gather_autograd = lambda x, dim, group: _RefuseStridedGrad.apply(real(x, dim, group))
+    position_ids = _position_ids(2)
+    shard = CPShard(dist.group.WORLD, rank, world_size, _meta(position_ids), position_ids)
+    x = torch.randn(2, S // world_size, 3, 4, requires_grad=True)
+    whole = cpm.gather_sequence(x, shard)
+    (whole * torch.arange(whole.numel()).view_as(whole)).sum().backward()
+    return whole.shape, x.grad
+
+
+def test_gather_sequence_hands_its_collective_a_contiguous_gradient(run_dist):
+    """NCCL's reduce-scatter refuses strided input (runtime.verify --cp 2 failed on GPUs); the gradient of a token
+    is its position's weight, summed over the cp ranks (each rank's loss reads the whole gathered rows)."""
+    results = run_dist(_gather_sequence_backward, 2)
+    for rank, (shape, grad) in enumerate(results):
+        assert shape == (2, S, 3, 4)
+        rows = torch.arange(2 * S * 12).view(2, S, 3, 4).float()
+        expected = 2 * rows.index_select(1, zigzag_index(S, 2, rank, "cpu"))
+        assert torch.equal(grad, expected)
