@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [hostbound]
 #   verify      runtime.verify (bf16 tolerances) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
-#               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases whose tag matches
+#               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) whose tag matches
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters)
 #               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
@@ -65,13 +65,15 @@ if [[ $parts == *verify* ]]; then
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
   verify mxfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=mxfp4
   # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N
-  rm -rf "$OUT/reshard"
-  short=(--set optim.warmup_steps=1)
-  timeout 180 torchrun --standalone --nproc_per_node 2 -m runtime.launch --ep 2 "$TINY" --max-steps 2 "${short[@]}" \
-    --output-dir "$OUT/reshard" > "$OUT/reshard_a.log" 2>&1
-  timeout 180 torchrun --standalone --nproc_per_node "$N" -m runtime.launch --ep "$N" "$TINY" --max-steps 4 --resume \
-    "${short[@]}" --output-dir "$OUT/reshard" > "$OUT/reshard_b.log" 2>&1
-  summary+=("resume ep2 -> ep$N: rc $? $(grep -c '"loss"' "$OUT/reshard/metrics.jsonl") steps logged")
+  if [[ resume =~ ${ONLY:-.} ]]; then
+    rm -rf "$OUT/reshard"
+    short=(--set optim.warmup_steps=1)
+    timeout 180 torchrun --standalone --nproc_per_node 2 -m runtime.launch --ep 2 "$TINY" --max-steps 2 "${short[@]}" \
+      --output-dir "$OUT/reshard" > "$OUT/reshard_a.log" 2>&1
+    timeout 180 torchrun --standalone --nproc_per_node "$N" -m runtime.launch --ep "$N" "$TINY" --max-steps 4 --resume \
+      "${short[@]}" --output-dir "$OUT/reshard" > "$OUT/reshard_b.log" 2>&1
+    summary+=("resume ep2 -> ep$N: rc $? $(grep -c '"loss"' "$OUT/reshard/metrics.jsonl") steps logged")
+  fi
 fi
 if [[ $parts == *throughput* ]]; then
   train_run "full-ep$N" "$N" --ep "$N"

@@ -91,20 +91,22 @@ class StepResult:
     skipped: str | None = None  # "no_labels" | "non_finite": the optimizer did not step
 
 
-def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None) -> StepResult:
+def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None,
+               autocast: bool = True) -> StepResult:
     cp = model.context_parallel  # the cp ranks of a data slice hold the same whole rows
     cp_size = cp.size if cp is not None else 1
     num_tokens = sum(b.input_ids.numel() for b in batches)  # this data slice's, shared by its cp ranks
     global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env) // cp_size
     if global_labels == 0:  # every rank sees the same sum, so all skip alike
         return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else nullcontext())
+    compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
+               else nullcontext())
     loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
     for batch in batches:
         batch = batch.to(env.device)
         if cp is not None:
             batch = cp.shard(batch)  # the one place a batch is split along the sequence
-        with autocast:
+        with compute:
             loss_sum = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
                              max_seqlen=batch.max_seqlen, labels=batch.labels,
                              cp=batch.cp if cp is not None else None)
@@ -167,21 +169,22 @@ def claim(cfg: Config, env: DistEnv, resume: bool) -> RunDir:
 
 
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
-          resume: bool = False, on_grads=None, progress: Progress | None = None) -> list[dict]:
+          resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
-    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
+    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it; with
+    autocast=False, on CUDA too, the model computes in its parameters' dtype: verify's fp32 reference);
     `progress` is kept up to date with the step, for the failure report (runtime.failures)."""
     progress = progress or Progress()
     resume = resume or cfg.checkpoint.resume
     run_dir = claim(cfg, env, resume)
     try:
-        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads, progress)
+        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads, progress, autocast)
     finally:
         release_run_dir(run_dir)
 
 
 def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
-           resume: bool, on_grads, progress: Progress) -> list[dict]:
+           resume: bool, on_grads, progress: Progress, autocast: bool) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     if env.is_main:
         write_run_config(run_dir.root, cfg.model_dump(mode="json"))
@@ -217,7 +220,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
         for step in range(start + 1, cfg.train.max_steps + 1):
             progress.step, progress.training = step, True
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-            result = train_step(model, batches, optimizer, cfg, env, on_grads)
+            result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
             guard.check(step, result, last_good)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()

@@ -118,3 +118,15 @@ HYBRIDS = {"qwen3_5_moe-cp2": ({**HYBRID, "model_type": "qwen3_5_moe_text"}, {"c
 def test_hybrid_context_parallel_matches_single_process(run_dist, tmp_path, case):
     model, parallelism = HYBRIDS[case]
     check_parity(run_dist, tmp_path, 2, False, parallelism, model=model)
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4"])
+def test_exact_reference_matches_the_fp32_reference_on_other_kernels(tmp_path, quant):
+    """verify's bf16 yardstick (fp32, no autocast, EXACT_MODEL's plain implementations) trains the same model
+    as the reference on the configured ones: on the CPU both are fp32, so they agree to fp32 tolerances."""
+    cfg = tiny_config(True, str(tmp_path), quant=quant)
+    dims = ParallelDims.resolve(1, 1, 1, 1, 1)
+    ref = reference_run(cfg, dims, STEPS, torch.device("cpu"))
+    exact = reference_run(cfg, dims, STEPS, torch.device("cpu"), exact=True)
+    ok, lines = compare(exact, ref, "float32")
+    assert ok, "\n".join(lines)
