@@ -14,9 +14,10 @@ export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
 
-pack_out() {  # NAME: every log and small file under $OUT except wheels into $OUT/NAME.tgz (8 files come back)
-  local name=$1
-  (cd "$OUT" && find . -type f ! -name '*.whl*' ! -name '*.tgz' -size -8M -print0 \
-    | tar czf "/tmp/$name.tgz" --null -T - && find . -mindepth 1 ! -name '*.whl*' ! -name '*.tgz' -delete \
-    && mv "/tmp/$name.tgz" "$OUT/")
+pack_out() {  # NAME: every log and small file under $OUT except wheels and archives into $OUT/NAME.tgz
+  local name=$1 tmp
+  tmp=$(mktemp /tmp/pack.XXXXXX)  # scripts may pack side by side
+  (cd "$OUT" && find . -type f ! -name '*.whl*' ! -name '*.tgz' -size -8M -print0 | tar czf "$tmp" --null -T -
+   find . -type f ! -name '*.whl*' ! -name '*.tgz' -delete; find . -mindepth 1 -type d -empty -delete)
+  mv "$tmp" "$OUT/$name.tgz"
 }
