@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [hostbound]
-#   verify      runtime.verify (bf16 tolerances) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound]
+#   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
 #               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) whose tag matches
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters)
@@ -10,6 +10,8 @@
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
+#   profile     the throughput model, LoRA and full, ep=N, 8 steps with step 6 traced (profiling.steps): rank 0's
+#               summary (wall, device kernel share, host syncs) and top ops; traces under $OUT/profile-*/profile
 #   hostbound   issue 17 item 6 under EP: the same model at 8 layers, LoRA, ep=N, eager / compiled / compiled
 #               with inductor's CUDA graphs (the regions of static shape around the token exchange)
 # Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
@@ -90,6 +92,14 @@ fi
 if [[ $parts == *bandwidth* ]]; then
   torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --out "$OUT" > "$OUT/bench_ep.log" 2>&1
   summary+=("bench_ep: $(tail -n 3 "$OUT/bench_ep.log" | tr '\n' ' ')")
+fi
+if [[ $parts == *profile* ]]; then
+  traced=(--set "profiling.steps=[6]" --set train.max_steps=8)
+  train_run "profile-lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32 "${traced[@]}"
+  train_run "profile-full-ep$N" "$N" --ep "$N" "${traced[@]}"
+  for run in lora full; do
+    head -n 32 "$OUT/profile-$run-ep$N/profile/step6_rank0.txt" 2>/dev/null | cut -c1-160
+  done
 fi
 if [[ $parts == *hostbound* ]]; then
   eight=(--ep "$N" --set model.num_layers_override=8 --set lora.enabled=true --set optim.master_dtype=fp32)

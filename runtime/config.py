@@ -223,6 +223,13 @@ class LoggingConfig(Section):
     wandb: WandbConfig | None = None
 
 
+class ProfilingConfig(Section):
+    # Optimizer steps traced by torch.profiler (runtime/profiling.py): per rank a Chrome trace and the top ops
+    # under <output_dir>/profile/, and on rank 0 one line of wall time, device kernel time and host syncs.
+    steps: list[int] = Field(default_factory=list)
+    top: int = Field(25, ge=1)  # ops listed per rank and step
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig
@@ -234,6 +241,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -255,6 +263,9 @@ class Config(Section):
         if self.checkpoint.export_merged and not self.lora.enabled:
             raise ValueError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
                              "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")
+        if outside := sorted(s for s in self.profiling.steps if not 1 <= s <= self.train.max_steps):
+            raise ValueError(f"profiling.steps {outside} are not steps of this run (1..train.max_steps = "
+                             f"{self.train.max_steps})")
         if self.train.eval_every_n_steps and not self.data.has_eval:
             raise ValueError("train.eval_every_n_steps is set but there is no eval data; set data.eval (a file) or "
                              "data.eval_fraction")

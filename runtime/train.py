@@ -35,6 +35,7 @@ from runtime.models.build import build
 from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
+from runtime.profiling import StepProfiler
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
 from runtime.trackers import Trackers
 
@@ -215,12 +216,14 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                             cfg.logging.jsonl, cfg.logging.every_n_steps, start_step=start, run_id=run_dir.run_id,
                             trackers=trackers)
     guard = StepGuard(cfg.train.nan_policy, cfg.train.max_nan_skips)
+    profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, cfg.train.output_dir, env.rank, env.device)
     records, timer = [], StepTimer()
     try:
         for step in range(start + 1, cfg.train.max_steps + 1):
             progress.step, progress.training = step, True
             batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-            result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
+            with profiler.step(step):
+                result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
             guard.check(step, result, last_good)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()

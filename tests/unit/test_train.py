@@ -97,3 +97,27 @@ def test_small_or_non_finite_gradients_are_not_clipped():
     assert norm < 1.0 and scale == 1.0
     layer.weight.grad[0, 0] = float("nan")
     assert grad_norm_and_clip_scale(layer, max_norm=1.0, world_size=1)[1] == 1.0
+
+
+def test_profiled_step_writes_trace_and_summary(tmp_path, caplog):
+    """profiling.steps: the chosen step's Chrome trace and top-ops table on disk, its summary line in the log;
+    no other step is traced."""
+    import gzip
+
+    with caplog.at_level("INFO", logger="runtime"):
+        run([str(EXAMPLE), "--max-steps", "3", "--output-dir", str(tmp_path), "--set", "optim.warmup_steps=1",
+             "--set", "profiling.steps=[2]", "--set", "checkpoint.save_final=false"])
+    folder = tmp_path / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["step2_rank0.json.gz", "step2_rank0.txt"]
+    with gzip.open(folder / "step2_rank0.json.gz") as f:
+        trace = json.loads(f.read())
+    assert any(e.get("name", "").startswith("aten::mm") for e in trace["traceEvents"])
+    summary = (folder / "step2_rank0.txt").read_text().splitlines()[0]
+    assert summary.startswith("profile step 2: wall ") and "host syncs" in summary
+    assert any(r.getMessage().startswith(summary) for r in caplog.records)
+
+
+def test_profiling_steps_outside_the_run_are_refused(tmp_path):
+    with pytest.raises(Exception, match=r"profiling.steps \[5\] are not steps of this run"):
+        run([str(EXAMPLE), "--max-steps", "3", "--output-dir", str(tmp_path), "--set", "optim.warmup_steps=1",
+             "--set", "profiling.steps=[2, 5]"])

@@ -1,0 +1,82 @@
+"""Traces chosen optimizer steps with torch.profiler (config section `profiling`).
+
+    profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, output_dir, rank, device)
+    with profiler.step(step):          # a no-op for steps not in profiling.steps
+        train_step(...)
+
+For every traced step, every rank writes under <output_dir>/profile/:
+    step{N}_rank{R}.json.gz   a Chrome trace (chrome://tracing, Perfetto)
+    step{N}_rank{R}.txt       the summary line, then the top ops by device self time (CPU self time off CUDA)
+and rank 0 logs the summary line: the step's wall time, the time the device spent in kernels (a share of the
+wall: a low share means the step waits on the host or on other ranks), and the host syncs (`.item()`, stream
+and device synchronizations, device-to-host copies), where an expert-parallel step blocks on each layer's
+token exchange sizes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger("runtime")
+
+# CPU-side ops that block the host until the device catches up.
+HOST_SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                 "cudaEventSynchronize", "cudaMemcpy")
+
+
+class StepProfiler:
+    def __init__(self, steps: list[int], top: int, output_dir: str | Path, rank: int, device: torch.device):
+        self.steps, self.top, self.rank, self.device = set(steps), top, rank, device
+        self.folder = Path(output_dir) / "profile"
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        if step not in self.steps:
+            yield
+            return
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            yield
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            wall_ms = (time.perf_counter() - start) * 1e3
+        self._write(prof, step, wall_ms, cuda)
+
+    def _write(self, prof, step: int, wall_ms: float, cuda: bool) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        stem = self.folder / f"step{step}_rank{self.rank}"
+        line = summary_line(prof.key_averages(), step, wall_ms, cuda)
+        sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=self.top)
+        stem.with_suffix(".txt").write_text(f"{line}\n\n{table}\n")
+        trace = stem.with_suffix(".json")
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+        if self.rank == 0:
+            log.info("%s (rank 0; every rank's trace and top ops in %s)", line, self.folder)
+
+
+def summary_line(averages, step: int, wall_ms: float, cuda: bool) -> str:
+    """One line: wall, device kernel time and its share, host syncs (count, CPU ms)."""
+    syncs = [a for a in averages if a.key.startswith(HOST_SYNC_OPS)]
+    sync_count = sum(a.count for a in syncs)
+    sync_ms = sum(a.cpu_time_total for a in syncs) / 1e3
+    parts = [f"profile step {step}: wall {wall_ms:.1f} ms"]
+    if cuda:
+        kernel_ms = sum(a.self_device_time_total for a in averages) / 1e3
+        parts.append(f"device kernels {kernel_ms:.1f} ms ({kernel_ms / wall_ms:.0%} of wall)")
+    parts.append(f"host syncs {sync_count} ({sync_ms:.1f} ms CPU)")
+    return ", ".join(parts)
