@@ -4,6 +4,7 @@
         [--out DIR]
     torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_ep --dry   # gloo on the CPU, tiny shape
     torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep --dispatcher deepep   # DeepEP's kernels
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep --dispatcher deepep --deepep-sms 20,24,32
 
 At one MoE shape (harness.SHAPES), T tokens per rank, bf16: one MoE layer (all_to_all dispatch ->
 grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask (-1 slots sent to local
@@ -13,7 +14,8 @@ all_to_all bus bandwidth measured in the same run. `--dry` runs the same code on
 fp32 (eager experts): a smoke test, its numbers mean nothing. `--compile` compiles the expert compute as
 training does under EP (runtime.distributed.compile.compile_experts: fullgraph, rows dynamic), dispatch
 and combine staying eager; with `--dry` the experts are then grouped_mm in bf16 (the only dtype
-torch._grouped_mm traces on the CPU).
+torch._grouped_mm traces on the CPU). `--deepep-sms` gives DeepEP's kernels each of these SM counts in turn
+(one row per ep and count; moe/dispatch/deepep.py's DEFAULT_NUM_SMS otherwise).
 """
 
 from __future__ import annotations
@@ -119,7 +121,15 @@ def peak_gib(run: Run) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if run.device == "cuda" else None
 
 
-def bench(ep: int, shape: str, tokens: int, run: Run) -> Row:
+def make_dispatcher(run: Run, group, num_experts: int, num_sms: int | None):
+    if num_sms is None:
+        return build_dispatcher(run.dispatcher, group, num_experts)
+    from moe.dispatch.deepep import DeepEPDispatcher
+
+    return DeepEPDispatcher(group, num_experts, num_sms=num_sms)
+
+
+def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None) -> Row:
     s = SHAPES[shape]
     E, H, I, K = s.experts, s.hidden, s.intermediate, s.top_k
     group = ep_group(ep)
@@ -128,12 +138,12 @@ def bench(ep: int, shape: str, tokens: int, run: Run) -> Row:
     experts = GroupedExperts(E // ep, H, I, device=run.device, dtype=run.dtype, expert_offset=rank_in_group * E // ep)
     if run.compile:
         compile_experts(experts)
-    dispatcher = build_dispatcher(run.dispatcher, group, E)
+    dispatcher = make_dispatcher(run, group, E, num_sms)
     x = torch.randn(tokens, H, device=run.device, dtype=run.dtype, requires_grad=True)
     logits = torch.randn(tokens, E, device=run.device)
     w, ids = torch.topk(torch.softmax(logits, -1), K)
     w = (w / w.sum(-1, keepdim=True)).to(run.dtype).requires_grad_()
-    row = Row(ep, tokens)
+    row = Row(ep, tokens, note="" if num_sms is None else f"{num_sms} SMs")
     for name, mask in (("skip", False), ("mask", True)):
         if run.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -166,8 +176,12 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="compile the expert compute as training does under EP")
     p.add_argument("--dry", action="store_true", help="gloo on the CPU, tiny shape, fp32, eager experts")
     p.add_argument("--dispatcher", default="all_to_all", help="all_to_all | deepep (parallelism.dispatcher)")
+    p.add_argument("--deepep-sms", type=lambda s: [int(x) for x in s.split(",")], default=[None],
+                   help="with --dispatcher deepep: SM counts for its kernels, comma-separated (even numbers)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
+    if args.deepep_sms != [None] and args.dispatcher != "deepep":
+        p.error("--deepep-sms sets DeepEP's SM count: it needs --dispatcher deepep")
     if args.dry:
         cpu = (torch.bfloat16, "grouped_mm") if args.compile else (torch.float32, "eager")
         run, shape, tokens = Run("cpu", *cpu, args.compile, args.dispatcher), "tiny", 32
@@ -187,7 +201,8 @@ def main() -> None:
                   f"{run.dispatcher} dispatcher,")
     for ep in (2, 4, 8):
         if ep <= world and world % ep == 0:
-            report.add(bench(ep, shape, tokens, run))
+            for num_sms in args.deepep_sms:
+                report.add(bench(ep, shape, tokens, run, num_sms))
     dist.destroy_process_group()
 
 

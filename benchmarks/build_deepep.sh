@@ -12,7 +12,7 @@
 #     mkdir -p .whl-deepep && cp FILES_AT/deep_ep-*.whl .whl-deepep/
 #   on a machine of 2-4 GPUs (carry [".whl-deepep", ".whl-deepep-src"]; the source only for DeepEP's test):
 #     bash benchmarks/build_deepep.sh test               # our GPU tests, DeepEP's test_intranode, verify ep 2/4
-#     bash benchmarks/build_deepep.sh bench              # bench_ep with each dispatcher
+#     bash benchmarks/build_deepep.sh bench              # bench_ep with each dispatcher (DEEPEP_SMS=20,24,32: a sweep)
 #
 # The build (setup.py at 567632d, patched on a copy):
 #   - NVSHMEM off: setup.py turns it off only when NVSHMEM_DIR is unset and the `nvidia.nvshmem` module is
@@ -157,9 +157,12 @@ bench)
   mkdir -p "$OUT"
   install_wheel
   n=$(nvidia-smi -L | wc -l)
+  # all_to_all, then DeepEP at the SM counts DEEPEP_SMS lists, else its default (its own tuning found 24 best)
   for d in all_to_all deepep; do
-    timeout 240 torchrun --standalone --nproc_per_node "$n" -m benchmarks.bench_ep --dispatcher "$d" --out "$OUT/bench_ep_$d" \
-      2>&1 | tee "$OUT/bench_ep_$d.log" | tail -n 5
+    sms=()
+    [ "$d" = deepep ] && [ -n "${DEEPEP_SMS:-}" ] && sms=(--deepep-sms "$DEEPEP_SMS")
+    timeout 240 torchrun --standalone --nproc_per_node "$n" -m benchmarks.bench_ep --dispatcher "$d" "${sms[@]}" \
+      --out "$OUT/bench_ep_$d" 2>&1 | tee "$OUT/bench_ep_$d.log" | tail -n 8
   done
   ;;
 *)
