@@ -1,9 +1,10 @@
 """No silent hangs (issue 15, item 7): real torchrun runs on gloo, frozen and ended as a user would see.
 
 A rank frozen with SIGSTOP ends every other rank within parallelism.collective_timeout_s + a margin,
-with one line naming it; the rendezvous store frozen ends every rank too; a normal run, ranks slow
-outside collectives and a rank finishing later than its peers raise nothing; a collective that
-times out on live ranks is explained in one line naming the key.
+with one line naming it; the rendezvous store frozen ends every rank too; ranks slow outside collectives
+and a rank finishing later than its peers raise nothing (a normal run ending cleanly is every torchrun
+training test's: the watchdog is always on); a collective that times out on live ranks is explained in one
+line naming the key.
 
 Worker pids are read from /proc (the children of torchrun and their RANK), so this is Linux-only.
 """
@@ -212,18 +213,6 @@ def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
     assert stall[0].startswith(f"error: rank 1 (host {socket.gethostname()}, pid {pids[1]}) stopped responding")
     assert f"(parallelism.collective_timeout_s={timeout_s}); every rank stops now" in stall[0]
     assert steps_before < 200  # it stopped the run, not the end of training
-
-
-def test_a_normal_run_ends_cleanly(tmp_path):
-    run = Torchrun(tmp_path, _launch_args(tmp_path, timeout_s=10, max_steps=2))
-    try:
-        assert run.wait(300) == 0, run.stderr()
-    finally:
-        run.kill_all([])
-    err = run.stderr()
-    assert STALL_LINE not in err and "error:" not in err and "Traceback" not in err, err
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
 
 
 def test_slow_ranks_and_a_late_finisher_are_not_stalls(tmp_path):

@@ -221,10 +221,10 @@ def kept_by_forward(model, cuda: bool) -> tuple[dict[bool, int], dict[bool, int]
     return end_of_forward, start_of_backward
 
 
-# Every training x checkpointing mode on the Qwen3-MoE model; the hybrid (4 layers, 3-5x the CPU time) once per
-# mode and once per training: its GDN and shared-expert terms do not depend on the pairing (CI time).
-CASES = [("qwen3-moe", training, mode) for training in sorted(TRAININGS) for mode in MODES] + [
-    ("qwen3.5-moe", training, mode) for training, mode in zip(sorted(TRAININGS), MODES)]
+# Each model once per training and once per checkpointing mode, paired differently on the two (CI time: the
+# training terms and the mode terms are separate sums of the estimate, so a pairing tests both of its halves).
+CASES = ([("qwen3-moe", training, mode) for training, mode in zip(sorted(TRAININGS), MODES[1:] + MODES[:1])]
+         + [("qwen3.5-moe", training, mode) for training, mode in zip(sorted(TRAININGS), MODES)])
 
 
 @pytest.mark.parametrize("kind,training,mode", CASES, ids=["-".join(case) for case in CASES])
