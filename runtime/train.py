@@ -172,8 +172,8 @@ def claim(cfg: Config, env: DistEnv, resume: bool) -> RunDir:
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
           resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
-    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it; with
-    autocast=False, on CUDA too, the model computes in its parameters' dtype: verify's fp32 reference);
+    `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
+    `autocast=False` computes in the parameters' dtype on CUDA too (verify's fp32 reference);
     `progress` is kept up to date with the step, for the failure report (runtime.failures)."""
     progress = progress or Progress()
     resume = resume or cfg.checkpoint.resume

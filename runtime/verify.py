@@ -49,7 +49,8 @@ def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism
     update = {"train": cfg.train.model_copy(update={"max_steps": steps, "output_dir": output_dir}),
               "checkpoint": cfg.checkpoint.model_copy(update={"every_n_steps": 0, "save_final": False,
                                                                "export_hf": False, "resume": False}),
-              "logging": cfg.logging.model_copy(update={"progress_bar": False, "jsonl": False})}
+              "logging": cfg.logging.model_copy(update={"progress_bar": False, "jsonl": False}),
+              "profiling": cfg.profiling.model_copy(update={"steps": []})}
     if parallelism:
         update["parallelism"] = cfg.parallelism.model_copy(update=parallelism)
     return cfg.model_copy(update=update)
