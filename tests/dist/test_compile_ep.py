@@ -59,9 +59,9 @@ def _eager_and_compiled(rank, world_size, tmp, parallelism):
     return eager, compiled, graphs, dict(counters["graph_break"])
 
 
+# Full checkpointing under compile is tests/unit/test_compile.py's (the blocks); under EP, eager, test_parity's.
 MESHES = {
     "ep2": (2, {"ep": 2}),
-    "ep2_full_ac": (2, {"ep": 2, "activation_checkpoint": "full"}),
     # efsdp=1: the experts' FSDP unit records one more profiler op in the recompute than in forward,
     # which selective checkpointing must not count (runtime.distributed.activation_checkpoint)
     "ep2_selective_ac": (2, {"ep": 2, "activation_checkpoint": "selective"}),

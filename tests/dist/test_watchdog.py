@@ -11,7 +11,6 @@ Worker pids are read from /proc (the children of torchrun and their RANK), so th
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
