@@ -231,9 +231,14 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's x stacked along dim 0, differentiable (backward reduce-scatters a contiguous gradient)."""
+    return _ContiguousGrad.apply(_all_gather_autograd(x.contiguous(), 0, group))
+
+
 def gather_sequence(x_BsF: torch.Tensor, shard: CPShard) -> torch.Tensor:
     """All ranks' tokens in row order: [B, S_loc, ...] -> [B, S, ...]; backward reduce-scatters."""
-    gathered = _ContiguousGrad.apply(_all_gather_autograd(x_BsF.transpose(0, 1).contiguous(), 0, shard.group))
+    gathered = _all_gather(x_BsF.transpose(0, 1), shard.group)
     return _to_row_order(gathered.transpose(0, 1), shard)
 
 
@@ -242,7 +247,7 @@ def gather_pieces(x_2F: torch.Tensor, shard: CPShard) -> torch.Tensor:
     reduce-scatters."""
     if shard.size == 1:  # one rank holds both pieces: nothing to exchange (a single-device run of the state path)
         return x_2F
-    gathered = _all_gather_autograd(x_2F.contiguous(), 0, shard.group)  # rank r's pieces at 2r, 2r+1
+    gathered = _all_gather(x_2F, shard.group)  # rank r's pieces at 2r, 2r+1
     return gathered.index_select(0, shard.piece_order_P)
 
 

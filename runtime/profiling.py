@@ -15,9 +15,7 @@ token exchange sizes.
 
 from __future__ import annotations
 
-import gzip
 import logging
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,15 +54,12 @@ class StepProfiler:
     def _write(self, prof, step: int, wall_ms: float, cuda: bool) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         stem = self.folder / f"step{step}_rank{self.rank}"
-        line = summary_line(prof.key_averages(), step, wall_ms, cuda)
+        averages = prof.key_averages()  # seconds on a big step's trace: once
+        line = summary_line(averages, step, wall_ms, cuda)
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=self.top)
+        table = averages.table(sort_by=sort_by, row_limit=self.top)
         stem.with_suffix(".txt").write_text(f"{line}\n\n{table}\n")
-        trace = stem.with_suffix(".json")
-        prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace.unlink()
+        prof.export_chrome_trace(f"{stem}.json.gz")  # torch compresses a .gz path itself
         if self.rank == 0:
             log.info("%s (rank 0; every rank's trace and top ops in %s)", line, self.folder)
 
