@@ -3,7 +3,8 @@
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
-#               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2; FP4 experts at ep=2;
+#               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
+#               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2 and for the hybrids;
 #               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) whose tag matches
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters)
 #               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
@@ -63,7 +64,13 @@ if [[ $parts == *verify* ]]; then
   verify cp2 2 --cp 2 "$TINY"
   verify cp2-ep2 4 --cp 2 --ep 2 "$TINY"
   verify cp2-ep2-ulysses 4 --cp 2 --ep 2 "$TINY" --set parallelism.cp_attention=ulysses
-  verify hybrid-cp2 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set "model.config={model_type: qwen3_5_moe_text, vocab_size: 520, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, shared_expert_intermediate_size: 48, num_experts: 8, num_experts_per_tok: 2, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 16, linear_value_head_dim: 16, linear_conv_kernel_dim: 4, max_position_embeddings: 256, layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
+  hybrid="model.config={model_type: qwen3_5_moe_text, vocab_size: 520, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, shared_expert_intermediate_size: 48, num_experts: 8, num_experts_per_tok: 2, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 16, linear_value_head_dim: 16, linear_conv_kernel_dim: 4, max_position_embeddings: 256, layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
+  verify hybrid-cp2 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set "$hybrid"
+  verify hybrid-cp2-state 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set parallelism.cp_gdn=state --set "$hybrid"
+  # --exact: both runs in fp32 on the plain kernels, fp32 bounds: the parallelism alone, apart from bf16 rounding
+  verify ep2-exact 2 --ep 2 "$TINY" --exact
+  verify hybrid-cp2-exact 2 --cp 2 "$TINY" --set "$hybrid" --exact
+  verify hybrid-cp2-state-exact 2 --cp 2 "$TINY" --set parallelism.cp_gdn=state --set "$hybrid" --exact
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
   verify mxfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=mxfp4
   # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N

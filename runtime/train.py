@@ -190,7 +190,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     if env.is_main:
         write_run_config(run_dir.root, cfg.model_dump(mode="json"))
     model = build_model(cfg, env, dims)
-    parallelize(model, dims, meshes, cfg)
+    parallelize(model, dims, meshes, cfg, autocast)
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,

@@ -1,6 +1,6 @@
 """Distributed-vs-single-process parity as a user command:
 
-    torchrun --nproc_per_node 4 -m runtime.verify --ep 2 cfg.yaml [--steps 3]
+    torchrun --nproc_per_node 4 -m runtime.verify --ep 2 cfg.yaml [--steps 3] [--exact]
 
 runs K optimizer steps with the requested parallelism, then (on rank 0) the same K steps of the same
 config in one process over the same global batch, and prints per-step loss, grad-norm and per-tensor
@@ -16,6 +16,11 @@ the distributed run is no further from that fp32 run than twice the one-process 
 criterion of FlashAttention's tests): a tensor whose bf16 rounding alone moves it by 5% may differ by
 that much between two bf16 runs. Calibration is dropped when the fp32 run's first loss disagrees with
 the bf16 reference's (then it is not the same model).
+
+`--exact` checks the parallelism alone on GPUs: both runs in IEEE fp32 without autocast, on EXACT_MODEL's
+implementations, judged by the fp32 tolerances. A bf16 FAIL that passes with --exact is the kernels'
+rounding (or a kernel's defect under parallelism: its GPU tests say which), not the sharding, the token
+exchange or the state passing of context parallelism.
 """
 
 from __future__ import annotations
@@ -77,19 +82,33 @@ def record_run(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | N
     return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g} for r, g in zip(records, grads)]
 
 
+def exact_config(cfg: Config) -> Config:
+    """cfg on EXACT_MODEL's implementations with fp32 parameters and masters."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update=EXACT_MODEL),
+                                  "optim": cfg.optim.model_copy(update={"master_dtype": "fp32"})})
+
+
+def ieee_fp32() -> None:
+    """fp32 matmuls and convolutions in IEEE fp32 on CUDA (cuDNN's convolutions default to TF32)."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:  # a torch before the fp32_precision API
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def reference_run(cfg: Config, dims: ParallelDims, steps: int, device: torch.device,
                   exact: bool = False) -> list[dict]:
     """The same global batch in one process: micro-batch x dp_world, no parallelism; `exact`: in fp32
     without autocast, on EXACT_MODEL's implementations."""
     with tempfile.TemporaryDirectory() as out:
-        ref = _verification_config(cfg, steps, out, dp_replicate=1, dp_shard=1, cp=1, ep=1)
-        update = {"train": ref.train.model_copy(
-            update={"micro_batch_size": cfg.train.micro_batch_size * dims.dp_world})}
-        if exact:
-            update["model"] = ref.model.model_copy(update=EXACT_MODEL)
-            update["optim"] = ref.optim.model_copy(update={"master_dtype": "fp32"})
-        return record_run(ref.model_copy(update=update), DistEnv(0, 1, 0, device), ParallelDims(1, 1, 1, 1, 1),
-                          None, autocast=not exact)
+        ref = _verification_config(exact_config(cfg) if exact else cfg, steps, out,
+                                   dp_replicate=1, dp_shard=1, cp=1, ep=1)
+        ref = ref.model_copy(update={"train": ref.train.model_copy(
+            update={"micro_batch_size": cfg.train.micro_batch_size * dims.dp_world})})
+        return record_run(ref, DistEnv(0, 1, 0, device), ParallelDims(1, 1, 1, 1, 1), None, autocast=not exact)
 
 
 def _rel(a, b) -> float:
@@ -169,16 +188,20 @@ def verify(argv: list[str]) -> int:
 
     extra = CliParser(prog="python -m runtime.verify", add_help=False)
     extra.add_argument("--steps", type=int, default=3)
+    extra.add_argument("--exact", action="store_true")
     known, rest = extra.parse_known_args(argv)
     _, cfg, dims = prepare(rest)
+    cfg = exact_config(cfg) if known.exact else cfg
+    ieee_fp32()
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
     meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None
     with tempfile.TemporaryDirectory() as out:
-        dist_steps = record_run(_verification_config(cfg, known.steps, out), env, dims, meshes)
+        dist_steps = record_run(_verification_config(cfg, known.steps, out), env, dims, meshes,
+                                autocast=not known.exact)
     ok = True
     if env.is_main:
-        ref_steps = reference_run(cfg, dims, known.steps, env.device)
-        dtype = "bfloat16" if env.device.type == "cuda" else "float32"
+        ref_steps = reference_run(cfg, dims, known.steps, env.device, exact=known.exact)
+        dtype = "bfloat16" if env.device.type == "cuda" and not known.exact else "float32"
         exact_steps, note = (exact_reference(cfg, dims, known.steps, env.device, ref_steps) if dtype == "bfloat16"
                              else (None, ""))
         ok, lines = compare(dist_steps, ref_steps, dtype, exact_steps)

@@ -33,15 +33,16 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
         block.wire(dispatcher, balance_group, aux_grad_scale=1.0 / cfg.train.grad_accum_steps)
 
 
-def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> QwenForCausalLM:
+def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
+                autocast: bool = True) -> QwenForCausalLM:
     """MoE wiring (EP dispatcher with meshes), context parallelism (cp > 1), activation checkpointing,
     compile, FSDP2 (with meshes), in the order they compose: compile wraps the checkpointed blocks, FSDP
-    wraps the compiled ones."""
+    wraps the compiled ones. `autocast`: the step computes in bf16 on CUDA (FSDP gathers bf16 parameters)."""
     wire_moe_blocks(model, dims, meshes, cfg)
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
-        apply_fsdp(model, meshes, meshes.world.device_type)
+        apply_fsdp(model, meshes, meshes.world.device_type, autocast)
     return model

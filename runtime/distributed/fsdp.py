@@ -18,8 +18,10 @@ from runtime.distributed.mesh import Meshes
 from runtime.models.qwen import QwenForCausalLM
 
 
-def _mp_policy(device_type: str) -> MixedPrecisionPolicy:
-    if device_type == "cuda":
+def _mp_policy(device_type: str, autocast: bool = True) -> MixedPrecisionPolicy:
+    """bf16 parameter gathers with fp32 reductions when training autocasts on CUDA; else the parameters'
+    own dtype (the CPU, and runtime.verify's fp32 runs on CUDA)."""
+    if device_type == "cuda" and autocast:
         # Inputs arrive in bf16 already (the embedding's output); a cast would rebuild every dataclass argument,
         # the per-batch AttnMeta and its CPShard (whose derived fields dataclasses.replace refuses), per block.
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -27,8 +29,8 @@ def _mp_policy(device_type: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str) -> None:
-    mp = _mp_policy(device_type)
+def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True) -> None:
+    mp = _mp_policy(device_type, autocast)
     fsdp_modules = []
     expert_parallel = meshes.experts["ep"].size() > 1
     for block in model.model.layers.values():
