@@ -10,6 +10,7 @@
 #               and LoRA: tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
+#               (SCALING_EPS="2 4": those only)
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
 #   profile     the throughput model, LoRA and full, ep=N, 8 steps with step 6 traced (profiling.steps): rank 0's
 #               summary (wall, device kernel share, host syncs) and top ops; traces under $OUT/profile-*/profile
@@ -92,7 +93,7 @@ if [[ $parts == *throughput* ]]; then
     --set parallelism.activation_checkpoint=none
 fi
 if [[ $parts == *scaling* ]]; then
-  for ep in 1 2 4 8; do
+  for ep in ${SCALING_EPS:-1 2 4 8}; do
     [ "$ep" -le "$N" ] && train_run "scaling-ep$ep" "$ep" --ep "$ep" --set model.num_layers_override=8
   done
 fi

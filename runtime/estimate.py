@@ -121,8 +121,9 @@ def ep_visits(num_experts_per_tok: int, ep: int) -> float:
 @dataclass(frozen=True)
 class Count:
     """Bytes per token a block keeps for backward: under plain autograd (`kept`); the outputs of its matmuls
-    and attention kernel, which selective checkpointing caches (`matmuls`); what autograd nodes hold on their
-    ctx, outside the saved tensors that checkpointing replaces, so in every mode (`held`, part of `kept`)."""
+    and attention kernel (under EP also of its token exchange), which selective checkpointing caches
+    (`matmuls`); what autograd nodes hold on their ctx, outside the saved tensors that checkpointing
+    replaces, so in every mode (`held`, part of `kept`)."""
     kept: float = 0
     matmuls: float = 0
     held: float = 0
@@ -214,12 +215,15 @@ def _moe(run: Run, records: bool) -> tuple[Count, bool]:
     sizes them, not the received rows' M*k): gate_up [2I] and the weighted SwiGLU [I] in the compute dtype,
     LoRA's two rank-sized products; per received slot (-1 ones included): the slot maps and the expert ids
     (these on ctx: kept in every mode). Under EP: the received rows in the compute dtype and each sent row's
-    source token."""
+    source token; selective checkpointing also keeps the exchange's outputs (received rows, weights and ids,
+    and the partial sums combine brings back) rather than exchange again in backward."""
     q, c, s = run.q, run.p.compute, run.p.stream
     E, k, I, H = q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.hidden_size
     Is, v, lora = q.shared_expert_intermediate_size, run.visits, run.adapters(["experts"])
     router = records or run.full  # the router and the shared expert record when their input needs a gradient
     matmuls = c * E + (c * (2 * Is + H) + c if Is else 0)
+    if run.ep > 1:
+        matmuls += run.visits * (s * H + s * k + INDEX * k + c * H)
     if not (router or lora):
         return Count(matmuls=matmuls), False
     held = k * v * (SLOT_MAPS + INDEX)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
 
@@ -39,10 +40,10 @@ class AllToAllRouted(Routed):
     num_tokens: int        # T of this rank, the length of combine's output
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+def _all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
+    """The functional all_to_all (an op that returns its output): selective activation checkpointing can keep
+    it instead of exchanging again when it recomputes the block (runtime.distributed.activation_checkpoint)."""
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
 class _DispatchAllToAll(torch.autograd.Function):
@@ -135,8 +136,7 @@ class AllToAllDispatcher(Dispatcher):
         """(rows sent to each rank, rows received from each, valid slots received in all) from the rows and
         valid slots this rank sends to each rank, in one all_to_all of [R, 2] counts."""
         send_R2 = torch.stack([rows_R, slots_R], dim=1)
-        recv_R2 = torch.empty_like(send_R2)
-        dist.all_to_all_single(recv_R2, send_R2, group=self.group)
+        recv_R2 = _all_to_all(send_R2, None, None, self.group)
         # The one host-device sync of EP: the uneven all_to_alls need their split sizes on the host.
         send, recv = torch.stack([send_R2, recv_R2]).tolist()
         return [rows for rows, _ in send], [rows for rows, _ in recv], sum(slots for _, slots in recv)

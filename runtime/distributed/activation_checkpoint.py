@@ -1,5 +1,12 @@
 """Activation checkpointing of decoder blocks: full (recompute everything) or selective (keep matmul
-and attention outputs, recompute the rest). Blocks call their `checkpoint_fn` around their body."""
+and attention outputs, the MoE layers' collectives and host copies; recompute the rest). Blocks call their
+`checkpoint_fn` around their body.
+
+Selective keeps what recomputing would make the step wait for: the EP token exchange and the balance loss's
+all-reduce (functional collectives over the groups parallelize names) and device-to-host copies (the EP
+split sizes' `.tolist()`), so backward neither exchanges tokens again nor syncs the host. Context
+parallelism's exchanges run over the cp group and are recomputed: keeping them would hold whole-row K/V
+per layer, the memory cp exists to split."""
 
 from __future__ import annotations
 
@@ -36,19 +43,32 @@ torch.utils.checkpoint.SAC_IGNORED_OPS |= _ops("profiler::_record_function_enter
                                                "profiler::_record_function_exit")
 
 
-def _selective_policy(save: frozenset, ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+_COLLECTIVE_OPS = ("_c10d_functional::all_to_all_single", "_c10d_functional::all_reduce")
 
 
-def checkpoint_fn(mode: str):
-    """A `(fn, *args) -> out` that recomputes fn in backward: all of it (full) or all but its matmuls
-    and attention (selective)."""
+def _host_copy(op, args, kwargs) -> bool:
+    """A device-to-host copy (`.tolist()`, `.cpu()`): recomputing it would sync the host again."""
+    device = kwargs.get("device")
+    return (op is torch.ops.aten._to_copy.default and device is not None and torch.device(device).type == "cpu"
+            and args[0].device.type != "cpu")
+
+
+def _selective_policy(save: frozenset, collectives: frozenset, keep_groups: frozenset, ctx, op, *args, **kwargs):
+    keep = (op in save or _host_copy(op, args, kwargs)
+            or (op in collectives and kwargs.get("group_name", args[-1]) in keep_groups))
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_fn(mode: str, keep_groups: frozenset = frozenset()):
+    """A `(fn, *args) -> out` that recomputes fn in backward: all of it (full) or all but its matmuls,
+    attention, host copies and its collectives over the groups named in `keep_groups` (selective)."""
     if mode == "full":
         return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
 
     # partials, not lambdas: torch.compile traces checkpoint only with a global or partial context_fn.
     # The ops are looked up now, after the model's layers have imported their kernels.
-    policy = functools.partial(_selective_policy, frozenset(_ops(*_SAVE_OPS)))
+    policy = functools.partial(_selective_policy, frozenset(_ops(*_SAVE_OPS)), frozenset(_ops(*_COLLECTIVE_OPS)),
+                               keep_groups)
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
 
     def selective(fn, *args):
@@ -56,8 +76,9 @@ def checkpoint_fn(mode: str):
     return selective
 
 
-def apply_activation_checkpointing(model: QwenForCausalLM, mode: str) -> None:
+def apply_activation_checkpointing(model: QwenForCausalLM, mode: str, keep_groups: frozenset = frozenset()) -> None:
+    """`keep_groups`: the names of the process groups whose collectives selective checkpointing keeps."""
     if mode == "none":
         return
     for block in model.model.layers.values():
-        block.checkpoint_fn = checkpoint_fn(mode)
+        block.checkpoint_fn = checkpoint_fn(mode, keep_groups)

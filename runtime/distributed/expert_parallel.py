@@ -21,16 +21,18 @@ from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
 
 
-def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> None:
+def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config) -> frozenset:
     """Every MoE block's distributed wiring, in one step: the dispatcher of parallelism.dispatcher over
     the EP group (the local identity with ep 1), the balance loss over the global micro-batch (every
     rank's tokens, data and context shards alike, with meshes), its gradient weighed by the
-    micro-batches per step (so a step's balance loss is their mean)."""
+    micro-batches per step (so a step's balance loss is their mean). Returns the names of the groups
+    the MoE blocks' collectives run over."""
     ep_group = meshes.ep_group if meshes is not None and dims.ep > 1 else None
     dispatcher = build_dispatcher(cfg.parallelism.dispatcher, ep_group, model.config.num_experts)
     balance_group = dist.group.WORLD if meshes is not None else None
     for block in model.moe_blocks():
         block.wire(dispatcher, balance_group, aux_grad_scale=1.0 / cfg.train.grad_accum_steps)
+    return frozenset(g.group_name for g in (ep_group, balance_group) if g is not None)
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
@@ -38,9 +40,9 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     """MoE wiring (EP dispatcher with meshes), context parallelism (cp > 1), activation checkpointing,
     compile, FSDP2 (with meshes), in the order they compose: compile wraps the checkpointed blocks, FSDP
     wraps the compiled ones. `autocast`: the step computes in bf16 on CUDA (FSDP gathers bf16 parameters)."""
-    wire_moe_blocks(model, dims, meshes, cfg)
+    moe_groups = wire_moe_blocks(model, dims, meshes, cfg)
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
-    apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint)
+    apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint, keep_groups=moe_groups)
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
