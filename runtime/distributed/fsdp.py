@@ -7,6 +7,7 @@ Every FSDP reduction is a plain sum: the loss is already normalized by the globa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -29,8 +30,15 @@ def _mp_policy(device_type: str, autocast: bool = True) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def _expert_mp_policy(mp: MixedPrecisionPolicy, expert_fsdp_size: int) -> MixedPrecisionPolicy:
+    """The experts' policy: with one rank on their FSDP mesh nothing is reduced, so no fp32 copy of every
+    expert gradient is made for a reduction that does not happen (FSDP copies into the reduce dtype anyway)."""
+    return dataclasses.replace(mp, reduce_dtype=None) if expert_fsdp_size == 1 else mp
+
+
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True) -> None:
     mp = _mp_policy(device_type, autocast)
+    expert_mp = _expert_mp_policy(mp, meshes.expert_fsdp.size())
     fsdp_modules = []
     expert_parallel = meshes.experts["ep"].size() > 1
     for block in model.model.layers.values():
@@ -38,7 +46,7 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocas
         # Under EP the experts shard over their own mesh; otherwise they join the block's unit (a
         # nested unit's hooks would also land inside a compiled block forward).
         if experts is not None and expert_parallel:
-            fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=mp))
+            fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))
         fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp))
     fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
     for module in fsdp_modules:
