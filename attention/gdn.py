@@ -294,13 +294,17 @@ def delta_rule_state_maps(ops, q_nPHK, k_nPHK, v_nPHV, g_nPH, beta_nPH, docs, co
 def with_incoming_state(o_nPHW: torch.Tensor, state_in_nHKV: torch.Tensor) -> torch.Tensor:
     """o = o0 + o_I S_in (fp32) from delta_rule_state_maps' outputs and the pieces' incoming states."""
     V = state_in_nHKV.shape[-1]
-    return o_nPHW[..., :V].float() + torch.einsum("nphk,nhkv->nphv", o_nPHW[..., V:].float(), state_in_nHKV)
+    with torch.autocast(o_nPHW.device.type, enabled=False):  # autocast would run the product in bf16
+        return o_nPHW[..., :V].float() + torch.einsum("nphk,nhkv->nphv", o_nPHW[..., V:].float(),
+                                                      state_in_nHKV.float())
 
 
 def incoming_states(maps_pBHKW: torch.Tensor, value_dim: int, pieces: tuple[int, ...]) -> torch.Tensor:
-    """The states entering `pieces` [len(pieces), B, HV, K, V], from every piece's state map [S0_end | P]
-    [2*cp, B, HV, K, V+K] in row order: S_in(0) = 0, S_in(p+1) = S0_end(p) + P(p) S_in(p)."""
+    """The states entering `pieces` [len(pieces), B, HV, K, V] (fp32), from every piece's state map
+    [S0_end | P] [2*cp, B, HV, K, V+K] in row order: S_in(0) = 0, S_in(p+1) = S0_end(p) + P(p) S_in(p)."""
+    maps_pBHKW = maps_pBHKW.float()
     states = [maps_pBHKW.new_zeros(*maps_pBHKW.shape[1:-1], value_dim)]
-    for p in range(max(pieces)):
-        states.append(maps_pBHKW[p, ..., :value_dim] + maps_pBHKW[p, ..., value_dim:] @ states[-1])
+    with torch.autocast(maps_pBHKW.device.type, enabled=False):  # the chain of products rounds at each piece in bf16
+        for p in range(max(pieces)):
+            states.append(maps_pBHKW[p, ..., :value_dim] + maps_pBHKW[p, ..., value_dim:] @ states[-1])
     return torch.stack([states[p] for p in pieces])

@@ -207,3 +207,20 @@ def test_piece_documents_match_the_whole_rows(S, cp, back):
             expected_continues.append(not starts_BS[b][p * P])
         assert cu == [*expected_cu, len(expected_continues) * (P + back)]
         assert continues == expected_continues
+
+
+def test_state_composition_stays_fp32_under_autocast():
+    """o = o0 + o_I S_in and the chain of state maps are fp32 products also inside the training step's bf16
+    autocast (which would otherwise round every product to bf16, compounding over the pieces)."""
+    from attention.gdn import incoming_states, with_incoming_state
+
+    g = torch.Generator().manual_seed(0)
+    maps = torch.randn(4, 1, 2, 8, 6 + 8, generator=g) * 0.3
+    o = torch.randn(2, 5, 2, 6 + 8, generator=g)
+    exact_states = incoming_states(maps, 6, (1, 3))
+    exact_o = with_incoming_state(o, exact_states[:, 0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        states = incoming_states(maps, 6, (1, 3))
+        out = with_incoming_state(o, states[:, 0])
+    assert states.dtype == out.dtype == torch.float32
+    assert torch.equal(states, exact_states) and torch.equal(out, exact_o)
