@@ -37,8 +37,8 @@ fp32 operands: every Triton dot runs in IEEE fp32 unless torch allows TF32 for f
 (moe/kernels/precision.py); torch._grouped_mm is used for bf16 only (cutlass_ok), never for fp32.
 FP4-packed base weights (quant.FP4Weight, frozen) enter as moe.kernels.fp4.PackedWeight views, and no dW is
 computed for them. Every GEMM that reads them (gate_up, down, g, dx; the backward reads the transposed view)
-takes one of two paths (grouped_linear._weight_launch): MOE_FP4_PATH=fused (the default, the path validated on
-GPUs), chunked, or measured (per GEMM and weight shape like CUTLASS vs ours, tuning.faster):
+takes one of two paths (grouped_linear._weight_launch): MOE_FP4_PATH=fused (the default, faster on GPUs),
+chunked, or measured (per GEMM and weight shape like CUTLASS vs ours, tuning.faster):
     fused    the weight tiles are decoded in registers in the K loop: no dequantized weight anywhere, but every
              row block of an expert decodes its tiles again (ALU-bound at Qwen3-30B-A3B shapes)
     chunked  the experts in chunks (about MOE_FP4_CHUNK_MB of the compute dtype, default 48: L2-sized): the

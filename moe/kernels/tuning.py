@@ -110,9 +110,9 @@ if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
 
 # A packed weight read chunk by chunk: each chunk's experts are dequantized into one reused buffer, which the
 # dense kernel then reads while it is still in L2 (50 MB on an H100 / H200): 48 MB is 8 experts of
-# Qwen3-30B-A3B's gate_up in bf16, 16 of its down. Whether that beats the decode in the K loop is measured
-# per weight with MOE_FP4_PATH=measured (benchmarks/gpu_fp4.sh chunked). The default stays "fused", the path
-# checked on GPUs, until the chunked kernels have passed their GPU tests (docs/validation.md).
+# Qwen3-30B-A3B's gate_up in bf16, 16 of its down. It passes its GPU tests but is slower than the decode in
+# the K loop at every chunk size measured (docs/benchmarks.md, FP4), so "fused" is the default;
+# MOE_FP4_PATH=measured times both per weight (benchmarks/gpu_fp4.sh chunked).
 FP4_PATHS = ("fused", "chunked")
 FP4_PATH = os.environ.get("MOE_FP4_PATH", "fused")
 if FP4_PATH not in (*FP4_PATHS, "measured"):
