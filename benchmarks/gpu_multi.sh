@@ -10,7 +10,7 @@
 #               selective AC) and LoRA (no AC): tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
-#               (SCALING_EPS="2 4": those only)
+#               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with)
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
 #   profile     the throughput model, LoRA and full, ep=N, 8 steps with step 6 traced (profiling.steps): rank 0's
 #               summary (wall, device kernel share, host syncs) and top ops; traces under $OUT/profile-*/profile
@@ -96,7 +96,8 @@ if [[ $parts == *throughput* ]]; then
 fi
 if [[ $parts == *scaling* ]]; then
   for ep in ${SCALING_EPS:-1 2 4 8}; do
-    [ "$ep" -le "$N" ] && train_run "scaling-ep$ep" "$ep" --ep "$ep" --set model.num_layers_override=8
+    [ "$ep" -le "$N" ] && train_run "scaling-ep$ep" "$ep" --ep "$ep" --set model.num_layers_override=8 \
+      --set "parallelism.activation_checkpoint=${SCALING_AC:-none}"
   done
 fi
 if [[ $parts == *bandwidth* ]]; then
