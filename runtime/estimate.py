@@ -311,11 +311,15 @@ def expert_backward_buffers(run: Run, tokens: int) -> float:
     return tokens * c * per_token
 
 
-def _recomputed_block(run: Run, tokens: int, model: QwenForCausalLM, copies: bool) -> int:
-    """Checkpointing recomputes one block in backward with everything plain autograd keeps (selective reuses
-    its cached matmul outputs: an upper bound there), with its `copies` of fp32 weights (autocast's cache is
-    gone by then: each recomputation casts its block's weights again, the experts' too)."""
-    kept = tokens * max(count.kept for count in blocks(run))
+def _recomputed_block(run: Run, tokens: int, model: QwenForCausalLM, copies: bool, mode: str) -> int:
+    """Checkpointing recomputes one block at a time in backward: the largest block's recomputation adds what
+    plain autograd keeps for it, less what selective checkpointing cached in forward (its matmul, attention and
+    exchange outputs, already among the activations), with its `copies` of fp32 weights (autocast's cache is
+    gone by then: each recomputation casts its block's weights again, the experts' too). An upper bound: the
+    last block, recomputed first, may be smaller, and by the time a larger one is recomputed the blocks after it
+    have released their activations (while their gradients have grown, which this does not count)."""
+    cached = mode == "selective"
+    kept = tokens * max(max(0.0, count.kept - (count.matmuls if cached else 0)) for count in blocks(run))
     if copies:
         kept += run.p.compute * max(sum(p.numel() for p in block.parameters() if p.requires_grad)
                                     for block in model.model.layers.values())
@@ -455,7 +459,7 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     if qcfg.num_experts:
         start["expert backward buffers"] = end["expert backward buffers"] = int(expert_backward_buffers(run, tokens))
     if mode != "none":
-        start["recomputed block"] = _recomputed_block(run, tokens, model, copies)
+        start["recomputed block"] = _recomputed_block(run, tokens, model, copies, mode)
     if cfg.parallelism.cp > 1 and cfg.parallelism.cp_attention == "allgather":
         varlen = cuda and cfg.model.attn_backend != "sdpa"  # auto and flash take the varlen kernel on CUDA
         start["cp gathered K/V"] = forward["cp gathered K/V"] = _allgather_kv(run, tokens, dims.cp, mode, varlen)
