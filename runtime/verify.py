@@ -88,6 +88,16 @@ def exact_config(cfg: Config) -> Config:
                                   "optim": cfg.optim.model_copy(update={"master_dtype": "fp32"})})
 
 
+def check_exact(cfg: Config) -> None:
+    """--exact judges at fp32 bounds: refused (before any collective) where a chosen part computes in bf16."""
+    from runtime.config import ConfigError
+
+    if cfg.parallelism.dispatcher == "deepep":
+        raise ConfigError("runtime.verify --exact: parallelism.dispatcher deepep combines in bf16 (DeepEP's combine "
+                          "kernels), which fp32 bounds would fail; run --exact with dispatcher all_to_all, or verify "
+                          "deepep without --exact (bf16 bounds)")
+
+
 def ieee_fp32() -> None:
     """fp32 matmuls and convolutions in IEEE fp32 on CUDA (cuDNN's convolutions default to TF32)."""
     conv = getattr(torch.backends.cudnn, "conv", None)
@@ -191,7 +201,9 @@ def verify(argv: list[str]) -> int:
     extra.add_argument("--exact", action="store_true")
     known, rest = extra.parse_known_args(argv)
     _, cfg, dims = prepare(rest)
-    cfg = exact_config(cfg) if known.exact else cfg
+    if known.exact:
+        check_exact(cfg)
+        cfg = exact_config(cfg)
     ieee_fp32()
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
     meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None

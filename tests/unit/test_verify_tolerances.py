@@ -82,3 +82,19 @@ def test_exact_mode_runs_both_sides_in_fp32_on_the_plain_kernels():
     assert {k: getattr(cfg.model, k) for k in EXACT_MODEL} == EXACT_MODEL
     assert cfg.optim.master_dtype == "fp32"
 
+
+
+def test_exact_mode_refuses_a_dispatcher_that_combines_in_bf16():
+    from pathlib import Path
+
+    import pytest
+
+    from runtime.config import ConfigError, load_config
+    from runtime.verify import check_exact
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml", {})
+    check_exact(cfg)
+    # (the config's own validation refuses deepep where deep_ep is not installed, as here)
+    deepep = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"dispatcher": "deepep"})})
+    with pytest.raises(ConfigError, match="dispatcher deepep combines in bf16.*all_to_all"):
+        check_exact(deepep)
