@@ -8,9 +8,9 @@ For every traced step, every rank writes under <output_dir>/profile/:
     step{N}_rank{R}.json.gz   a Chrome trace (chrome://tracing, Perfetto)
     step{N}_rank{R}.txt       the summary line, then the top ops by device self time (CPU self time off CUDA)
 and rank 0 logs the summary line: the step's wall time, the time the device spent in kernels (a share of the
-wall: a low share means the step waits on the host or on other ranks), and the host syncs (`.item()`, stream
-and device synchronizations, device-to-host copies), where an expert-parallel step blocks on each layer's
-token exchange sizes.
+wall, summed over streams: a low share means the step waits on the host or on other ranks), and the host
+syncs (stream and device synchronizations: `.item()`, `.tolist()` of device tensors), where an expert-parallel
+step blocks on each layer's token exchange sizes.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 log = logging.getLogger("runtime")
 
-# CPU-side ops that block the host until the device catches up.
-HOST_SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-                 "cudaEventSynchronize", "cudaMemcpy")
+# CUDA runtime calls that block the host until the device catches up: a device-to-host copy (`.item()`,
+# `.tolist()`) is an async copy and a stream synchronization, so it counts once, by the latter. Not counted:
+# cudaMemcpyAsync alone (host-to-device and device-to-device copies do not wait), `.item()` of CPU tensors.
+HOST_SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 
 
 class StepProfiler:
@@ -66,12 +68,14 @@ class StepProfiler:
 
 def summary_line(averages, step: int, wall_ms: float, cuda: bool) -> str:
     """One line: wall, device kernel time and its share, host syncs (count, CPU ms)."""
-    syncs = [a for a in averages if a.key.startswith(HOST_SYNC_OPS)]
+    syncs = [a for a in averages if a.key in HOST_SYNC_CALLS]
     sync_count = sum(a.count for a in syncs)
     sync_ms = sum(a.cpu_time_total for a in syncs) / 1e3
     parts = [f"profile step {step}: wall {wall_ms:.1f} ms"]
     if cuda:
-        kernel_ms = sum(a.self_device_time_total for a in averages) / 1e3
+        # the device's own events, as torch's table totals them: a CPU op's device time is its kernels' again
+        kernel_ms = sum(a.self_device_time_total for a in averages
+                        if a.device_type == DeviceType.CUDA and not a.is_user_annotation) / 1e3
         parts.append(f"device kernels {kernel_ms:.1f} ms ({kernel_ms / wall_ms:.0%} of wall)")
     parts.append(f"host syncs {sync_count} ({sync_ms:.1f} ms CPU)")
     return ", ".join(parts)

@@ -117,6 +117,29 @@ def test_profiled_step_writes_trace_and_summary(tmp_path, caplog):
     assert any(r.getMessage().startswith(summary) for r in caplog.records)
 
 
+def test_profile_summary_counts_device_events_and_blocking_calls_once():
+    """The summary's kernel time sums the device's own events (not again the CPU ops that launched them, nor GPU
+    ranges); its host syncs are the blocking CUDA calls (not async copies, not `.item()` of CPU tensors)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from runtime.profiling import summary_line
+
+    def avg(key, device, count=1, cpu_us=0.0, device_us=0.0, annotation=False):
+        return SimpleNamespace(key=key, count=count, cpu_time_total=cpu_us, self_device_time_total=device_us,
+                               device_type=device, is_user_annotation=annotation)
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    averages = [avg("aten::mm", cpu, device_us=4000), avg("nvjet_gemm", cuda, device_us=4000),
+                avg("record_param_comms", cpu, device_us=3000), avg("ncclDevKernel_SendRecv", cuda, device_us=3000),
+                avg("nccl:all_to_all", cuda, device_us=3000, annotation=True),
+                avg("cudaStreamSynchronize", cpu, count=8, cpu_us=2000), avg("cudaMemcpyAsync", cpu, count=150),
+                avg("aten::_local_scalar_dense", cpu, count=300, cpu_us=900)]
+    line = summary_line(averages, step=6, wall_ms=10.0, cuda=True)
+    assert line == "profile step 6: wall 10.0 ms, device kernels 7.0 ms (70% of wall), host syncs 8 (2.0 ms CPU)"
+
+
 def test_profiling_steps_outside_the_run_are_refused(tmp_path):
     with pytest.raises(Exception, match=r"profiling.steps \[5\] are not steps of this run"):
         run([str(EXAMPLE), "--max-steps", "3", "--output-dir", str(tmp_path), "--set", "optim.warmup_steps=1",
