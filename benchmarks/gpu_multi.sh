@@ -106,7 +106,8 @@ if [[ $parts == *bandwidth* ]]; then
 fi
 if [[ $parts == *profile* ]]; then
   traced=(--set "profiling.steps=[6]" --set train.max_steps=8)
-  train_run "profile-lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32 "${traced[@]}"
+  train_run "profile-lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32 \
+    --set parallelism.activation_checkpoint=none "${traced[@]}"
   train_run "profile-full-ep$N" "$N" --ep "$N" "${traced[@]}"
   for run in lora full; do
     head -n 32 "$OUT/profile-$run-ep$N/profile/step6_rank0.txt" 2>/dev/null | cut -c1-160
