@@ -31,7 +31,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from runtime.config import Config
+from runtime.config import Config, ConfigError
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv
 
@@ -90,8 +90,6 @@ def exact_config(cfg: Config) -> Config:
 
 def check_exact(cfg: Config) -> None:
     """--exact judges at fp32 bounds: refused (before any collective) where a chosen part computes in bf16."""
-    from runtime.config import ConfigError
-
     if cfg.parallelism.dispatcher == "deepep":
         raise ConfigError("runtime.verify --exact: parallelism.dispatcher deepep combines in bf16 (DeepEP's combine "
                           "kernels), which fp32 bounds would fail; run --exact with dispatcher all_to_all, or verify "

@@ -46,15 +46,17 @@ torch.utils.checkpoint.SAC_IGNORED_OPS |= _ops("profiler::_record_function_enter
 _COLLECTIVE_OPS = ("_c10d_functional::all_to_all_single", "_c10d_functional::all_reduce")
 
 
-def _host_copy(op, args, kwargs) -> bool:
-    """A device-to-host copy (`.tolist()`, `.cpu()`): recomputing it would sync the host again."""
+_TO_COPY = torch.ops.aten._to_copy.default  # looked up once: the policy runs for every op of a checkpointed block
+
+
+def _host_copy(args, kwargs) -> bool:
+    """Whether a _to_copy is device-to-host (`.tolist()`, `.cpu()`): recomputing it would sync the host again."""
     device = kwargs.get("device")
-    return (op is torch.ops.aten._to_copy.default and device is not None and torch.device(device).type == "cpu"
-            and args[0].device.type != "cpu")
+    return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
 
 
 def _selective_policy(save: frozenset, collectives: frozenset, keep_groups: frozenset, ctx, op, *args, **kwargs):
-    keep = (op in save or _host_copy(op, args, kwargs)
+    keep = (op in save or (op is _TO_COPY and _host_copy(args, kwargs))
             or (op in collectives and kwargs.get("group_name", args[-1]) in keep_groups))
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
