@@ -12,10 +12,12 @@
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
 #               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with)
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
-#   profile     the throughput model, LoRA and full, ep=N, 8 steps with step 6 traced (profiling.steps): rank 0's
-#               summary (wall, device kernel share, host syncs) and top ops; traces under $OUT/profile-*/profile
-#   hostbound   issue 17 item 6 under EP: the same model at 8 layers, LoRA, ep=N, eager / compiled / compiled
-#               with inductor's CUDA graphs (the regions of static shape around the token exchange)
+#   profile     the model at 8 layers, full fine-tune, no checkpointing, ep=1 and ep=N, step 6 traced
+#               (profiling.steps): rank 0's summary (wall, kernel share, host syncs, the compute stream's idle
+#               gaps by cause: runtime.timeline) and top ops; traces under $OUT/profile-*/profile
+#   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
+#               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
+#               (the regions of static shape around the token exchange)
 # Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
 source benchmarks/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
@@ -105,21 +107,30 @@ if [[ $parts == *bandwidth* ]]; then
   summary+=("bench_ep: $(tail -n 3 "$OUT/bench_ep.log" | tr '\n' ' ')")
 fi
 if [[ $parts == *profile* ]]; then
-  traced=(--set "profiling.steps=[6]" --set train.max_steps=8)
-  train_run "profile-lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32 \
-    --set parallelism.activation_checkpoint=none "${traced[@]}"
-  train_run "profile-full-ep$N" "$N" --ep "$N" "${traced[@]}"
-  for run in lora full; do
-    head -n 32 "$OUT/profile-$run-ep$N/profile/step6_rank0.txt" 2>/dev/null | cut -c1-160
+  # the 8-layer model, full fine-tune, no checkpointing, at ep=1 and ep=N: where the ep=N step loses its time
+  traced=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set "profiling.steps=[6]"
+          --set train.max_steps=8)
+  train_run profile-full8-ep1 1 --ep 1 "${traced[@]}"
+  train_run "profile-full8-ep$N" "$N" --ep "$N" "${traced[@]}"
+  mkdir -p /tmp/traces
+  for run in ep1 "ep$N"; do
+    head -n 16 "$OUT/profile-full8-$run/profile/step6_rank0.txt" 2>/dev/null | cut -c1-200
+    cp "$OUT/profile-full8-$run/profile/step6_rank0.json.gz" "/tmp/traces/trace-full8-$run.json.gz" 2>/dev/null
   done
 fi
 if [[ $parts == *hostbound* ]]; then
-  eight=(--ep "$N" --set model.num_layers_override=8 --set lora.enabled=true --set optim.master_dtype=fp32)
-  train_run "lora8-ep$N-eager" "$N" "${eight[@]}"
-  train_run "lora8-ep$N-compiled" "$N" "${eight[@]}" --set compile.enabled=true
-  train_run "lora8-ep$N-cudagraphs" "$N" "${eight[@]}" --set compile.enabled=true \
-    --set "compile.inductor_options={triton.cudagraphs: true}"
+  eight=(--ep "$N" --set model.num_layers_override=8 --set parallelism.activation_checkpoint=none)
+  lora=(--set lora.enabled=true --set optim.master_dtype=fp32)
+  for mode in ${HOSTBOUND_MODES:-full lora}; do
+    extra=()
+    [ "$mode" = lora ] && extra=("${lora[@]}")
+    train_run "${mode}8-ep$N-eager" "$N" "${eight[@]}" "${extra[@]}"
+    train_run "${mode}8-ep$N-compiled" "$N" "${eight[@]}" "${extra[@]}" --set compile.enabled=true
+  done
+  [ -n "${HOSTBOUND_GRAPHS:-}" ] && train_run "lora8-ep$N-cudagraphs" "$N" "${eight[@]}" "${lora[@]}" \
+    --set compile.enabled=true --set "compile.inductor_options={triton.cudagraphs: true}"
 fi
 echo "== summary ($N GPUs)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 pack_out "gpu_multi_${parts// /_}"
+mv /tmp/traces/* "$OUT/" 2>/dev/null  # rank 0's traces of `profile`, beside the archive (pack_out keeps small files)

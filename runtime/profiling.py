@@ -6,7 +6,8 @@
 
 For every traced step, every rank writes under <output_dir>/profile/:
     step{N}_rank{R}.json.gz   a Chrome trace (chrome://tracing, Perfetto)
-    step{N}_rank{R}.txt       the summary line, then the top ops by device self time (CPU self time off CUDA)
+    step{N}_rank{R}.txt       the summary line, on a GPU where the compute stream waited (runtime.timeline), then
+                              the top ops by device self time (CPU self time off CUDA)
 and rank 0 logs the summary line: the step's wall time, the time the device spent in kernels (a share of the
 wall, summed over streams: a low share means the step waits on the host or on other ranks), and the host
 syncs (stream and device synchronizations: `.item()`, `.tolist()` of device tensors), where an expert-parallel
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from runtime import timeline
 
 log = logging.getLogger("runtime")
 
@@ -60,10 +63,13 @@ class StepProfiler:
         line = summary_line(averages, step, wall_ms, cuda)
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = averages.table(sort_by=sort_by, row_limit=self.top)
-        stem.with_suffix(".txt").write_text(f"{line}\n\n{table}\n")
-        prof.export_chrome_trace(f"{stem}.json.gz")  # torch compresses a .gz path itself
+        trace = f"{stem}.json.gz"
+        prof.export_chrome_trace(trace)  # torch compresses a .gz path itself
+        gaps = timeline.analyze(timeline.load_events(trace)).lines() if cuda else []
+        head = "\n".join([line, *gaps])
+        stem.with_suffix(".txt").write_text(f"{head}\n\n{table}\n")
         if self.rank == 0:
-            log.info("%s (rank 0; every rank's trace and top ops in %s)", line, self.folder)
+            log.info("%s (rank 0; every rank's trace and top ops in %s)", head, self.folder)
 
 
 def summary_line(averages, step: int, wall_ms: float, cuda: bool) -> str:

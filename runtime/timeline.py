@@ -1,0 +1,156 @@
+"""Where a traced step's compute stream waits: the idle gaps of a torch.profiler Chrome trace, split into time
+a collective was running (waiting on another rank or on the exchange) and time nothing ran on the device
+(waiting on the host: launches, syncs), with the ops whose launches ended the host gaps.
+
+    python -m runtime.timeline RUN/profile/step6_rank0.json.gz [--min-gap-us 5] [--top 12]
+
+The compute stream is the stream with the most non-collective kernel time. runtime.profiling prints this
+summary beside its own for every traced step on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+def _is_collective(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+@dataclass
+class Timeline:
+    window_ms: float            # first device event's start to the last one's end
+    busy_ms: float              # the compute stream's events, overlaps merged
+    comm_ms: float              # collectives on any stream, overlaps merged
+    gaps: int                   # idle gaps of the compute stream at least min_gap_us long
+    gap_comm_ms: float          # of the gaps' time: a collective was running
+    gap_other_ms: float         # of the gaps' time: other streams' work only (copies, FSDP's casts)
+    gap_host_ms: float          # of the gaps' time: nothing ran on the device
+    host_gap_ops: list[tuple[str, float, int]] = field(default_factory=list)  # (op, ms, gaps) by ms
+
+    def lines(self) -> list[str]:
+        head = (f"compute stream busy {self.busy_ms:.1f} of {self.window_ms:.1f} ms; idle gaps {self.gaps}: "
+                f"{self.gap_comm_ms:.1f} ms while collectives ran, {self.gap_other_ms:.1f} ms other streams only, "
+                f"{self.gap_host_ms:.1f} ms with nothing on the device (host); collectives {self.comm_ms:.1f} ms")
+        ops = [f"  after host gaps, launched by {op}: {ms:.2f} ms in {n}" for op, ms, n in self.host_gap_ops]
+        return [head, *ops]
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(start: float, end: float, merged: list[tuple[float, float]], starts: list[float]) -> float:
+    """Length of [start, end) covered by the sorted, disjoint intervals `merged` (starts: their starts)."""
+    total = 0.0
+    i = max(bisect.bisect_right(starts, start) - 1, 0)
+    while i < len(merged) and merged[i][0] < end:
+        total += max(0.0, min(end, merged[i][1]) - max(start, merged[i][0]))
+        i += 1
+    return total
+
+
+class _Launchers:
+    """The innermost CPU op around each kernel launch, by the launch's correlation id."""
+
+    def __init__(self, events: list[dict]):
+        self.runtime = {e["args"]["correlation"]: e for e in events
+                        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+        self.ops = defaultdict(list)  # tid -> [(ts, end, name)], sorted by start
+        for e in events:
+            if e.get("cat") == "cpu_op" and "dur" in e:
+                self.ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        for ops in self.ops.values():
+            ops.sort()
+
+    def op_of(self, kernel: dict) -> str:
+        launch = self.runtime.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return "(unknown launch)"
+        inner = "(no CPU op)"
+        for start, end, name in self.ops.get(launch["tid"], ()):
+            if start > launch["ts"]:
+                break
+            if end >= launch["ts"]:
+                inner = name  # later starts that still enclose the launch are nested deeper
+        return inner
+
+
+def analyze(events: list[dict], min_gap_us: float = 5.0, top: int = 12) -> Timeline:
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and e.get("ph") == "X" and "dur" in e]
+    if not device:
+        return Timeline(0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0)
+    per_stream = defaultdict(float)
+    for e in device:
+        if not _is_collective(e["name"]):
+            per_stream[e["args"].get("stream")] += e["dur"]
+    compute_stream = max(per_stream, key=per_stream.get)
+    compute = sorted((e for e in device if e["args"].get("stream") == compute_stream), key=lambda e: e["ts"])
+    comm = _merge([(e["ts"], e["ts"] + e["dur"]) for e in device if _is_collective(e["name"])])
+    everything = _merge([(e["ts"], e["ts"] + e["dur"]) for e in device])
+    comm_starts, all_starts = [s for s, _ in comm], [s for s, _ in everything]
+    window = (min(e["ts"] for e in device), max(e["ts"] + e["dur"] for e in device))
+
+    launchers = _Launchers(events)
+    busy, gaps, gap_comm, gap_other, gap_host = 0.0, 0, 0.0, 0.0, 0.0
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    covered_until = compute[0]["ts"]
+    for e in compute:
+        end = e["ts"] + e["dur"]
+        busy += max(0.0, end - max(e["ts"], covered_until))
+        gap = e["ts"] - covered_until
+        if gap >= min_gap_us:
+            gaps += 1
+            on_comm = _overlap(covered_until, e["ts"], comm, comm_starts)
+            on_device = _overlap(covered_until, e["ts"], everything, all_starts)
+            gap_comm += on_comm
+            gap_other += on_device - on_comm
+            idle = gap - on_device
+            gap_host += idle
+            if idle > 0:
+                entry = by_op[launchers.op_of(e)]
+                entry[0] += idle
+                entry[1] += 1
+        covered_until = max(covered_until, end)
+    ranked = sorted(by_op.items(), key=lambda item: -item[1][0])[:top]
+    return Timeline(window_ms=(window[1] - window[0]) / 1e3, busy_ms=busy / 1e3,
+                    comm_ms=sum(e - s for s, e in comm) / 1e3, gaps=gaps, gap_comm_ms=gap_comm / 1e3,
+                    gap_other_ms=gap_other / 1e3, gap_host_ms=gap_host / 1e3,
+                    host_gap_ops=[(op, ms / 1e3, int(n)) for op, (ms, n) in ranked])
+
+
+def load_events(path: str | Path) -> list[dict]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", nargs="+", help="Chrome traces (.json or .json.gz) of runtime.profiling")
+    parser.add_argument("--min-gap-us", type=float, default=5.0)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args(argv)
+    for path in args.trace:
+        print(path)
+        print("\n".join(analyze(load_events(path), args.min_gap_us, args.top).lines()))
+
+
+if __name__ == "__main__":
+    main()
