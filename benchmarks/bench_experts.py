@@ -15,9 +15,7 @@ every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` (asked for by --modes, 
 which adds them and the bf16 lora16 rows beside them) run LoRA r=16 on FP4-packed experts. Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
 `transformers` (its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead;
 benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path
-forced; it picks it by itself only for small experts); on FP4 modes, by --backends only, `scattermoe-fp4fused`
-and `scattermoe-fp4chunked` (the packed weights decoded in the K loop, or dequantized chunk by chunk of experts
-and read by the dense kernels: tuning.FP4_PATH forced; `scattermoe` alone takes MOE_FP4_PATH: fused unless set, `measured` times both per GEMM). MHz is the SM clock after the steady timing.
+forced; it picks it by itself only for small experts). MHz is the SM clock after the steady timing.
 Then it checks the targets (set for one H200 at Qwen3-30B-A3B shapes, T=8192), and times the 75% -1
 ratio once more with the ep1 and ep4 cases in turns, at the same clocks: for one layer, and per layer
 of 4 layers under one backward call (as in a model). A variant that fails prints its error and the
@@ -183,21 +181,7 @@ def forced_fused_lora():
         sm._SPLIT_MIN_WEIGHT_ELEMS = saved
 
 
-@contextlib.contextmanager
-def forced_fp4_path(path: str):
-    """scattermoe's path for packed weights (tuning.FP4_PATH): "fused" (K-loop decode) or "chunked"."""
-    from moe.kernels import tuning
-    saved = tuning.FP4_PATH
-    tuning.FP4_PATH = path
-    try:
-        yield
-    finally:
-        tuning.FP4_PATH = saved
-
-
-FP4_VARIANTS = {"scattermoe-fp4fused": functools.partial(forced_fp4_path, "fused"),
-                "scattermoe-fp4chunked": functools.partial(forced_fp4_path, "chunked")}
-VARIANTS = {"scattermoe-fused": forced_fused_lora, **FP4_VARIANTS}
+VARIANTS = {"scattermoe-fused": forced_fused_lora}
 
 
 def layer_case(row: Row):
@@ -266,10 +250,8 @@ def run_shape(shape: str, T: int, backends: list[str], modes: list[str], iters: 
     for mode in modes:
         for ep in (1, 2, 4):
             extra = ["scattermoe-fused"] if "scattermoe" in backends and mode == "lora16" and ep == 1 else []
-            # the baseline has no FP4 experts: its bf16 row of mode lora16 is the comparison; the FP4 paths exist
-            # on FP4 experts only
-            names = [b for b in backends if not (mode in FP4_MODES and b == TRANSFORMERS)
-                     and not (mode not in FP4_MODES and b in FP4_VARIANTS)]
+            # the baseline has no FP4 experts: its bf16 row of mode lora16 is the comparison
+            names = [b for b in backends if not (mode in FP4_MODES and b == TRANSFORMERS)]
             for name in names + extra:
                 row = Row(shape, T, mode, ep, name)
                 try:
@@ -565,11 +547,6 @@ def main() -> None:
                         print("  steady 75% -1 ratio, " + alternated_ratio(shape, T, mode, 4, layers), flush=True)
     from moe.kernels.tuning import _FASTER  # the measured choices between CUTLASS and our kernels
     for key, winner in _FASTER.items():
-        if key[0] == "fp4_path":  # (name, device, dtype, fmt, shape, transposed, gather, glu_fwd, lora)
-            _, _, _, fmt, w_shape, transposed, gather, glu, lora = key
-            print(f"== faster: fp4 path {fmt} W{tuple(w_shape)}{'^T' if transposed else ''} gather={gather} "
-                  f"swiglu={glu} lora={lora}: {winner}")
-            continue
         name, _, _, w_shape, w_layout = key
         print(f"== faster: {name} W{tuple(w_shape)} {'' if w_layout else '(transposed view) '}: {winner}")
 

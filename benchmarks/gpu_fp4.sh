@@ -2,7 +2,7 @@
 # FP4 expert weights on one GPU (issue 18), carry [".whl"] (torchao and the rest the image lacks), H100 or H200,
 # one part per device call (each compiles many kernel variants: the FP4 tests alone take ~580 s on an H100):
 #   bash benchmarks/gpu_fp4.sh tests;  bash benchmarks/gpu_fp4.sh dense;  bash benchmarks/gpu_fp4.sh bench;  ... e2e
-#   (sweep, check, chunked and fit are asked for by name only)
+#   (sweep, check and fit are asked for by name only)
 #   tests  tests/gpu/test_fp4_gpu.py: scattermoe on packed weights vs eager on the dequantized ones (bf16, the
 #          real expert shapes, both formats, LoRA) and the memory accounting (no dequantized copy)
 #   dense  the dense scattermoe GPU tests and the quant unit tests: a change to the packed path touches the
@@ -17,15 +17,8 @@
 #   sweep  one call (< 9 min) after a decode or tuning change: the decode of every code under every scale
 #          byte compiled for the GPU and the dequantize kernel bit for bit, scattermoe on packed experts vs eager
 #          at the Qwen3-30B-A3B shape (both formats, LoRA and frozen); the expert layer (bf16 / MXFP4 / NVFP4,
-#          LoRA r=16, autotuned), all on the fused path (MOE_FP4_PATH=fused); then each FP4 GEMM config forced on
-#          every packed GEMM (MOE_FP4_GEMM_CONFIG), ep1 fwd+bwd ms per format, one line per config (the autotuner
-#          may mix configs across the 4 GEMMs)
-#   chunked one call (< 9 min on an H200): the chunked path's GPU tests (forced at the Qwen3-30B-A3B shape, both
-#          formats, LoRA and frozen, chunks of 48 MB and of 3 experts; the dequantize kernel's skip; the memory on both
-#          paths), then the expert layer there (T=8192, ep1, LoRA r=16): bf16, and MXFP4 / NVFP4 with the fused
-#          K-loop decode (MOE_FP4_GEMM_CONFIG 128,128,64,8,3: the sweep's best, one compile), the chunked path at
-#          48 and 24 MB chunks, and scattermoe's own measured choice; one line per row: fwd, fwd+bwd, steady ms,
-#          steady / bf16's, peak GiB; then the measured choice of each packed GEMM (NO_TESTS=1: the rows only)
+#          LoRA r=16, autotuned); then each FP4 GEMM config forced on every packed GEMM (MOE_FP4_GEMM_CONFIG),
+#          ep1 fwd+bwd ms per format, one line per config (the autotuner may mix configs across the 4 GEMMs)
 #   fit    the whole Qwen3-30B-A3B (48 layers) LoRA on MXFP4 experts, rows of 8192, no checkpointing: peak
 #          against the estimate (runtime.launch --estimate: 66.55 GiB)
 # Logs in $OUT/*.log, rows in $OUT/*.json; the summary comes last.
@@ -49,7 +42,6 @@ if [[ $parts == *check* ]]; then
     --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
 fi
 if [[ $parts == *sweep* ]]; then
-  export MOE_FP4_PATH=fused  # the configs swept are the K-loop decode's (the chunked path: part chunked)
   timeout 150 python -m pytest -q -rs tests/unit/test_quant.py tests/gpu/test_fp4_gpu.py \
     -k "compiled_decode or dequantize_kernel or qwen3-30b-a3b" > "$OUT/fp4_sweep_tests.log" 2>&1
   tail -n 3 "$OUT/fp4_sweep_tests.log"
@@ -72,47 +64,6 @@ PY
     rc=$?
     ((rc)) && echo "sweep $cfg failed (rc $rc; 124: timed out)" >> "$OUT/fp4_sweep.log"
   done
-  unset MOE_FP4_PATH
-fi
-if [[ $parts == *chunked* ]] && [ -z "${NO_TESTS:-}" ]; then
-  timeout 240 python -m pytest -q -rs tests/gpu/test_fp4_gpu.py -k "chunked or dequantize_kernel_equals_torch" \
-    > "$OUT/fp4_chunked_tests.log" 2>&1
-  echo "chunked tests rc $? (124: timed out)"
-  tail -n 3 "$OUT/fp4_chunked_tests.log"
-fi
-if [[ $parts == *chunked* ]]; then
-  # Rows in order of importance, each printed when done: a timeout keeps what came before.
-  MOE_FP4_GEMM_CONFIG=128,128,64,8,3 timeout 250 python - > "$OUT/fp4_chunked.log" 2>&1 <<'PY'
-import torch
-from benchmarks.bench_experts import Row, bench_row
-from moe.kernels import tuning
-rows = [("lora16", "scattermoe", None)]
-for fmt in ("mxfp4", "nvfp4"):
-    rows += [(f"lora16-{fmt}", "scattermoe-fp4fused", None), (f"lora16-{fmt}", "scattermoe-fp4chunked", 48)]
-rows += [(f"lora16-{fmt}", "scattermoe-fp4chunked", 24) for fmt in ("mxfp4", "nvfp4")]
-rows += [(f"lora16-{fmt}", "scattermoe", 48) for fmt in ("mxfp4", "nvfp4")]  # the measured choice
-print("chunked mode          backend                chunk MB  fwd ms  fwd+bwd  steady  x bf16  peak GiB", flush=True)
-bf16 = None
-for mode, backend, mb in rows:
-    tuning.FP4_CHUNK_BYTES = (mb or 48) << 20
-    tuning.FP4_PATH = "measured" if backend == "scattermoe" and mode != "lora16" else "fused"
-    try:
-        r = bench_row(Row("qwen3-30b-a3b", 8192, mode, 1, backend), iters=10, warmup=3, matmul=None)
-    except Exception as exc:  # noqa: BLE001 (the next rows still run)
-        print(f"chunked {mode:13s} {backend:22s} {mb or '-'!s:>4} failed: {type(exc).__name__}: {str(exc)[:300]}",
-              flush=True)
-        continue
-    bf16 = r.steady_ms if mode == "lora16" else bf16
-    ratio = f"{r.steady_ms / bf16:6.2f}x" if bf16 else "      -"
-    print(f"chunked {mode:13s} {backend:22s} {mb or '-'!s:>8} {r.fwd_ms:7.3f} {r.fwd_bwd_ms:8.3f} {r.steady_ms:7.3f} "
-          f"{ratio} {r.peak_gib:8.2f}", flush=True)
-    torch.cuda.empty_cache()
-for key, winner in tuning._FASTER.items():
-    if key[0] == "fp4_path":  # (name, device, dtype, fmt, shape, transposed, gather, glu_fwd, lora)
-        print(f"chunked measured: {key[3]} W{tuple(key[4])}{'^T' if key[5] else ''} gather={key[6]} "
-              f"swiglu={key[7]} lora={key[8]}: {winner}", flush=True)
-PY
-  echo "chunked bench rc $? (124: timed out)" >> "$OUT/fp4_chunked.log"
 fi
 if [[ $parts == *bench* ]]; then
   python -m benchmarks.bench_quant --experts 128 --out "$OUT" > "$OUT/bench_quant.log" 2>&1
@@ -137,7 +88,6 @@ fi
 echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
 [[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 24
-[[ -f $OUT/fp4_chunked.log ]] && grep -E "^chunked|Error" "$OUT/fp4_chunked.log"
 [[ -f $OUT/fp4_sweep.log ]] && echo "config (MOE_FP4_GEMM_CONFIG)  fmt fwd fwd+bwd steady ms (ep1)" \
   && grep -E "^sweep|Error" "$OUT/fp4_sweep.log"
 for tag in "${tags[@]}"; do

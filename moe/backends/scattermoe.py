@@ -35,18 +35,10 @@ docs/benchmarks.md, experts). Only small experts (out*in < 1M, where launches do
 into the K loop. lora_dropout > 0 in training raises NotImplementedError (use the eager backend for it).
 fp32 operands: every Triton dot runs in IEEE fp32 unless torch allows TF32 for fp32 matmuls
 (moe/kernels/precision.py); torch._grouped_mm is used for bf16 only (cutlass_ok), never for fp32.
-FP4-packed base weights (quant.FP4Weight, frozen) enter as moe.kernels.fp4.PackedWeight views, and no dW is
-computed for them. Every GEMM that reads them (gate_up, down, g, dx; the backward reads the transposed view)
-takes one of two paths (grouped_linear._weight_launch): MOE_FP4_PATH=fused (the default, faster on GPUs),
-chunked, or measured (per GEMM and weight shape like CUTLASS vs ours, tuning.faster):
-    fused    the weight tiles are decoded in registers in the K loop: no dequantized weight anywhere, but every
-             row block of an expert decodes its tiles again (ALU-bound at Qwen3-30B-A3B shapes)
-    chunked  the experts in chunks (about MOE_FP4_CHUNK_MB of the compute dtype, default 48: L2-sized): the
-             chunk's experts with rows are dequantized into one buffer reused by every chunk (the offsets read
-             on the device, no host sync), then the dense kernels (persistent launches, TMA where they apply,
-             the same LoRA and epilogues) compute the chunk's rows, contiguous in the expert-sorted order. Each
-             weight element is decoded once per GEMM; the transient is that one buffer, never all experts
-             dequantized; the backward's W^T is the buffer's transposed view
+FP4-packed base weights (quant.FP4Weight, frozen) enter as moe.kernels.fp4.PackedWeight views: every GEMM
+that reads them (gate_up, down, g, dx) decodes them tile by tile in its K loop (the backward reads the
+transposed view); nothing dequantized is ever materialized, and no dW is computed for them. (Dequantizing
+chunks of experts into a reused buffer for the dense kernels measured slower: docs/benchmarks.md, FP4.)
 """
 
 from __future__ import annotations

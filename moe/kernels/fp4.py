@@ -1,6 +1,6 @@
 """FP4 (MXFP4 / NVFP4) expert weights inside the Triton kernels: decoding in registers, the weight tile of a
-grouped GEMM's K loop, and a standalone dequantize kernel (of all or some experts, optionally skipping experts
-without rows: the chunked path of grouped_linear, tests).
+grouped GEMM's K loop (the one way the scattermoe kernels read packed weights), and a standalone dequantize
+kernel of all or some experts (tests: the decode checked bit for bit against torchao).
 
 Packed layout (quant/fp4.py): qdata uint8 [E, O, I/2] (element 2j in the low nibble), scale uint8 [E, O, I/B]
 (e8m0 bits, B = 32, or e4m3 bits, B = 16), NVFP4 tensor_scale fp32 [E]. The kernels read the logical weight
@@ -146,19 +146,10 @@ def fp4_weight_tile(q_ptrs, s_ptrs, ts, mask, k0, K, s_q_o, s_s_o, FMT: tl.const
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, ts_ptr, experts_ptr, first, offsets_ptr, out_ptr, O, I, s_q_e, s_q_o, s_s_e,
-                       s_s_o, FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_O: tl.constexpr,
-                       BLOCK_I: tl.constexpr, LISTED: tl.constexpr, SKIP_EMPTY: tl.constexpr):
-    """Output expert j is experts[j] (LISTED) or first + j."""
+def _dequantize_kernel(q_ptr, s_ptr, ts_ptr, experts_ptr, out_ptr, O, I, s_q_e, s_q_o, s_s_e, s_s_o,
+                       FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
     j = tl.program_id(0)
-    if LISTED:
-        e64 = tl.load(experts_ptr + j).to(tl.int64)
-    else:
-        e64 = (first + j).to(tl.int64)
-    if SKIP_EMPTY:  # noqa: SIM102 (a constexpr: offsets_ptr may be None)
-        # an expert without rows: nothing reads its weight
-        if tl.load(offsets_ptr + e64 + 1) == tl.load(offsets_ptr + e64):
-            return
+    e64 = tl.load(experts_ptr + j).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     b = tl.program_id(2) * (BLOCK_I // 2) + tl.arange(0, BLOCK_I // 2)
     mask = (o < O)[:, None] & (b < I // 2)[None, :]
@@ -176,31 +167,18 @@ def _dequantize_kernel(q_ptr, s_ptr, ts_ptr, experts_ptr, first, offsets_ptr, ou
 _DEQUANT_TILE = (16, 64) if INTERPRET else (32, 256)
 
 
-def dequantize_fp4(weight: FP4Weight | PackedWeight, dtype: torch.dtype, experts: torch.Tensor | range | None = None,
-                   *, out: torch.Tensor | None = None, offsets_E1: torch.Tensor | None = None) -> torch.Tensor:
-    """The stored [E, O, I] weight (or only `experts`, [E', O, I]: indices on the device, or a range, which needs no
-    index tensor) in `dtype`, by a Triton kernel; a PackedWeight's `transposed` is not applied (the caller takes
-    the transposed view).
-
-    out: a contiguous [E', O, I] buffer to fill instead of a new one (scattermoe's chunks reuse one).
-    offsets_E1: expert-segment offsets (routing.SlotOrder.offsets_E1, indexed by expert), read on the device:
-    an expert whose segment is empty is skipped, its part of `out` left as it was (nothing reads it)."""
-    p = weight if isinstance(weight, PackedWeight) else PackedWeight.of(weight)
-    E, O, I2 = p.qdata.shape
-    I = 2 * I2
-    experts = range(E) if experts is None else experts
-    listed = isinstance(experts, torch.Tensor)
-    assert listed or experts.step == 1, "experts: a tensor or a range of step 1"
-    count = experts.numel() if listed else len(experts)
-    if out is None:
-        out = torch.empty(count, O, I, dtype=dtype, device=p.qdata.device)
-    assert out.shape == (count, O, I) and out.dtype == dtype and out.is_contiguous(), "dequantize_fp4: out"
-    if count == 0:
+def dequantize_fp4(weight: FP4Weight, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """The stored [E, O, I] weight (or only `experts`, [E', O, I]) in `dtype`, by a Triton kernel."""
+    p = PackedWeight.of(weight)
+    E, O, I = weight.shape
+    if experts is None:
+        experts = torch.arange(E, device=p.qdata.device)
+    out = torch.empty(experts.numel(), O, I, dtype=dtype, device=p.qdata.device)
+    if experts.numel() == 0:
         return out
     block_o, block_i = _DEQUANT_TILE
-    launch(_dequantize_kernel, (count, cdiv(O, block_o), cdiv(I, block_i)), (
-        p.qdata, p.scale, p.tensor_scale, experts.to(torch.int32) if listed else None, 0 if listed else experts.start,
-        offsets_E1, out, O, I, p.qdata.stride(0), p.qdata.stride(1), p.scale.stride(0), p.scale.stride(1)), {
-        "FMT": FMT_CODES[p.fmt], "BLOCK_SIZE": p.block_size, "BLOCK_O": block_o, "BLOCK_I": block_i,
-        "LISTED": listed, "SKIP_EMPTY": offsets_E1 is not None})
+    launch(_dequantize_kernel, (experts.numel(), cdiv(O, block_o), cdiv(I, block_i)), (
+        p.qdata, p.scale, p.tensor_scale, experts.to(torch.int32), out, O, I, p.qdata.stride(0), p.qdata.stride(1),
+        p.scale.stride(0), p.scale.stride(1)), {
+        "FMT": FMT_CODES[p.fmt], "BLOCK_SIZE": p.block_size, "BLOCK_O": block_o, "BLOCK_I": block_i})
     return out

@@ -23,19 +23,10 @@ Public launchers:
     expert_gemm(in_SK, slots, w_ENK)                   -> out_SN (the bare GEMM: CUTLASS or ours, the faster)
     swiglu_backward(g_SI, slots, gate_up_S2I, weights_Mk, gu_B_E2Ir)
                                                        -> d_gate_up_S2I, dgub_Sr, d_weights_Mk
-A base weight w_ENK may also be an FP4-packed fp4.PackedWeight (its .t() the backward's transposed view), read
-by one of two paths (tuning.FP4_PATH: "fused" by default, or "chunked", or "measured" per GEMM and weight,
-_fp4_path):
-    fused    its tiles are decoded in registers in the pointer K loop (W_FMT constexpr; no TMA, never CUTLASS;
-             a dense weight compiles to the same code as without that branch): every row block of an expert
-             decodes its weight tiles again
-    chunked  the experts are walked in chunks of tuning.fp4_chunk_experts: a chunk's experts that have rows are
-             dequantized (fp4.dequantize_fp4, the offsets read on the device) into one buffer reused by every
-             chunk, sized to stay in L2, and the dense kernel (TMA where it applies) computes the chunk's rows,
-             which are contiguous in the expert-sorted order (its SlotOrder's offsets are a slice); each weight
-             element is decoded once per GEMM. The rows of a chunk are unknown to the host, so its launches are
-             persistent (PERSISTENT_ONLY: a grid of SMs, not of rows); CUTLASS cannot take such a row range
-             (its groups start at row 0) without a host sync
+A base weight w_ENK may also be an FP4-packed fp4.PackedWeight (its .t() the backward's transposed view): its
+tiles are decoded in registers in the pointer K loop (W_FMT constexpr; no TMA, never CUTLASS; a dense weight
+compiles to the same code as without that branch), so every row block of an expert decodes its weight tiles
+again and no dequantized weight exists anywhere.
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
 Every tl.dot takes its input precision from the DOT_PRECISION constexpr, set per launch by
@@ -44,7 +35,6 @@ precision.dot_precision (fp32: IEEE unless torch allows TF32).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -53,11 +43,9 @@ import triton
 import triton.language as tl
 
 from gpu.launch import cdiv, ensure_scratch_allocator, launch, next_power_of_2
-from moe.kernels import tuning
 from moe.kernels.fp4 import (
     FMT_CODES,
     PackedWeight,
-    dequantize_fp4,
     fp4_tensor_scale,
     fp4_weight_ptrs,
     fp4_weight_tile,
@@ -252,8 +240,7 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
 # The variant flags are in the key: variants of equal N, K, R (the split and fused LoRA forward, say)
 # must not share a tuned config.
 @autotune(configs=ALL_GEMM_CONFIGS, key=["M_BUCKET", "N", "K", "R", "GATHER", "HAS_LORA", "LORA_IN_LOOP",
-                                            "GLU_FWD", "TMA", "DOT_PRECISION", "W_FMT", "W_PACKED_T",
-                                            "PERSISTENT_ONLY"],
+                                            "GLU_FWD", "TMA", "DOT_PRECISION", "W_FMT", "W_PACKED_T"],
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
 def _grouped_linear_kernel(
@@ -267,7 +254,7 @@ def _grouped_linear_kernel(
         BLOCK_R: tl.constexpr, PERSISTENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr = "tf32", W_FMT: tl.constexpr = 0, W_BLOCK: tl.constexpr = 1,
-        W_PACKED_T: tl.constexpr = False, PERSISTENT_ONLY: tl.constexpr = False):
+        W_PACKED_T: tl.constexpr = False):
     """W_FMT: the weight is dense (0) or packed FP4 (fp4.FMT_CODES: w_ptr the codes [E, O, I/2] with strides
     s_w_e, s_w_n over E and O, ws_ptr the block scales, wts_ptr the NVFP4 tensor scales; W_PACKED_T: the
     logical weight is the stored one transposed), decoded in the K loop (_k_loop_fp4). Epilogue: GLU_FWD
@@ -276,8 +263,6 @@ def _grouped_linear_kernel(
     descriptors (W_T: the weight is a transposed view, its
     descriptor is over the [E, K, N] tensor underneath). PERSISTENT: one program per SM walks the
     tiles (row block major, so the programs running together share input rows and expert weights).
-    PERSISTENT_ONLY: a launch whose row count the host does not know (a chunk of the experts): prune_gemm
-    makes every config persistent; the code is that of the config.
     K is a constexpr (a model has a few reduction sizes) so that the unmasked K loop is chosen at
     compile time, not by a per-launch heuristic. DOT_PRECISION: every tl.dot's input_precision
     (precision.dot_precision: IEEE for fp32 unless torch allows TF32)."""
@@ -380,11 +365,9 @@ def _weight_args(w_ENK: torch.Tensor | PackedWeight) -> tuple[tuple, dict]:
 
 def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, N: int,
             lora: LoraView | None, ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool,
-            glu_fwd: bool = False, aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None,
-            persistent_only: bool = False) -> None:
+            glu_fwd: bool = False, aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
     """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store. A packed
-    FP4 weight (fp4.PackedWeight) is decoded in the pointer K loop (no TMA). persistent_only: the rows of `slots`
-    are a part of S unknown to the host (a chunk): persistent configs, whose grid does not grow with S."""
+    FP4 weight (fp4.PackedWeight) is decoded in the pointer K loop (no TMA)."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
@@ -413,7 +396,7 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWei
         "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora_in_loop,
         "GLU_FWD": glu_fwd, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
         "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DOT_PRECISION": dot_precision(in_.dtype),
-        "PERSISTENT_ONLY": persistent_only, **weight_constexprs})
+        **weight_constexprs})
 
 
 def _tma_ok(in_SK: torch.Tensor, w_ENK: torch.Tensor) -> bool:
@@ -446,52 +429,6 @@ def _block_r(R: int) -> int:
     return max(16, next_power_of_2(R))
 
 
-def _weight_launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, N: int,
-                   lora: LoraView | None, ia_Sr: torch.Tensor | None, out: torch.Tensor, **epilogue) -> None:
-    """_launch of a base-weight GEMM: a packed weight by the fused or the chunked path (_fp4_path)."""
-    if not isinstance(w_ENK, PackedWeight):
-        _launch(in_, slots, w_ENK, N, lora, ia_Sr, out, **epilogue)
-        return
-    paths = {"fused": functools.partial(_launch, in_, slots, w_ENK, N, lora, ia_Sr, out, **epilogue),
-             "chunked": functools.partial(_chunked_launch, in_, slots, w_ENK, N, lora, ia_Sr, out, **epilogue)}
-    paths[_fp4_path(in_, w_ENK, lora, paths, **epilogue)]()
-
-
-def _fp4_path(in_: torch.Tensor, w: PackedWeight, lora: LoraView | None, paths: dict, *, gather: bool,
-              glu_fwd: bool = False, **_) -> str:
-    """tuning.FP4_PATH when it names a path; "measured": the path measured faster for this GEMM (tuning.faster,
-    the same on every rank: the key holds the weight and the launch's variant, never a row count); "fused" where
-    nothing is timed (the CPU interpreter; a CUDA-graph capture before a winner is known)."""
-    if tuning.FP4_PATH != "measured":
-        return tuning.FP4_PATH
-    if not in_.is_cuda:
-        return "fused"
-    lora_kind = None if lora is None else ("split" if lora.split else "in loop", lora.rank)
-    key = ("fp4_path", in_.device.index, in_.dtype, w.fmt, w.shape, w.transposed, gather, glu_fwd, lora_kind)
-    return faster(key, lambda: paths) or "fused"
-
-
-def _chunked_launch(in_: torch.Tensor, slots: SlotOrder, w: PackedWeight, N: int, lora: LoraView | None,
-                    ia_Sr: torch.Tensor | None, out: torch.Tensor, **epilogue) -> None:
-    """_launch over a packed weight, chunk by chunk of experts [e0, e1): their weights dequantized into one buffer
-    [C, O, I] (the experts without rows skipped on the device), then the dense kernel over the chunk's rows
-    (positions offsets[e0]..offsets[e1]: a SlotOrder whose offsets are that slice, the LoRA factors sliced
-    alike; a split LoRA's ia_Sr, computed for all rows beforehand, is read at the same positions). The buffer
-    is all that is dequantized at once; the stream orders each chunk's dequantization after the previous
-    chunk's GEMM, which is what lets them share it."""
-    E, O, I = w.qdata.shape[0], w.qdata.shape[1], 2 * w.qdata.shape[2]
-    C = tuning.fp4_chunk_experts((E, O, I), in_.dtype)
-    buf_COI = in_.new_empty(C, O, I)
-    for e0 in range(0, E, C):
-        e1 = min(E, e0 + C)
-        w_COI = dequantize_fp4(w, in_.dtype, range(e0, e1), out=buf_COI[:e1 - e0], offsets_E1=slots.offsets_E1)
-        chunk = dataclasses.replace(slots, offsets_E1=slots.offsets_E1[e0:e1 + 1], num_experts=e1 - e0)
-        chunk_lora = None if lora is None else dataclasses.replace(lora, A_ErK=lora.A_ErK[e0:e1],
-                                                                  B_ENr=lora.B_ENr[e0:e1])
-        _launch(in_, chunk, w_COI.transpose(1, 2) if w.transposed else w_COI, N, chunk_lora, ia_Sr, out,
-                persistent_only=True, **epilogue)
-
-
 def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gather: bool):
     """The [S, r] intermediate in @ A^T: computed now by a rank-sized grouped product when split,
     else allocated for the fused kernel to fill."""
@@ -511,8 +448,8 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor | 
     gu_S2I = slots.new_rows(x_MH, I2)
     h_SI = slots.new_rows(x_MH, I2 // 2)
     xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
-    _weight_launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, glu_fwd=True, aux=h_SI,
-                   rw_S=weights_Mk.reshape(-1))
+    _launch(x_MH, slots, w_E2IH, I2 // 2, lora, xa_Sr, gu_S2I, gather=True, glu_fwd=True, aux=h_SI,
+            rw_S=weights_Mk.reshape(-1))
     return gu_S2I, h_SI, xa_Sr
 
 
@@ -525,7 +462,7 @@ def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | Pac
     out_SN = slots.new_rows(in_, w_ENK.shape[1])
     if ia_Sr is None or not lora.split:
         ia_Sr = _rank_buffer(in_, slots, lora, gather)
-    _weight_launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather)
+    _launch(in_, slots, w_ENK, w_ENK.shape[1], lora, ia_Sr, out_SN, gather=gather)
     return out_SN, ia_Sr
 
 
@@ -549,12 +486,10 @@ def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | Pac
 
     The bare grouped GEMM: torch._grouped_mm (CUTLASS) or our kernel (TMA operands, persistent), the
     one measured faster for this weight on this device (tuning.faster: once per run, the same on every
-    rank); ours where CUTLASS does not apply. A packed weight takes our kernel's fused or chunked path
-    (_weight_launch). Rows at -1 positions are left unspecified, as everywhere."""
+    rank); ours where CUTLASS does not apply, and for a packed weight (decoded in our K loop). Rows at -1
+    positions are left unspecified, as everywhere."""
     if isinstance(w_ENK, PackedWeight):  # CUTLASS would need a dense copy of every expert
-        out_SN = slots.new_rows(in_SK, w_ENK.shape[1])
-        _weight_launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
-        return out_SN
+        return _triton_gemm(in_SK, slots, w_ENK)
     rows_ok = cutlass_ok(in_SK, w_ENK)
 
     def candidates():  # this call's rows may not suit CUTLASS: then nothing is timed yet

@@ -7,17 +7,11 @@ Contract:
     FP4_GEMM_CONFIGS             the grouped GEMM's candidates when its weight is FP4-packed (prune_gemm keeps
                                  each family to its own launches); MOE_FP4_GEMM_CONFIG="BM,BN,BK,warps,stages[,1]"
                                  (1: persistent) replaces them by that one config (benchmarks/gpu_fp4.sh sweep)
-    FP4_PATH, fp4_chunk_experts(shape, dtype)
-                                 how a GEMM reads a packed weight: decoded in its K loop ("fused") or chunk by
-                                 chunk of fp4_chunk_experts experts dequantized into one buffer that the dense
-                                 kernel reads ("chunked"); "measured": the faster per weight (faster);
-                                 MOE_FP4_PATH=fused (default)|chunked|measured, MOE_FP4_CHUNK_MB the chunk's bytes
     prune_gemm / prune_xty / prune_factor_grads
                                  `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
                                  exceed a per-thread register budget; IEEE fp32 dots (FMA, no tensor
-                                 cores) get the smallest remaining tile alone; a launch whose rows the host
-                                 does not know (PERSISTENT_ONLY) gets the persistent form of each config
+                                 cores) get the smallest remaining tile alone
     m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
                                  token count re-tunes only when it crosses a power of two
     bench                        a shorter do_bench for the autotuner (the kernels are short: the default over-samples)
@@ -108,24 +102,6 @@ if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
     FP4_GEMM_CONFIGS = [_gemm_config(_bm, _bn, _bk, _warps, _stages, bool(_persistent and _persistent[0]))]
 
 
-# A packed weight read chunk by chunk: each chunk's experts are dequantized into one reused buffer, which the
-# dense kernel then reads while it is still in L2 (50 MB on an H100 / H200): 48 MB is 8 experts of
-# Qwen3-30B-A3B's gate_up in bf16, 16 of its down. It passes its GPU tests but is slower than the decode in
-# the K loop at every chunk size measured (docs/benchmarks.md, FP4), so "fused" is the default;
-# MOE_FP4_PATH=measured times both per weight (benchmarks/gpu_fp4.sh chunked).
-FP4_PATHS = ("fused", "chunked")
-FP4_PATH = os.environ.get("MOE_FP4_PATH", "fused")
-if FP4_PATH not in (*FP4_PATHS, "measured"):
-    raise ValueError(f"MOE_FP4_PATH={FP4_PATH!r}: choose one of {FP4_PATHS} or 'measured' (the faster per weight)")
-FP4_CHUNK_BYTES = int(float(os.environ.get("MOE_FP4_CHUNK_MB", "48")) * 2**20)
-
-
-def fp4_chunk_experts(shape: tuple[int, int, int], dtype: torch.dtype) -> int:
-    """Experts per chunk of an [E, N, K] packed weight dequantized to `dtype`: FP4_CHUNK_BYTES' worth, at least 1."""
-    E, N, K = shape
-    return max(1, min(E, FP4_CHUNK_BYTES // (N * K * dtype.itemsize)))
-
-
 def _gemm_key(c: triton.Config) -> tuple:
     return (*(c.kwargs[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")), c.num_warps, c.num_stages)
 
@@ -192,9 +168,6 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
     # forced others: the tests' one_config).
     family = _FP4_KEYS if args["W_FMT"] else _DENSE_KEYS
     configs = [c for c in configs if _gemm_key(c) in family] or configs
-    if args["PERSISTENT_ONLY"]:  # the grid is sized by the SMs, not the rows: every tile persistent
-        configs = [_gemm_config(*(c.kwargs[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), c.num_warps,
-                                c.num_stages, True) for c in configs]
     kept = {}
     for c in _family(configs, ("BLOCK_N",), (cols,)):
         bm = c.kwargs["BLOCK_M"]

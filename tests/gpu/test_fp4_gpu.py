@@ -5,9 +5,7 @@ the packed experts hold and need.
 With LoRA (B non-zero) one backward checks dx, the routing-weight gradient, dA and dB; without (rank 0, the
 frozen packed base alone) dx runs through the bare grouped GEMM on the transposed packed view (expert_gemm:
 never CUTLASS for a packed weight; the persistent configs' flattened tile loop). The Triton dequantize kernel
-equals quant's torch dequantization bit for bit on the GPU too. Unless a test forces one (tuning.FP4_PATH), each
-packed GEMM takes the path measured faster (fused K-loop decode or chunked dequantization); the chunked tests
-force the chunked one at the Qwen3-30B-A3B shape, with experts without rows and a short last chunk.
+equals quant's torch dequantization bit for bit on the GPU too.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import torch
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.kernels import grouped_linear as gl
-from moe.kernels import tuning
 from moe.kernels.fp4 import PackedWeight, dequantize_fp4
 from moe.kernels.tuning import FP4_GEMM_CONFIGS
 from quant import FP4Weight, quantize_experts
@@ -64,17 +61,16 @@ def fwd_bwd(ex, backend: str, x, ids, w, dy) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_parity_with_eager(shape: str, fmt: str, rank: int, empty: tuple[int, ...] = ()):
-    """scattermoe on packed bf16 experts vs eager in fp32 on their dequantized values: y and every gradient;
-    some -1 slots, and the experts `empty` get no row."""
+@pytest.mark.parametrize("rank", [16, 0], ids=["lora16", "frozen"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_scattermoe_on_packed_experts_matches_eager_fp32(shape, fmt, rank):
     E, H, _, k = SHAPES[shape]
     ex, ref = packed_experts(shape, fmt, rank)
     T = 2048
     logits = torch.randn(T, E, device="cuda")
     w, ids = logits.softmax(-1).topk(k, dim=-1)
     ids[:, -1] = torch.where(ids[:, -1] % 2 == 0, -1, ids[:, -1])  # some slots of other EP ranks
-    for e in empty:
-        ids[ids == e] = -1
     x = torch.randn(T, H, device="cuda")
     dy = torch.randn(T, H, device="cuda")
     got = fwd_bwd(ex, "scattermoe", x.bfloat16(), ids, w.bfloat16(), dy)
@@ -85,35 +81,14 @@ def assert_parity_with_eager(shape: str, fmt: str, rank: int, empty: tuple[int, 
         assert err <= TOL, f"{shape} {fmt} {name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("rank", [16, 0], ids=["lora16", "frozen"])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_scattermoe_on_packed_experts_matches_eager_fp32(shape, fmt, rank):
-    assert_parity_with_eager(shape, fmt, rank)
-
-
-@pytest.mark.parametrize("chunk", [None, 3], ids=["chunk-48MB", "chunk-3"])
-@pytest.mark.parametrize("rank", [16, 0], ids=["lora16", "frozen"])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_chunked_path_matches_eager_fp32(fmt, rank, chunk, monkeypatch):
-    """The chunked path forced at Qwen3-30B-A3B's shape: chunks of tuning's 48 MB (8 experts of gate_up, 16 of
-    down) or of 3 experts (128 = 42 * 3 + 2: a short last chunk); experts 3, 4, 5 and 7 without rows (a chunk of 3
-    whose experts are all empty, boundaries between empty experts and ones with rows), -1 slots."""
-    monkeypatch.setattr(tuning, "FP4_PATH", "chunked")
-    if chunk:
-        monkeypatch.setattr(tuning, "fp4_chunk_experts", lambda shape, dtype: chunk)
-    assert_parity_with_eager("qwen3-30b-a3b", fmt, rank, empty=(3, 4, 5, 7))
-
-
 @pytest.mark.parametrize("config", FP4_GEMM_CONFIGS, ids=[str(c) for c in FP4_GEMM_CONFIGS])
-def test_each_config_on_each_packed_path(config, one_config, monkeypatch):  # noqa: F811 (the fixture)
+def test_each_config_on_each_packed_path(config, one_config):  # noqa: F811 (the fixture)
     """Each FP4 candidate config (tuning.FP4_GEMM_CONFIGS) forced on every GEMM that reads a packed weight
     (Qwen3-30B-A3B shapes), against CUTLASS on the dequantized bf16 weights (the same MMA inputs): gate_up
     (gathered rows, SwiGLU epilogue), down (W), g and dx (the transposed packed view), and down / dx with a split
-    and a fused LoRA (the fused path forced). NVFP4 only: the formats differ in the element-wise scale decode alone, not in what a config
+    and a fused LoRA. NVFP4 only: the formats differ in the element-wise scale decode alone, not in what a config
     changes (tiles, layouts, the persistent loop), and each config compiles ~7 kernels."""
     fmt = "nvfp4"
-    monkeypatch.setattr(tuning, "FP4_PATH", "fused")  # the configs are the K-loop decode's
     one_config(config)
     slots, t = operands()
     n, s, R = int(slots.offsets_E1[-1]), 2.0, t["ia"].shape[1]
@@ -161,22 +136,13 @@ def test_dequantize_kernel_equals_torch_on_gpu(fmt):
     assert torch.equal(ours.view(torch.int16), w.dequantize(torch.bfloat16).view(torch.int16))
     some = torch.tensor([5, 1], device="cuda")
     assert torch.equal(dequantize_fp4(w, torch.bfloat16, some).view(torch.int16), ours[some].view(torch.int16))
-    # the chunked path's call: experts 1..4 into a given buffer, those without rows (2 and 4) skipped
-    out = torch.full((4, 1536, 2048), float("nan"), device="cuda", dtype=torch.bfloat16)
-    offsets_E1 = torch.tensor([0, 5, 9, 9, 12, 12, 20, 20, 30], device="cuda", dtype=torch.int32)
-    dequantize_fp4(w, torch.bfloat16, range(1, 5), out=out, offsets_E1=offsets_E1)
-    assert torch.equal(out[[0, 2]].view(torch.int16), ours[[1, 3]].view(torch.int16))
-    assert out[[1, 3]].isnan().all()
 
 
-@pytest.mark.parametrize("path", tuning.FP4_PATHS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_packed_experts_hold_and_need_no_dense_copy(fmt, path, monkeypatch):
+def test_packed_experts_hold_and_need_no_dense_copy(fmt):
     """Persistent bytes of the packed base: codes + scales (+ tensor scales), to the byte. A forward+backward
     at Qwen3-30B-A3B's expert shape (LoRA) peaks less than half the dense bf16 weights above what was
-    allocated before: no dequantized copy of the experts exists at any point, on either path (the chunked one
-    holds one chunk's buffer, ~48 MB)."""
-    monkeypatch.setattr(tuning, "FP4_PATH", path)
+    allocated before: no dequantized copy of the experts exists at any point."""
     E, H, I, k = SHAPES["qwen3-30b-a3b"]
     dense = GroupedExperts(E, H, I, lora_rank=16, lora_alpha=32, device="cuda", dtype=torch.bfloat16)
     packed = copy.deepcopy(dense)

@@ -90,13 +90,11 @@ def test_packed_bytes_and_what_a_model_wide_cast_leaves_alone():
     assert dict(w.state_dict()) == {}  # not in checkpoints: re-quantized from the base at resume
 
 
-def _experts_pair(fmt: str, rank: int, hidden: int = 64, intermediate: int = 32, std: float = 0.02,
-                  num_experts: int = 4):
-    """Packed experts (LoRA of `rank` with B != 0) and a frozen dense copy holding their dequantized values
-    (the reference)."""
+def _experts_pair(fmt: str, rank: int, hidden: int = 64, intermediate: int = 32, std: float = 0.02):
+    """Packed experts (4, LoRA of `rank` with B != 0) and a frozen dense copy holding their dequantized
+    values (the reference)."""
     torch.manual_seed(0)
-    packed = GroupedExperts(num_experts, hidden, intermediate, lora_rank=rank,
-                            lora_alpha=2 * rank if rank else None)
+    packed = GroupedExperts(4, hidden, intermediate, lora_rank=rank, lora_alpha=2 * rank if rank else None)
     with torch.no_grad():
         packed.gate_up.normal_(0, std)
         packed.down.normal_(0, std)

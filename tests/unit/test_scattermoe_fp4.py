@@ -3,9 +3,7 @@ fp32 compute, tiny shapes), and the Triton dequantize kernel vs torchao bit for 
 
 H and I are multiples of the FP4 blocks (32, 16); the `ragged` cases force kernel tiles that they are not
 multiples of (partial tiles in N, K and the SwiGLU's columns), and the bare packed GEMM is checked on its own
-at ragged edges in both orientations (the forward's W, the backward's transposed view). The chunked path
-(tuning.FP4_PATH "chunked": chunks of experts dequantized into one buffer, then the dense kernel) is checked
-the same way with chunk boundaries between experts with rows and empty ones, and what it dequantizes at once."""
+at ragged edges in both orientations (the forward's W, the backward's transposed view)."""
 
 from __future__ import annotations
 
@@ -214,9 +212,7 @@ def test_every_grouped_launch_gives_the_direct_launcher_its_autotune_keys(monkey
     assert not missing, missing
 
 
-@pytest.mark.parametrize("path", tuning.FP4_PATHS)
-def test_scattermoe_on_packed_experts_compiles(path, monkeypatch):
-    monkeypatch.setattr(tuning, "FP4_PATH", path)
+def test_scattermoe_on_packed_experts_compiles(monkeypatch):
     _check("nvfp4", R, True, monkeypatch, compiled=True)
 
 
@@ -237,153 +233,3 @@ def test_custom_op_with_packed_weights_passes_opcheck():
             down.scale, down.tensor_scale, ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S,
             slots.capacity, packed.lora_scaling, "nvfp4")
     torch.library.opcheck(torch.ops.moert.scattermoe_fwd.default, args)
-
-
-# ----------------------------------------------------------------------------- the chunked path
-
-
-@pytest.fixture
-def chunked(monkeypatch):
-    """Forces the chunked path with `chunk` experts per chunk; returns the record of what it dequantized (the
-    buffer each dequantize_fp4 call filled and its experts) and asserts that no packed weight reached a launch
-    (no fused decode) and that every launch over the buffer is a persistent one."""
-    calls, launches = [], []
-    real_dequantize, real_launch = gl.dequantize_fp4, gl._launch
-
-    def dequantize(weight, dtype, experts=None, *, out=None, offsets_E1=None):
-        calls.append({"experts": experts, "out": out, "skips": offsets_E1 is not None,
-                      "buffer_numel": out.untyped_storage().nbytes() // out.element_size()})
-        return real_dequantize(weight, dtype, experts, out=out, offsets_E1=offsets_E1)
-
-    def launch(in_, slots, w_ENK, *args, **kwargs):
-        launches.append((isinstance(w_ENK, PackedWeight), kwargs.get("persistent_only", False), w_ENK.shape))
-        return real_launch(in_, slots, w_ENK, *args, **kwargs)
-
-    def use(chunk: int):
-        monkeypatch.setattr(tuning, "FP4_PATH", "chunked")
-        monkeypatch.setattr(tuning, "fp4_chunk_experts", lambda shape, dtype: chunk)
-        monkeypatch.setattr(gl, "dequantize_fp4", dequantize)
-        monkeypatch.setattr(gl, "_launch", launch)
-        return calls, launches
-    return use
-
-
-# E, chunk, and the experts without rows: chunk boundaries between experts with rows and empty ones, a chunk
-# whose experts are all empty, a last chunk shorter than the others
-CHUNK_CASES = {"E7-C3": (7, 3, (2, 3, 6)), "E5-C2": (5, 2, (2, 3)), "E8-C3": (8, 3, (0, 5))}
-
-
-@pytest.mark.parametrize("case", sorted(CHUNK_CASES))
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("lora", ["frozen", "lora-split", "lora-fused"])
-def test_chunked_path_equals_eager_on_dequantized(case, fmt, lora, monkeypatch, chunked):
-    """Forward, dx, d routing weights, dA and dB of the chunked path against eager on the dequantized weights;
-    -1 slots and experts without rows. Each of the four GEMMs (gate_up, down, g, dx) dequantizes every expert
-    that has rows exactly once, at most `chunk` experts at a time into one buffer of chunk experts (never the
-    [E, N, K] weight), and skips the others on the device."""
-    E, chunk, empty = CHUNK_CASES[case]
-    calls, launches = chunked(chunk)
-    rank = 0 if lora == "frozen" else R
-    if rank:
-        monkeypatch.setattr(scattermoe_module, "_SPLIT_MIN_WEIGHT_ELEMS", 0 if lora == "lora-split" else 10**9)
-    packed, dense = _experts_pair(fmt, rank, hidden=H, intermediate=I, std=0.2, num_experts=E)
-    M, k = 12, 3
-    g = torch.Generator().manual_seed(1)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
-    for e in empty:
-        ids[ids == e] = -1
-    ids[0, 1] = -1
-    assert set(ids.unique().tolist()) == {-1, *(e for e in range(E) if e not in empty)}
-    w = torch.rand(M, k, generator=g, requires_grad=True)
-    x = torch.randn(M, H, requires_grad=True)
-    y = expert_backend("scattermoe")(x, ids, w, packed)
-    y_ref = expert_backend("eager")(x, ids, w, dense)
-    dy = torch.randn_like(y)
-
-    def lora_factors(ex):
-        return [ex.gate_up_lora_A, ex.gate_up_lora_B, ex.down_lora_A, ex.down_lora_B] if rank else []
-    grads = torch.autograd.grad(y, [x, w, *lora_factors(packed)], dy)
-    grads_ref = torch.autograd.grad(y_ref, [x, w, *lora_factors(dense)], dy)
-    errors = {"y": (y - y_ref).norm() / y_ref.norm()}
-    for name, got, want in zip(["x", "w", "gu_A", "gu_B", "down_A", "down_B"], grads, grads_ref):
-        errors[name] = (got - want).norm() / want.norm()
-    assert max(errors.values()) <= TOL, errors
-
-    assert launches and not any(packed_weight for packed_weight, _, _ in launches)  # no fused decode
-    assert all(persistent for packed_weight, persistent, shape in launches if shape[0] < E)
-    gemms = [calls[i:i + len(range(0, E, chunk))] for i in range(0, len(calls), len(range(0, E, chunk)))]
-    assert len(gemms) == 4 and all(len(c) == len(range(0, E, chunk)) for c in gemms)  # gate_up, down, g, dx
-    for gemm, (N, K) in zip(gemms, [(2 * I, H), (H, I), (H, I), (2 * I, H)]):
-        assert [list(c["experts"]) for c in gemm] == [list(range(e0, min(E, e0 + chunk))) for e0 in range(0, E, chunk)]
-        for c in gemm:
-            assert c["skips"] and c["buffer_numel"] == chunk * N * K and c["out"].shape[1:] == (N, K)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_dequantize_skips_experts_without_rows_into_a_given_buffer(fmt):
-    """dequantize_fp4(experts=range, out=, offsets_E1=): the listed experts' weights written into `out`, except
-    those whose segment is empty (their part of `out` untouched); a range and an index tensor agree."""
-    torch.manual_seed(0)
-    weight = FP4Weight.from_dense(torch.randn(6, 40, 64) * 0.1, fmt)
-    full = dequantize_fp4(weight, torch.float32)
-    offsets_E1 = torch.tensor([0, 3, 3, 5, 5, 5, 9], dtype=torch.int32)  # experts 1, 3, 4 without rows
-    out = torch.full((3, 40, 64), float("nan"))
-    got = dequantize_fp4(PackedWeight.of(weight), torch.float32, range(2, 5), out=out, offsets_E1=offsets_E1)
-    assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(out[0], full[2]) and out[1:].isnan().all()
-    assert torch.equal(dequantize_fp4(weight, torch.float32, range(1, 4)), full[1:4])
-    assert torch.equal(dequantize_fp4(weight, torch.float32, torch.tensor([4, 0])), full[[4, 0]])
-
-
-def test_fp4_chunk_experts_holds_the_chunk_bytes(monkeypatch):
-    """48 MB of bf16 per chunk: 8 experts of Qwen3-30B-A3B's gate_up [128, 1536, 2048], 16 of its down; at
-    least one expert, at most all of them."""
-    monkeypatch.setattr(tuning, "FP4_CHUNK_BYTES", 48 << 20)
-    assert tuning.fp4_chunk_experts((128, 1536, 2048), torch.bfloat16) == 8
-    assert tuning.fp4_chunk_experts((128, 2048, 768), torch.bfloat16) == 16
-    assert tuning.fp4_chunk_experts((128, 2048, 768), torch.float32) == 8
-    assert tuning.fp4_chunk_experts((4, 2048, 768), torch.bfloat16) == 4
-    assert tuning.fp4_chunk_experts((128, 8192, 8192), torch.bfloat16) == 1
-
-
-def test_launches_of_unknown_rows_get_persistent_configs(monkeypatch):
-    """prune_gemm with PERSISTENT_ONLY (a chunk's launch, whose grid is sized by the SMs): each kept config is
-    persistent, tiles unchanged; without it the configs keep their own form."""
-    monkeypatch.setattr(tuning, "_shared_memory_bytes", lambda device: 228 * 1024)
-    configs = [tuning._gemm_config(16, 32, 16, 4, 1), tuning._gemm_config(32, 32, 16, 4, 1, persistent=True)]
-    args = {"GLU_FWD": False, "BLOCK_R": 16, "N": 64, "K": 64, "in_ptr": torch.empty(4), "W_FMT": 0,
-            "LORA_IN_LOOP": False, "DOT_PRECISION": "tf32"}
-
-    def pruned(persistent_only):
-        kept = tuning.prune_gemm(configs, {**args, "PERSISTENT_ONLY": persistent_only})
-        return sorted((c.kwargs["BLOCK_M"], c.kwargs["PERSISTENT"]) for c in kept)
-    assert pruned(False) == [(16, False), (32, True)]
-    assert pruned(True) == [(16, True), (32, True)]
-
-
-def test_fp4_path_is_measured_per_gemm_and_weight_never_per_row_count(monkeypatch):
-    """With tuning.FP4_PATH "measured" on a GPU, each packed GEMM asks tuning.faster, keyed by the weight and the
-    launch's variant only (every rank asks for the same keys, whatever its rows), and takes its winner; "fused"
-    while undecided; on the CPU nothing is timed ("fused")."""
-    from types import SimpleNamespace
-    monkeypatch.setattr(tuning, "FP4_PATH", "measured")
-    asked = []
-
-    def faster(key, candidates):
-        asked.append(key)
-        assert set(candidates()) == set(tuning.FP4_PATHS)
-        return "chunked"
-    monkeypatch.setattr(gl, "faster", faster)
-    weight = PackedWeight.of(FP4Weight.from_dense(torch.randn(4, 64, 32), "mxfp4"))
-    paths = dict.fromkeys(tuning.FP4_PATHS)
-    cpu = torch.empty(8, 32)
-    assert gl._fp4_path(cpu, weight, None, paths, gather=False) == "fused" and not asked
-    for rows in (8, 4096):
-        gpu = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16, rows=rows)
-        lora = gl.LoraView(torch.empty(4, 2, 32), torch.empty(4, 64, 2), 1.0, True)
-        assert gl._fp4_path(gpu, weight, None, paths, gather=False) == "chunked"
-        assert gl._fp4_path(gpu, weight.t(), None, paths, gather=True) == "chunked"
-        assert gl._fp4_path(gpu, weight, lora, paths, gather=True, glu_fwd=True) == "chunked"
-    assert asked[:3] == asked[3:] and len(set(asked[:3])) == 3
-    monkeypatch.setattr(gl, "faster", lambda key, candidates: None)
-    assert gl._fp4_path(gpu, weight, None, paths, gather=False) == "fused"
