@@ -182,13 +182,17 @@ _ROW_ALIGN = 8
 def slot_capacity(num_slots: int, valid_slots: int | None) -> int:
     """Rows of the expert-sorted buffers: the valid slots when known (rounded up to _ROW_ALIGN, at most all
     slots), else all slots; at least one where there are slots (an empty buffer would reach the GEMMs'
-    tensor descriptors). sym_min / sym_max: under torch.compile the counts are symbolic, and min / max would
-    guard on which side wins (a recompile when it flips)."""
+    tensor descriptors). sym_min / sym_max where a count is symbolic under torch.compile: min / max would
+    guard on which side wins (a recompile when it flips); plain ints take min / max (torch 2.11's dynamo refuses
+    a torch.sym_* call that returns an int)."""
     if valid_slots is None:
         return num_slots
     if not 0 <= valid_slots <= num_slots:
         raise ValueError(f"valid_slots={valid_slots} outside [0, {num_slots}] (the M*k slots)")
-    return torch.sym_min(num_slots, torch.sym_max(-(-valid_slots // _ROW_ALIGN) * _ROW_ALIGN, 1))
+    rounded = -(-valid_slots // _ROW_ALIGN) * _ROW_ALIGN
+    if isinstance(num_slots, int) and isinstance(rounded, int):
+        return min(num_slots, max(rounded, 1))
+    return torch.sym_min(num_slots, torch.sym_max(rounded, 1))
 
 
 def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int | None = None) -> SlotOrder:
