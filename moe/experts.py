@@ -14,6 +14,8 @@ under them (a packed FP4 container from `quant/` instead of a tensor):
     experts.dense_weight(proj, experts=None) -> a tensor either way (FP4: dequantized, only `experts`)
     experts.lora("gate_up" | "down")         -> LoraFactors(A_ErI, B_EOr), or None without LoRA
 quant.quantize_experts(experts, fmt) swaps the base weights for FP4Weight containers (set_base_weight).
+The accessors return plain tensors: a parameter that is a DTensor no wrapper gathers (the runtime's experts
+alone on their FSDP mesh) is read as its local tensor, in `compute_dtype` when set.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe.backends import expert_backend
 from quant import FP4Weight
@@ -55,6 +58,8 @@ class GroupedExperts(nn.Module):
         self.intermediate = intermediate
         # Global id of local expert 0: EP ranks own a contiguous slice of the experts.
         self.expert_offset = expert_offset
+        # The dtype the accessors cast the parameters to (None: their own): set where no FSDP gather casts them.
+        self.compute_dtype: torch.dtype | None = None
         factory = {"device": device, "dtype": dtype}
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))
@@ -97,7 +102,8 @@ class GroupedExperts(nn.Module):
         """The base weight of `proj` in {"gate_up" [E, 2I, H], "down" [E, H, I]}: a tensor, or packed."""
         if proj not in PROJECTIONS:
             raise ValueError(f"unknown expert projection {proj!r}; choose one of {PROJECTIONS}")
-        return self.gate_up if proj == "gate_up" else self.down
+        w = self.gate_up if proj == "gate_up" else self.down
+        return w if isinstance(w, FP4Weight) else self._readable(w)
 
     def dense_weight(self, proj: str, experts: torch.Tensor | None = None,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -123,8 +129,17 @@ class GroupedExperts(nn.Module):
         if not self.has_lora:
             return None
         if proj == "gate_up":
-            return LoraFactors(self.gate_up_lora_A, self.gate_up_lora_B)
-        return LoraFactors(self.down_lora_A, self.down_lora_B)
+            return LoraFactors(self._readable(self.gate_up_lora_A), self._readable(self.gate_up_lora_B))
+        return LoraFactors(self._readable(self.down_lora_A), self._readable(self.down_lora_B))
+
+    def _readable(self, t: torch.Tensor) -> torch.Tensor:
+        """t as the kernels read it: a DTensor's local tensor (differentiable: its gradient comes back as a
+        DTensor of the same placement), cast to compute_dtype when set."""
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if self.compute_dtype is not None and t.dtype != self.compute_dtype:
+            t = t.to(self.compute_dtype)
+        return t
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

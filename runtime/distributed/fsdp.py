@@ -12,9 +12,12 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from moe.experts import GroupedExperts
 from runtime.distributed.mesh import Meshes
 from runtime.models.qwen import QwenForCausalLM
 
@@ -36,19 +39,49 @@ def _expert_mp_policy(mp: MixedPrecisionPolicy, expert_fsdp_size: int) -> MixedP
     return dataclasses.replace(mp, reduce_dtype=None) if expert_fsdp_size == 1 else mp
 
 
+def _readable_in_place(experts: GroupedExperts, mp: MixedPrecisionPolicy) -> bool:
+    """Whether the kernels can read the experts' base weights as stored: not packed, already in the policy's
+    dtype. A cast copy (fp32 masters) would be saved for backward in every layer, where FSDP's gather is
+    freed after forward and made again in backward."""
+    return not experts.is_quantized and all(mp.param_dtype in (None, experts.base_weight(proj).dtype)
+                                            for proj in ("gate_up", "down"))
+
+
+def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> list[nn.Parameter]:
+    """Experts alone on their FSDP mesh (one rank, no replicas): nothing to gather or reduce, so no FSDP unit,
+    whose per-call gathers and gradient copies of every expert weight are pure overhead there. Their
+    parameters become the DTensors FSDP would make (Shard(0) over that mesh: checkpoints, the gradient norm and
+    the optimizer see no difference), read as local tensors in the policy's dtype (GroupedExperts.compute_dtype).
+    Returns them, for the enclosing FSDP units to ignore."""
+    params = []
+    for name, p in list(experts.named_parameters(recurse=False)):
+        sharded = nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
+                               requires_grad=p.requires_grad)
+        setattr(experts, name, sharded)
+        params.append(sharded)
+    experts.compute_dtype = mp.param_dtype
+    return params
+
+
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True) -> None:
     mp = _mp_policy(device_type, autocast)
     expert_mp = _expert_mp_policy(mp, meshes.expert_fsdp.size())
     fsdp_modules = []
+    ignored: set[nn.Parameter] = set()
     expert_parallel = meshes.experts["ep"].size() > 1
     for block in model.model.layers.values():
         experts = getattr(block.mlp, "experts", None)
-        # Under EP the experts shard over their own mesh; otherwise they join the block's unit (a
-        # nested unit's hooks would also land inside a compiled block forward).
+        # Under EP the experts shard over their own mesh (or, alone on it, need no unit); otherwise they join
+        # the block's unit (a nested unit's hooks would also land inside a compiled block forward).
+        unwrapped: set[nn.Parameter] = set()
         if experts is not None and expert_parallel:
-            fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))
-        fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp))
-    fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp))
+            if meshes.expert_fsdp.size() == 1 and _readable_in_place(experts, mp):
+                unwrapped.update(_unwrapped_experts(experts, meshes.expert_fsdp, mp))
+            else:
+                fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))
+        ignored |= unwrapped
+        fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=unwrapped or None))
+    fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored or None))
     for module in fsdp_modules:
         module.set_gradient_divide_factor(1.0)  # sums: the loss is already normalized globally
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
