@@ -195,6 +195,9 @@ class TrainConfig(Section):
     max_nan_skips: int = Field(3, ge=1)
     # Eval loss every N optimizer steps (0: only at the end of the run), when data.eval / eval_fraction is set.
     eval_every_n_steps: int = Field(0, ge=0)
+    # Python's garbage collection at every N-th step boundary, the same on every rank, instead of automatic
+    # collections that pause one rank mid-step while the others wait (runtime.gc_schedule); 0: automatic.
+    gc_every_n_steps: int = Field(50, ge=0)
 
 
 class CheckpointConfig(Section):

@@ -29,6 +29,7 @@ from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
 from runtime.failures import Progress
+from runtime.gc_schedule import scheduled_gc
 from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.build import build
@@ -219,24 +220,26 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, cfg.train.output_dir, env.rank, env.device)
     records, timer = [], StepTimer()
     try:
-        for step in range(start + 1, cfg.train.max_steps + 1):
-            progress.step, progress.training = step, True
-            batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-            with profiler.step(step):
-                result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
-            guard.check(step, result, last_good)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
-            records.append(record)
-            metrics.log(record)
-            if eval_data is not None and (step == cfg.train.max_steps or step % (cfg.train.eval_every_n_steps or
-                                                                                 cfg.train.max_steps) == 0):
-                metrics.log(evaluate(model, eval_data, env, step))  # in metrics.jsonl and the trackers
-            every = cfg.checkpoint.every_n_steps
-            if every and step % every == 0 and step < cfg.train.max_steps:
-                last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
-            timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
+        with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage:
+            for step in range(start + 1, cfg.train.max_steps + 1):
+                progress.step, progress.training = step, True
+                batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+                with profiler.step(step):
+                    result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
+                guard.check(step, result, last_good)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
+                records.append(record)
+                metrics.log(record)
+                if eval_data is not None and (step == cfg.train.max_steps or step % (cfg.train.eval_every_n_steps or
+                                                                                     cfg.train.max_steps) == 0):
+                    metrics.log(evaluate(model, eval_data, env, step))  # in metrics.jsonl and the trackers
+                every = cfg.checkpoint.every_n_steps
+                if every and step % every == 0 and step < cfg.train.max_steps:
+                    last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
+                timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
+                collect_garbage(step)  # its time counts in the next step's
         if cfg.checkpoint.save_final:
             save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:

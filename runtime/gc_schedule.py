@@ -1,0 +1,40 @@
+"""Python's garbage collector on a schedule: an automatic collection pauses a rank at a random point of a step
+(tens of ms for a full pass over a large model's objects), and under any parallelism the other ranks wait for
+it at their next collective. The training loop collects at step boundaries instead, every
+train.gc_every_n_steps steps, the same steps on every rank (0 leaves Python's automatic collection on).
+
+    with scheduled_gc(every) as collect:
+        for step in ...:
+            ...
+            collect(step)
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def scheduled_gc(every: int) -> Iterator[Callable[[int], None]]:
+    """Automatic collection off and the objects alive now (the model, the optimizer) frozen out of every later
+    pass; yields `collect(step)`, which collects the young generations on multiples of `every`. Restores the
+    collector's state on exit, raised or not."""
+    if every == 0:
+        yield lambda step: None
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
+    def collect(step: int) -> None:
+        if step % every == 0:
+            gc.collect(1)
+    try:
+        yield collect
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
