@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound]
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
 #               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2 and for the hybrids;
@@ -10,14 +10,16 @@
 #               selective AC) and LoRA (no AC): tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
-#               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with)
+#               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with),
+#               eager (SCALING_COMPILE=1: compiled)
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
-#   profile     the model at 8 layers, full fine-tune, no checkpointing, ep=1 and ep=N, step 6 traced
+#   profile     the model at 8 layers, full fine-tune, no checkpointing, ep=1 and ep=N (PROFILE_EPS), step 6 traced
 #               (profiling.steps): rank 0's summary (wall, kernel share, host syncs, the compute stream's idle
 #               gaps by cause: runtime.timeline) and top ops; traces under $OUT/profile-*/profile
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
+#   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher (carry .whl-deepep)
 # Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
 source benchmarks/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
@@ -98,8 +100,9 @@ if [[ $parts == *throughput* ]]; then
 fi
 if [[ $parts == *scaling* ]]; then
   for ep in ${SCALING_EPS:-1 2 4 8}; do
-    [ "$ep" -le "$N" ] && train_run "scaling-ep$ep" "$ep" --ep "$ep" --set model.num_layers_override=8 \
-      --set "parallelism.activation_checkpoint=${SCALING_AC:-none}"
+    [ "$ep" -le "$N" ] && train_run "scaling-ep$ep${SCALING_COMPILE:+-compiled}" "$ep" --ep "$ep" \
+      --set model.num_layers_override=8 --set "parallelism.activation_checkpoint=${SCALING_AC:-none}" \
+      ${SCALING_COMPILE:+--set compile.enabled=true}
   done
 fi
 if [[ $parts == *bandwidth* ]]; then
@@ -110,12 +113,13 @@ if [[ $parts == *profile* ]]; then
   # the 8-layer model, full fine-tune, no checkpointing, at ep=1 and ep=N: where the ep=N step loses its time
   traced=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set "profiling.steps=[6]"
           --set train.max_steps=8)
-  train_run profile-full8-ep1 1 --ep 1 "${traced[@]}"
-  train_run "profile-full8-ep$N" "$N" --ep "$N" "${traced[@]}"
   mkdir -p /tmp/traces
-  for run in ep1 "ep$N"; do
-    head -n 16 "$OUT/profile-full8-$run/profile/step6_rank0.txt" 2>/dev/null | cut -c1-200
-    cp "$OUT/profile-full8-$run/profile/step6_rank0.json.gz" "/tmp/traces/trace-full8-$run.json.gz" 2>/dev/null
+  for ep in ${PROFILE_EPS:-1 $N}; do
+    train_run "profile-full8-ep$ep" "$ep" --ep "$ep" "${traced[@]}"
+  done
+  for ep in ${PROFILE_EPS:-1 $N}; do
+    head -n 16 "$OUT/profile-full8-ep$ep/profile/step6_rank0.txt" 2>/dev/null | cut -c1-200
+    cp "$OUT/profile-full8-ep$ep/profile/step6_rank0.json.gz" "/tmp/traces/trace-full8-ep$ep.json.gz" 2>/dev/null
   done
 fi
 if [[ $parts == *hostbound* ]]; then
@@ -129,6 +133,12 @@ if [[ $parts == *hostbound* ]]; then
   done
   [ -n "${HOSTBOUND_GRAPHS:-}" ] && train_run "lora8-ep$N-cudagraphs" "$N" "${eight[@]}" "${lora[@]}" \
     --set compile.enabled=true --set "compile.inductor_options={triton.cudagraphs: true}"
+fi
+if [[ $parts == *deepep* ]]; then
+  # the 8-layer step at ep=N on DeepEP's dispatcher (its wheel: benchmarks/build_deepep.sh; carry .whl-deepep)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deepep-site .whl-deepep/deep_ep-*.whl
+  PYTHONPATH=/tmp/deepep-site:$PYTHONPATH train_run "full8-ep$N-deepep" "$N" --ep "$N" \
+    --set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set parallelism.dispatcher=deepep
 fi
 echo "== summary ($N GPUs)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
