@@ -23,7 +23,7 @@ def test_collects_only_on_scheduled_steps_with_automatic_collection_off(monkeypa
         calls.clear()  # the full collection before freezing
         for step in range(1, 8):
             collect(step)
-        assert calls == [1, 1]  # steps 3 and 6, the young generations only
+        assert calls == [2, 2]  # steps 3 and 6
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
