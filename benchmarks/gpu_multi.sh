@@ -15,7 +15,8 @@
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
 #   profile     the model at 8 layers, full fine-tune, no checkpointing, ep=1 and ep=N (PROFILE_EPS), step 6 traced
 #               (profiling.steps): rank 0's summary (wall, kernel share, host syncs, the compute stream's idle
-#               gaps by cause: runtime.timeline) and top ops; traces under $OUT/profile-*/profile
+#               gaps by cause: runtime.timeline), every rank's gap summary and who waited for whom at the
+#               collectives (runtime.timeline --skew); traces under $OUT/profile-*/profile
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
@@ -118,8 +119,12 @@ if [[ $parts == *profile* ]]; then
     train_run "profile-full8-ep$ep" "$ep" --ep "$ep" "${traced[@]}"
   done
   for ep in ${PROFILE_EPS:-1 $N}; do
-    head -n 16 "$OUT/profile-full8-ep$ep/profile/step6_rank0.txt" 2>/dev/null | cut -c1-200
-    cp "$OUT/profile-full8-ep$ep/profile/step6_rank0.json.gz" "/tmp/traces/trace-full8-ep$ep.json.gz" 2>/dev/null
+    folder=$OUT/profile-full8-ep$ep/profile
+    for rank in $(seq 0 $((ep - 1))); do
+      head -n 3 "$folder/step6_rank$rank.txt" 2>/dev/null | cut -c1-200 | sed "s/^/rank $rank: /"
+      cp "$folder/step6_rank$rank.json.gz" "/tmp/traces/trace-full8-ep$ep-rank$rank.json.gz" 2>/dev/null
+    done
+    [ "$ep" -gt 1 ] && python -m runtime.timeline --skew "$folder"/step6_rank*.json.gz
   done
 fi
 if [[ $parts == *hostbound* ]]; then
@@ -143,4 +148,4 @@ fi
 echo "== summary ($N GPUs)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 pack_out "gpu_multi_${parts// /_}"
-mv /tmp/traces/* "$OUT/" 2>/dev/null  # rank 0's traces of `profile`, beside the archive (pack_out keeps small files)
+mv /tmp/traces/* "$OUT/" 2>/dev/null  # every rank's traces of `profile`, beside the archive (pack_out keeps small files)

@@ -3,9 +3,12 @@ a collective was running (waiting on another rank or on the exchange) and time n
 (waiting on the host: launches, syncs), with the ops whose launches ended the host gaps.
 
     python -m runtime.timeline RUN/profile/step6_rank0.json.gz [--min-gap-us 5] [--top 12]
+    python -m runtime.timeline --skew RUN/profile/step6_rank*.json.gz
 
 The compute stream is the stream with the most non-collective kernel time. runtime.profiling prints this
-summary beside its own for every traced step on a GPU.
+summary beside its own for every traced step on a GPU. `--skew` takes the traces of one step on every rank of
+one host (one clock): a collective's kernel starts when its rank reaches it and ends when all have, so the
+ranks' start times of the same collective say who waited for whom.
 """
 
 from __future__ import annotations
@@ -133,6 +136,40 @@ def analyze(events: list[dict], min_gap_us: float = 5.0, top: int = 12) -> Timel
                     host_gap_ops=[(op, ms / 1e3, int(n)) for op, (ms, n) in ranked])
 
 
+@dataclass
+class Skew:
+    collectives: int           # collective kernels matched on every rank (by name and occurrence)
+    wait_ms: list[float]       # per rank: time its collective kernels ran before the last rank arrived
+    last: list[int]            # per rank: collectives it arrived at last
+
+    def lines(self) -> list[str]:
+        return [f"{self.collectives} collectives matched on {len(self.wait_ms)} ranks"] + [
+            f"  rank {r}: waited {w:.1f} ms for other ranks, arrived last at {n}"
+            for r, (w, n) in enumerate(zip(self.wait_ms, self.last))]
+
+
+def skew(traces: list[list[dict]]) -> Skew:
+    """Per rank, how long its collective kernels waited for the last rank to arrive: the k-th kernel of a name
+    on every rank is the same collective (each communicator issues its collectives in one order on all
+    ranks)."""
+    starts = []
+    for events in traces:
+        by_name = defaultdict(list)
+        for e in sorted((e for e in events if e.get("cat") == "kernel" and _is_collective(e.get("name", ""))),
+                        key=lambda e: e["ts"]):
+            by_name[e["name"]].append(e["ts"])
+        starts.append(by_name)
+    wait, last, matched = [0.0] * len(traces), [0] * len(traces), 0
+    for name in set.intersection(*(set(s) for s in starts)):
+        for ts in zip(*(s[name] for s in starts)):
+            latest = max(ts)
+            matched += 1
+            last[ts.index(latest)] += 1
+            for r, t in enumerate(ts):
+                wait[r] += latest - t
+    return Skew(matched, [w / 1e3 for w in wait], last)
+
+
 def load_events(path: str | Path) -> list[dict]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -146,7 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("trace", nargs="+", help="Chrome traces (.json or .json.gz) of runtime.profiling")
     parser.add_argument("--min-gap-us", type=float, default=5.0)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--skew", action="store_true", help="the traces are one step's on every rank, in rank order")
     args = parser.parse_args(argv)
+    if args.skew:
+        print("\n".join(skew([load_events(path) for path in args.trace]).lines()))
+        return
     for path in args.trace:
         print(path)
         print("\n".join(analyze(load_events(path), args.min_gap_us, args.top).lines()))

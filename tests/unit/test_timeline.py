@@ -72,3 +72,16 @@ def test_cli_reads_a_gzipped_trace(tmp_path, capsys):
 
 def test_a_trace_without_device_events():
     assert timeline.analyze([_op("aten::mm", 0, 5)]).lines()[0].startswith("compute stream busy 0.0 of 0.0 ms")
+
+
+def test_skew_names_the_rank_that_arrives_last():
+    # two all_to_alls and an all_reduce; rank 1 reaches the first all_to_all 300 us late, rank 0 the all_reduce
+    rank0 = [_kernel("ncclAllToAll", 0, 400, 9, 1), _kernel("ncclAllToAll", 1000, 100, 9, 2),
+             _kernel("ncclAllReduce", 2050, 50, 9, 3), _kernel("gemm", 500, 100, 7, 4)]
+    rank1 = [_kernel("ncclAllToAll", 300, 100, 9, 1), _kernel("ncclAllToAll", 1000, 100, 9, 2),
+             _kernel("ncclAllReduce", 2000, 100, 9, 3)]
+    s = timeline.skew([rank0, rank1])
+    assert s.collectives == 3
+    assert s.wait_ms == [pytest.approx(0.3), pytest.approx(0.05)]
+    assert s.last == [2, 1]  # a tie counts for the first rank
+    assert s.lines()[1] == "  rank 0: waited 0.3 ms for other ranks, arrived last at 2"
