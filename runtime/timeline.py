@@ -68,11 +68,12 @@ def _overlap(start: float, end: float, merged: list[tuple[float, float]], starts
 
 
 class _Launchers:
-    """The innermost CPU op around each kernel launch, by the launch's correlation id."""
+    """The innermost CPU op around each kernel launch, by the launch's correlation id (runtime API launches, and
+    driver API ones: Triton's)."""
 
     def __init__(self, events: list[dict]):
         self.runtime = {e["args"]["correlation"]: e for e in events
-                        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
         self.ops = defaultdict(list)  # tid -> [(ts, end, name)], sorted by start
         for e in events:
             if e.get("cat") == "cpu_op" and "dur" in e:

@@ -15,8 +15,8 @@ def _kernel(name, ts, dur, stream, corr):
             "args": {"stream": stream, "correlation": corr}}
 
 
-def _launch(ts, corr, tid=1):
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "pid": 1,
+def _launch(ts, corr, tid=1, api="cuda_runtime"):
+    return {"ph": "X", "cat": api, "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "pid": 1,
             "tid": tid, "args": {"correlation": corr}}
 
 
@@ -34,7 +34,7 @@ def _trace():
          "args": {"stream": 9, "correlation": 5}},
         _kernel("gemm_d", 520, 80, 7, 6),       # gap 500..520: another stream's copy
         _kernel("gemm_e", 603, 97, 7, 7),       # gap 600..603: under the threshold
-        _op("aten::linear", 380, 30), _op("aten::index_select", 390, 10), _launch(395, 4),
+        _op("aten::linear", 380, 30), _op("aten::index_select", 390, 10), _launch(395, 4, api="cuda_driver"),
         _op("aten::mm", 0, 5), _launch(1, 1), _launch(2, 3), _launch(3, 6), _launch(4, 7),
     ]
 
@@ -48,7 +48,7 @@ def test_gaps_split_by_what_ran_and_host_gaps_name_their_launcher():
     assert t.gap_other_ms == pytest.approx(0.02)
     assert t.gap_host_ms == pytest.approx(0.15)
     assert t.comm_ms == pytest.approx(0.06)
-    # the innermost op around the launch, not its enclosing aten::linear
+    # the innermost op around the launch (a driver API launch, as Triton's), not its enclosing aten::linear
     assert t.host_gap_ops == [("aten::index_select", pytest.approx(0.15), 1)]
     assert "busy 0.5 of 0.7 ms" in t.lines()[0]
 
