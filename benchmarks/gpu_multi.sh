@@ -21,6 +21,8 @@
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher (carry .whl-deepep)
+# SETS="key=value ...": config overrides for every training run of the call (e.g. SETS="train.max_steps=30
+# train.gc_every_n_steps=0"); the rows are the median of steps 4 to the end.
 # Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
 source benchmarks/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
@@ -52,11 +54,12 @@ print(f"{tag}: {tps:,.0f} tok/s/GPU  MFU {mfu:.3f}  peak {peak:.1f} GiB  ({len(r
 PY
 }
 
-train_run() {  # tag, world, then runtime.launch flags
-  local tag=$1 world=$2
+train_run() {  # tag, world, then runtime.launch flags (then SETS' overrides)
+  local tag=$1 world=$2 override
   shift 2
   [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
   rm -rf "$OUT/$tag"
+  for override in ${SETS:-}; do set -- "$@" --set "$override"; done
   timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
     > "$OUT/$tag.log" 2>&1 && summary+=("$(tokens_row "$tag" "$world" "$OUT/$tag")") \
     || summary+=("$tag: failed, see $tag.log: $(grep -E '^error' "$OUT/$tag.log" | head -n 1)")
