@@ -15,7 +15,8 @@ under them (a packed FP4 container from `quant/` instead of a tensor):
     experts.lora("gate_up" | "down")         -> LoraFactors(A_ErI, B_EOr), or None without LoRA
 quant.quantize_experts(experts, fmt) swaps the base weights for FP4Weight containers (set_base_weight).
 The accessors return plain tensors: a parameter that is a DTensor no wrapper gathers (the runtime's experts
-alone on their FSDP mesh) is read as its local tensor, in `compute_dtype` when set.
+alone on their FSDP mesh) is read as its local tensor, in its stored dtype (the backends cast operands to the
+activations' dtype, as they do for fp32 master weights on one GPU).
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ class GroupedExperts(nn.Module):
         self.intermediate = intermediate
         # Global id of local expert 0: EP ranks own a contiguous slice of the experts.
         self.expert_offset = expert_offset
-        # The dtype the accessors cast the parameters to (None: their own): set where no FSDP gather casts them.
-        self.compute_dtype: torch.dtype | None = None
         factory = {"device": device, "dtype": dtype}
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))
@@ -132,14 +131,11 @@ class GroupedExperts(nn.Module):
             return LoraFactors(self._readable(self.gate_up_lora_A), self._readable(self.gate_up_lora_B))
         return LoraFactors(self._readable(self.down_lora_A), self._readable(self.down_lora_B))
 
-    def _readable(self, t: torch.Tensor) -> torch.Tensor:
-        """t as the kernels read it: a DTensor's local tensor (differentiable: its gradient comes back as a
-        DTensor of the same placement), cast to compute_dtype when set."""
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if self.compute_dtype is not None and t.dtype != self.compute_dtype:
-            t = t.to(self.compute_dtype)
-        return t
+    @staticmethod
+    def _readable(t: torch.Tensor) -> torch.Tensor:
+        """t as the backends read it: a DTensor's local tensor (differentiable: its gradient comes back as a
+        DTensor of the same placement), a plain tensor as is."""
+        return t.to_local() if isinstance(t, DTensor) else t
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

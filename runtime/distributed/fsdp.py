@@ -47,19 +47,18 @@ def _readable_in_place(experts: GroupedExperts, mp: MixedPrecisionPolicy) -> boo
                                             for proj in ("gate_up", "down"))
 
 
-def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> list[nn.Parameter]:
+def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh) -> list[nn.Parameter]:
     """Experts alone on their FSDP mesh (one rank, no replicas): nothing to gather or reduce, so no FSDP unit,
     whose per-call gathers and gradient copies of every expert weight are pure overhead there. Their
     parameters become the DTensors FSDP would make (Shard(0) over that mesh: checkpoints, the gradient norm and
-    the optimizer see no difference), read as local tensors in the policy's dtype (GroupedExperts.compute_dtype).
-    Returns them, for the enclosing FSDP units to ignore."""
+    the optimizer see no difference), read as local tensors (GroupedExperts' accessors; the backends cast fp32
+    LoRA factors to the activations' dtype). Returns them, for the enclosing FSDP units to ignore."""
     params = []
     for name, p in list(experts.named_parameters(recurse=False)):
         sharded = nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
                                requires_grad=p.requires_grad)
         setattr(experts, name, sharded)
         params.append(sharded)
-    experts.compute_dtype = mp.param_dtype
     return params
 
 
@@ -76,7 +75,7 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocas
         unwrapped: set[nn.Parameter] = set()
         if experts is not None and expert_parallel:
             if meshes.expert_fsdp.size() == 1 and _readable_in_place(experts, mp):
-                unwrapped.update(_unwrapped_experts(experts, meshes.expert_fsdp, mp))
+                unwrapped.update(_unwrapped_experts(experts, meshes.expert_fsdp))
             else:
                 fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))
         ignored |= unwrapped

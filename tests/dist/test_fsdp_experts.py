@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
@@ -57,9 +58,14 @@ def test_only_weights_readable_as_stored_go_unwrapped():
     assert not _readable_in_place(GroupedExperts(2, 4, 2, dtype=torch.float32), bf16)
 
 
-def test_accessors_cast_to_the_compute_dtype():
+@pytest.mark.parametrize("backend", ["eager", "grouped_mm"])
+def test_fp32_factors_compute_in_the_activations_dtype(backend):
+    """Unwrapped experts' accessors hand the stored tensors over; the backends cast them under autocast (no FSDP
+    gather does it)."""
     experts = GroupedExperts(2, 4, 2, lora_rank=2)
-    experts.compute_dtype = torch.bfloat16
     A, B = experts.lora("down")
-    assert experts.base_weight("gate_up").dtype == A.dtype == B.dtype == torch.bfloat16
+    assert A is experts.down_lora_A and B is experts.down_lora_B and experts.base_weight("gate_up") is experts.gate_up
+    x_MH, ids_Mk, w_Mk = torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor([[0, 1], [1, -1], [0, 0]]), torch.rand(3, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts(x_MH, ids_Mk, w_Mk, backend=backend).dtype == torch.bfloat16
     assert experts.gate_up.dtype == torch.float32  # the parameter itself is left as it is
