@@ -80,18 +80,18 @@ class _Launchers:
                 self.ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
         for ops in self.ops.values():
             ops.sort()
+        self.starts = {tid: [start for start, _, _ in ops] for tid, ops in self.ops.items()}
 
     def op_of(self, kernel: dict) -> str:
         launch = self.runtime.get(kernel.get("args", {}).get("correlation"))
         if launch is None:
             return "(unknown launch)"
-        inner = "(no CPU op)"
-        for start, end, name in self.ops.get(launch["tid"], ()):
-            if start > launch["ts"]:
-                break
-            if end >= launch["ts"]:
-                inner = name  # later starts that still enclose the launch are nested deeper
-        return inner
+        ops, ts = self.ops.get(launch["tid"], []), launch["ts"]
+        # the latest-starting op that still encloses the launch is the innermost (nested ops start later)
+        for i in range(bisect.bisect_right(self.starts.get(launch["tid"], []), ts) - 1, -1, -1):
+            if ops[i][1] >= ts:
+                return ops[i][2]
+        return "(no CPU op)"
 
 
 def analyze(events: list[dict], min_gap_us: float = 5.0, top: int = 12) -> Timeline:
