@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
-#               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2 and for the hybrids;
+#               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
 #               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) whose tag matches
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters,
 #               selective AC) and LoRA (no AC): tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
@@ -20,7 +20,8 @@
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
-#   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher (carry .whl-deepep)
+#   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
+#               with it (carry .whl-deepep)
 # SETS="key=value ...": config overrides for every training run of the call (e.g. SETS="train.max_steps=30
 # train.gc_every_n_steps=0"); the rows are the median of steps 4 to the end.
 # Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
@@ -78,6 +79,7 @@ if [[ $parts == *verify* ]]; then
   verify hybrid-cp2-state 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set parallelism.cp_gdn=state --set "$hybrid"
   # --exact: both runs in fp32 on the plain kernels, fp32 bounds: the parallelism alone, apart from bf16 rounding
   verify ep2-exact 2 --ep 2 "$TINY" --exact
+  verify "ep$N-exact" "$N" --ep "$N" "$TINY" --exact
   verify hybrid-cp2-exact 2 --cp 2 "$TINY" --set "$hybrid" --exact
   verify hybrid-cp2-state-exact 2 --cp 2 "$TINY" --set parallelism.cp_gdn=state --set "$hybrid" --exact
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
@@ -147,6 +149,7 @@ if [[ $parts == *deepep* ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deepep-site .whl-deepep/deep_ep-*.whl
   PYTHONPATH=/tmp/deepep-site:$PYTHONPATH train_run "full8-ep$N-deepep" "$N" --ep "$N" \
     --set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set parallelism.dispatcher=deepep
+  PYTHONPATH=/tmp/deepep-site:$PYTHONPATH verify "ep$N-deepep" "$N" --ep "$N" "$TINY" --set parallelism.dispatcher=deepep
 fi
 echo "== summary ($N GPUs)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
