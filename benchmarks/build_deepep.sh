@@ -10,7 +10,7 @@
 #     bash benchmarks/build_deepep.sh build              # -> $OUT/deep_ep-*.whl, $OUT/build_deepep.log
 #   here, after that call (files_at: the folder the call's files came back to):
 #     mkdir -p .whl-deepep && cp FILES_AT/deep_ep-*.whl .whl-deepep/
-#   on a machine of 2-4 GPUs (carry [".whl-deepep", ".whl-deepep-src"]; the source only for DeepEP's test):
+#   on a machine of 2-4 GPUs (carry [".whl", ".whl-deepep", ".whl-deepep-src"]; the source only for DeepEP's test):
 #     bash benchmarks/build_deepep.sh test               # our GPU tests, DeepEP's test_intranode, verify ep 2/4
 #     bash benchmarks/build_deepep.sh bench              # bench_ep with each dispatcher (DEEPEP_SMS=20,24,32: a sweep)
 #
@@ -133,8 +133,7 @@ EOF
   echo "then on 2-4 GPUs, carry [\"$WHL\", \"$SRC\"]: bash benchmarks/build_deepep.sh test"
   ;;
 test)
-  export OUT=${OUT:-/tmp/out}
-  mkdir -p "$OUT"
+  source benchmarks/gpu_env.sh  # the carried wheels (pydantic, ...) and $OUT
   install_wheel
   n=$(nvidia-smi -L | wc -l)
   set -o pipefail
@@ -153,8 +152,7 @@ test)
   done
   ;;
 bench)
-  export OUT=${OUT:-/tmp/out}
-  mkdir -p "$OUT"
+  source benchmarks/gpu_env.sh
   install_wheel
   n=$(nvidia-smi -L | wc -l)
   # all_to_all, then DeepEP at the SM counts DEEPEP_SMS lists, else its default (its own tuning found 24 best)

@@ -13,9 +13,11 @@
           nearest as no change at all, so plain bf16 AdamW stalls once lr * update is that small,
           while rounded stochastically the weight moves by it on average.
 
-StochasticRoundingAdamW updates every parameter of a step in one torch.compile'd call on CUDA (one guard
-check and a launch per parameter; an optimizer that compiles a call per parameter, as torchao's does, is
-host-bound: 91 calls took ~70 ms of GPU span for 29 ms of kernels at 5.6 B parameters). Its states are
+StochasticRoundingAdamW updates the parameters of a step in one torch.compile'd call per decoder layer on
+CUDA (build_optimizer chunks them by layer name). Identical layers share one compiled graph, so the compile
+cost is that of one layer; a single graph over every parameter compiled for minutes at 48 layers, and a
+compiled call per parameter, as torchao's, is host-bound (91 calls took ~70 ms of GPU span for 29 ms of
+kernels at 5.6 B parameters). Its states are
 bf16 tensors shaped and placed like their parameter (DTensor shards under FSDP2 / EP), saved and resumed
 by DCP like torch AdamW's; the update is elementwise, so it runs on the local shards. The rounding draws
 from the device's default generator, which checkpoints save and restore.
@@ -24,6 +26,7 @@ from the device's default generator, which checkpoints save and restore.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -67,7 +70,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
         raise ConfigError("no trainable parameters: enable lora or unfreeze the model")
     o = cfg.optim
     if o.master_dtype == "bf16":
-        optimizer = _stochastic_rounding_adamw(params, o)
+        optimizer = _stochastic_rounding_adamw(params, o, layer_chunks(model))
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                       fused=device.type == "cuda")
@@ -100,12 +103,25 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
     optimizer.step()
 
 
-def _stochastic_rounding_adamw(params: list[torch.nn.Parameter], o: OptimConfig) -> torch.optim.Optimizer:
+def layer_chunks(model: torch.nn.Module) -> dict[torch.Tensor, str]:
+    """Each trainable parameter's update chunk: the path up to its first numbered component ("model.layers.3",
+    "mtp.0"), or "" outside any numbered module list."""
+    chunks = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            numbered = re.match(r"(.*?\.\d+)(\.|$)", name)
+            chunks[p] = numbered.group(1) if numbered else ""
+    return chunks
+
+
+def _stochastic_rounding_adamw(params: list[torch.nn.Parameter], o: OptimConfig,
+                               chunk_of: dict[torch.Tensor, str]) -> torch.optim.Optimizer:
     # Only bf16 parameters are rounded stochastically; any other dtype would silently round to nearest.
     if wrong := sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16}):
         raise ConfigError(f"optim.master_dtype: bf16 needs bf16 trainable parameters, found {wrong}: "
                          "call runtime.optim.apply_master_dtype before build_optimizer")
-    return StochasticRoundingAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return StochasticRoundingAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                   chunk_of=chunk_of)
 
 
 def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
@@ -142,10 +158,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """AdamW for bf16 parameters with bf16 states and stochastically rounded parameter updates (module
-    docstring). On CUDA a step is one compiled call over all parameters; elsewhere the same code eager."""
+    docstring). On CUDA a step is one compiled call per run of consecutive parameters of the same chunk
+    (`chunk_of`: parameter -> chunk name; absent: one chunk); elsewhere the same code eager."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 chunk_of: dict[torch.Tensor, str] | None = None):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self._chunk_of = chunk_of or {}
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):
@@ -169,11 +188,23 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         step = float(states[0]["step"])  # a group steps together: one count for all
         scalars = [torch.tensor(x, dtype=torch.float32) for x in
                    (group["lr"], 1 - beta1**step, math.sqrt(1 - beta2**step), grad_scale)]
-        on_cuda = _local(params[0]).is_cuda
-        update = _compiled_adamw_update if on_cuda else _adamw_update
-        update([_local(p) for p in params], [_local(p.grad) for p in params],
-               [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], *scalars,
-               beta1, beta2, group["eps"], group["weight_decay"])
+        update = _compiled_adamw_update if _local(params[0]).is_cuda else _adamw_update
+        for run in self._runs(params):
+            update([_local(params[i]) for i in run], [_local(params[i].grad) for i in run],
+                   [_local(states[i]["exp_avg"]) for i in run], [_local(states[i]["exp_avg_sq"]) for i in run],
+                   *scalars, beta1, beta2, group["eps"], group["weight_decay"])
+
+    def _runs(self, params: list[torch.Tensor]) -> list[list[int]]:
+        """Indices of params split where the chunk changes, in order (the rounding draws stay in order)."""
+        runs: list[list[int]] = []
+        previous = object()
+        for i, p in enumerate(params):
+            chunk = self._chunk_of.get(p, "")
+            if chunk != previous:
+                runs.append([])
+                previous = chunk
+            runs[-1].append(i)
+        return runs
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

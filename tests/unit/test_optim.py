@@ -250,3 +250,53 @@ def test_fused_adamw_is_left_without_a_grad_scale():
     p.grad = torch.randn_like(p)
     optimizer_step(opt, 0.25)
     assert not hasattr(opt, "grad_scale")
+
+
+class _Stack(nn.Module):
+    """Embedding, four identical layers, a head: the shape of a decoder for the optimizer's chunking."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(4))
+        self.head = nn.Linear(8, 12, bias=False)
+
+
+def test_layer_chunks_name_each_parameter_by_its_numbered_module():
+    from runtime.optim import layer_chunks
+
+    model = _Stack().bfloat16()
+    model.layers[3][1].weight.requires_grad_(False)
+    chunks = {name: layer_chunks(model).get(p) for name, p in model.named_parameters()}
+    assert chunks["embed.weight"] == "" and chunks["head.weight"] == ""
+    assert chunks["layers.2.0.weight"] == chunks["layers.2.1.bias"] == "layers.2"
+    assert chunks["layers.3.1.weight"] is None  # frozen: not the optimizer's
+
+
+def test_chunked_update_compiles_one_graph_per_distinct_layer_and_matches_one_call(monkeypatch):
+    """The update runs per layer: four identical layers share one compiled graph (3 graphs: embedding,
+    layer, head), and the weights equal one eager call over every parameter (same rounding draws)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from runtime import optim
+
+    def run(chunked: bool):
+        torch.manual_seed(0)
+        model = _Stack().bfloat16()
+        params = list(model.parameters())
+        opt = optim.StochasticRoundingAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                            chunk_of=optim.layer_chunks(model) if chunked else None)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step(grad_scale=0.5)
+        return [p.detach() for p in params]
+
+    reference = run(chunked=False)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    monkeypatch.setattr(optim, "_adamw_update", torch.compile(optim._adamw_update, backend=counter, fullgraph=True,
+                                                              dynamic=False))
+    chunked = run(chunked=True)
+    assert counter.frame_count == 3
+    assert all(torch.equal(a, b) for a, b in zip(chunked, reference))
