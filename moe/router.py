@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+
+from moe.dispatch.collectives import all_reduce_sum
 
 
 @dataclass
@@ -31,8 +32,8 @@ def switch_aux_loss(probs_TE: torch.Tensor, topk_ids_Tk: torch.Tensor, group=Non
     # One-hot sum instead of bincount: no host sync and a fixed shape for torch.compile.
     counts_E = F.one_hot(topk_ids_Tk.reshape(-1), E).sum(0).to(torch.float32)
     stats = torch.cat([counts_E, counts_E.new_tensor([T])])
-    if group is not None:  # functional: selective checkpointing keeps it rather than reduce again
-        stats = funcol.wait_tensor(funcol.all_reduce(stats, "sum", group))
+    if group is not None:
+        stats = all_reduce_sum(stats, group)
     counts_E, total_T = stats[:E], stats[E]
     return E * torch.sum(counts_E / total_T * probs_TE.sum(0) / total_T)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+from moe.dispatch.collectives import all_to_all as _all_to_all
 
 
 @dataclass
@@ -38,12 +38,6 @@ class AllToAllRouted(Routed):
     send_splits: list[int]  # rows sent to each rank of the group
     recv_splits: list[int]  # rows received from each rank (they sum to M)
     num_tokens: int        # T of this rank, the length of combine's output
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
-    """The functional all_to_all (an op that returns its output): selective activation checkpointing can keep
-    it instead of exchanging again when it recomputes the block (runtime.distributed.activation_checkpoint)."""
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
 class _DispatchAllToAll(torch.autograd.Function):

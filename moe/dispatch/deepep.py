@@ -63,7 +63,9 @@ BUILD_HINT = ("build DeepEP intranode-only for sm90 with benchmarks/build_deepep
 SUPPORTED_EP = (2, 4, 8)  # intranode kernels are instantiated for these group sizes (SWITCH_RANKS)
 MAX_TOPK = 32             # one warp lane per slot in the intranode kernels
 MAX_LOCAL_EXPERTS = 1024  # NUM_MAX_LOCAL_EXPERTS
-DEFAULT_NUM_SMS = 20      # deep_ep.Buffer.num_sms: SMs the exchange kernels take (even: send/recv pairs)
+# deep_ep.Buffer.num_sms: SMs the exchange kernels take (even: send/recv pairs). Nothing computes while they
+# run (no overlap here), and at 8192 tokens per rank 32 beat 24 and 20 at ep 2 and 4 (docs/benchmarks.md).
+DEFAULT_NUM_SMS = 32
 
 
 def deepep_unavailable_reason() -> str | None:

@@ -48,3 +48,32 @@ def _backward_collectives(rank, world_size, mode):
 def test_backward_does_not_exchange_tokens_again(run_dist, mode):
     for calls, moe_layers in run_dist(_backward_collectives, 2, mode):
         assert calls == {"all_to_all_single": 3 * moe_layers, "all_reduce": 0}, (mode, calls)
+
+
+def _exchange_forms(rank, world_size):
+    """Which form of collective the MoE layers issue: none functional outside a dispatch mode, all of them
+    (every all_to_all and the balance all-reduce) functional inside one."""
+    from moe.dispatch import collectives
+
+    functional = []
+    real = collectives.funcol.all_to_all_single
+    collectives.funcol.all_to_all_single = lambda *args, **kwargs: functional.append(1) or real(*args, **kwargs)
+    cfg = load_config(EXAMPLE, {"parallelism.dp_shard": -1, "parallelism.ep": 2, "data.seq_len": 32,
+                                "model.router_aux_loss_coef": 0.01})
+    dims = ParallelDims.resolve(1, -1, 1, 2, world_size)
+    model = build_model(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims)
+    parallelize(model, dims, dims.build_meshes("cpu"), cfg)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(rank))
+    model(ids, labels=ids).backward()
+    plain_functional = len(functional)
+    counter = CollectiveCounter()
+    with counter:
+        model(ids, labels=ids).backward()
+    return plain_functional, counter.calls, len(list(model.moe_blocks()))
+
+
+def test_plain_collectives_outside_a_dispatch_mode_functional_inside(run_dist):
+    for plain_functional, calls, moe_layers in run_dist(_exchange_forms, 2):
+        assert plain_functional == 0
+        # forward: counts, ids, x, weights, combine; backward: combine's, x's and weights' gradients
+        assert calls == {"all_to_all_single": 8 * moe_layers, "all_reduce": moe_layers}, calls
