@@ -38,6 +38,7 @@ from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
 from runtime.profiling import StepProfiler
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
+from runtime.slow_step import SlowStepNotice
 from runtime.trackers import Trackers
 
 log = logging.getLogger("runtime")
@@ -220,12 +221,13 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, cfg.train.output_dir, env.rank, env.device)
     records, timer = [], StepTimer()
     try:
-        with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage:
+        with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage, SlowStepNotice() as notice:
             for step in range(start + 1, cfg.train.max_steps + 1):
                 progress.step, progress.training = step, True
-                batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-                with profiler.step(step):
-                    result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
+                with notice.step(step):
+                    batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+                    with profiler.step(step):
+                        result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
                 guard.check(step, result, last_good)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
