@@ -12,8 +12,8 @@ Contract:
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
                                  exceed a per-thread register budget; IEEE fp32 dots (FMA, no tensor
                                  cores) get the smallest remaining tile alone
-    m_bucket(rows)               the autotune key for the routed-row count (next power of two), so a new
-                                 token count re-tunes only when it crosses a power of two
+    m_bucket(rows)               the autotune key for the routed-row count (the nearest power of two on a log
+                                 scale), so a new token count re-tunes only when it crosses 2^(n + 1/2)
     bench                        a shorter do_bench for the autotuner (the kernels are short: the default over-samples)
     autotune(**kwargs)           triton.autotune, its results cached on disk where this Triton can, so a
                                  second run does not re-tune
@@ -120,7 +120,12 @@ def _family(configs: list[triton.Config], names: tuple[str, ...], dims: tuple[in
 
 
 def m_bucket(rows: int) -> int:
-    return max(_MIN_DOT, next_power_of_2(rows))
+    """The power of two nearest to `rows` on a log scale. Balanced routing's rows (tokens x top-k, often a power
+    of two) then sit mid-bucket: under EP a rank's rows vary around them from step to step, and with the next
+    power of two as the key they flipped between two buckets, the second tuned in whichever later step first
+    met it."""
+    upper = next_power_of_2(rows)
+    return max(_MIN_DOT, upper if 2 * rows * rows >= upper * upper else upper // 2)
 
 
 def _clamp(block: int, extent: int) -> int:

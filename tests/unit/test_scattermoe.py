@@ -440,3 +440,13 @@ def test_auto_backend_is_scattermoe_on_cuda_only():
     assert resolve_expert_backend("eager", "cuda") == "eager"
     expected = "scattermoe" if EXPERT_BACKENDS.is_available("scattermoe") else "grouped_mm"
     assert resolve_expert_backend("auto", "cuda") == expected
+
+
+def test_m_bucket_centres_powers_of_two():
+    """Rows near a power of two share its bucket on both sides (balanced routing's T x k varies around one
+    under EP); the buckets change at 2^(n + 1/2)."""
+    from moe.kernels.tuning import m_bucket
+
+    assert m_bucket(65536) == m_bucket(65536 + 4096) == m_bucket(65536 - 4096) == 65536
+    assert m_bucket(92681) == 65536 and m_bucket(92682) == 131072  # 2^16.5 = 92681.9
+    assert m_bucket(1) == 16 and m_bucket(0) == 16
