@@ -1,6 +1,8 @@
 """Where a traced step's compute stream waits: the idle gaps of a torch.profiler Chrome trace, split into time
 a collective was running (waiting on another rank or on the exchange) and time nothing ran on the device
-(waiting on the host: launches, syncs), with the ops whose launches ended the host gaps.
+(waiting on the host: launches, syncs), with the ops whose launches ended the host gaps, each after the
+region around it (an FSDP hook, an autograd node: `FSDP::post_backward_reduce (model.layers.N.mlp.experts) >
+aten::copy_`), layer numbers folded so a hook's gaps in every layer add up.
 
     python -m runtime.timeline RUN/profile/step6_rank0.json.gz [--min-gap-us 5] [--top 12]
     python -m runtime.timeline --skew RUN/profile/step6_rank*.json.gz
@@ -17,6 +19,7 @@ import argparse
 import bisect
 import gzip
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,31 +70,63 @@ def _overlap(start: float, end: float, merged: list[tuple[float, float]], starts
     return total
 
 
+def _is_region(event: dict) -> bool:
+    """A record_function region (FSDP's hooks, nccl:*) or an autograd node: what names a launch's context."""
+    return event.get("cat") == "user_annotation" or event["name"].startswith("autograd::engine::evaluate_function")
+
+
 class _Launchers:
-    """The innermost CPU op around each kernel launch, by the launch's correlation id (runtime API launches, and
-    driver API ones: Triton's)."""
+    """The CPU op around each kernel launch (runtime API launches, and driver API ones: Triton's), by the launch's
+    correlation id: the innermost op, after the nearest region around it (`_is_region`) when there is one."""
 
     def __init__(self, events: list[dict]):
         self.runtime = {e["args"]["correlation"]: e for e in events
                         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-        self.ops = defaultdict(list)  # tid -> [(ts, end, name)], sorted by start
+        by_thread = defaultdict(list)
         for e in events:
-            if e.get("cat") == "cpu_op" and "dur" in e:
-                self.ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
-        for ops in self.ops.values():
+            if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
+                by_thread[e["tid"]].append((e["ts"], -(e["ts"] + e["dur"]), e["name"], _is_region(e)))
+        # per thread, sorted by start (enclosing first on ties): (start, end, name, region), each op's parent
+        self.ops, self.parent, self.starts = {}, {}, {}
+        for tid, ops in by_thread.items():
             ops.sort()
-        self.starts = {tid: [start for start, _, _ in ops] for tid, ops in self.ops.items()}
+            self.ops[tid] = [(start, -neg_end, name, region) for start, neg_end, name, region in ops]
+            self.parent[tid] = _parents(self.ops[tid])
+            self.starts[tid] = [op[0] for op in self.ops[tid]]
 
     def op_of(self, kernel: dict) -> str:
         launch = self.runtime.get(kernel.get("args", {}).get("correlation"))
         if launch is None:
             return "(unknown launch)"
-        ops, ts = self.ops.get(launch["tid"], []), launch["ts"]
-        # the latest-starting op that still encloses the launch is the innermost (nested ops start later)
-        for i in range(bisect.bisect_right(self.starts.get(launch["tid"], []), ts) - 1, -1, -1):
-            if ops[i][1] >= ts:
-                return ops[i][2]
-        return "(no CPU op)"
+        tid, ts = launch["tid"], launch["ts"]
+        ops, parent = self.ops.get(tid, []), self.parent.get(tid, [])
+        # ops nest: the innermost op enclosing ts is the last op started before it, or one of its ancestors
+        i = bisect.bisect_right(self.starts.get(tid, []), ts) - 1
+        while i >= 0 and ops[i][1] < ts:
+            i = parent[i]
+        if i < 0:
+            return "(no CPU op)"
+        inner, region = ops[i][2], parent[i]
+        while region >= 0 and not ops[region][3]:
+            region = parent[region]
+        return f"{_region_label(ops[region][2])} > {inner}" if region >= 0 and not ops[i][3] else inner
+
+
+def _region_label(name: str) -> str:
+    """A region's name without what varies by layer: "FSDP::pre_forward (model.layers.N.mlp.experts)", an
+    autograd node's class alone."""
+    return re.sub(r"\.\d+(?=[.)])", ".N", name.removeprefix("autograd::engine::evaluate_function: "))
+
+
+def _parents(ops: list[tuple[float, float, str, bool]]) -> list[int]:
+    """The index of each op's innermost enclosing op (-1: none), ops sorted by start, enclosing ones first."""
+    parent, open_ops = [], []
+    for i, (start, _, _, _) in enumerate(ops):
+        while open_ops and ops[open_ops[-1]][1] < start:
+            open_ops.pop()
+        parent.append(open_ops[-1] if open_ops else -1)
+        open_ops.append(i)
+    return parent
 
 
 def analyze(events: list[dict], min_gap_us: float = 5.0, top: int = 12) -> Timeline:

@@ -85,3 +85,23 @@ def test_skew_names_the_rank_that_arrives_last():
     assert s.wait_ms == [pytest.approx(0.3), pytest.approx(0.05)]
     assert s.last == [2, 1]  # a tie counts for the first rank
     assert s.lines()[1] == "  rank 0: waited 0.3 ms for other ranks, arrived last at 2"
+
+
+def _region(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def test_host_gaps_name_the_region_around_their_launcher_across_layers():
+    """A launch inside FSDP's record_function region (per layer) or an autograd node is named after that region,
+    layer numbers folded, so the same hook in every layer adds up; a launch outside any stays its op alone."""
+    events = [_kernel("k0", 0, 10, 7, 1)]
+    for layer, ts in ((3, 100), (12, 300)):  # host gaps of 90 and 190 us before the copies
+        events += [_region(f"FSDP::post_backward_reduce (model.layers.{layer}.mlp.experts)", ts - 50, 60),
+                   _op("aten::_chunk_cat", ts - 40, 40), _op("aten::copy_", ts - 30, 20),
+                   _launch(ts - 25, 10 + layer), _kernel("copy", ts, 10, 7, 10 + layer)]
+    events += [_op("autograd::engine::evaluate_function: IndexAddBackward0", 380, 40), _op("aten::add", 390, 10),
+               _launch(395, 50), _kernel("add", 400, 10, 7, 50),
+               _op("aten::mm", 480, 10), _launch(485, 51), _kernel("mm", 500, 10, 7, 51)]
+    ops = {op: (ms, n) for op, ms, n in timeline.analyze(events).host_gap_ops}
+    assert ops == {"FSDP::post_backward_reduce (model.layers.N.mlp.experts) > aten::copy_": (pytest.approx(0.28), 2),
+                   "IndexAddBackward0 > aten::add": (pytest.approx(0.09), 1), "aten::mm": (pytest.approx(0.09), 1)}
