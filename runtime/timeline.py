@@ -106,10 +106,12 @@ class _Launchers:
             i = parent[i]
         if i < 0:
             return "(no CPU op)"
-        inner, region = ops[i][2], parent[i]
+        if ops[i][3]:  # the launch is a region's own (nccl:*): no op inside it
+            return _region_label(ops[i][2])
+        region = parent[i]
         while region >= 0 and not ops[region][3]:
             region = parent[region]
-        return f"{_region_label(ops[region][2])} > {inner}" if region >= 0 and not ops[i][3] else inner
+        return f"{_region_label(ops[region][2])} > {ops[i][2]}" if region >= 0 else ops[i][2]
 
 
 def _region_label(name: str) -> str:
