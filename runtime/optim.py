@@ -25,6 +25,7 @@ from the device's default generator, which checkpoints save and restore.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -189,22 +190,12 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         scalars = [torch.tensor(x, dtype=torch.float32) for x in
                    (group["lr"], 1 - beta1**step, math.sqrt(1 - beta2**step), grad_scale)]
         update = _compiled_adamw_update if _local(params[0]).is_cuda else _adamw_update
-        for run in self._runs(params):
-            update([_local(params[i]) for i in run], [_local(params[i].grad) for i in run],
-                   [_local(states[i]["exp_avg"]) for i in run], [_local(states[i]["exp_avg_sq"]) for i in run],
-                   *scalars, beta1, beta2, group["eps"], group["weight_decay"])
-
-    def _runs(self, params: list[torch.Tensor]) -> list[list[int]]:
-        """Indices of params split where the chunk changes, in order (the rounding draws stay in order)."""
-        runs: list[list[int]] = []
-        previous = object()
-        for i, p in enumerate(params):
-            chunk = self._chunk_of.get(p, "")
-            if chunk != previous:
-                runs.append([])
-                previous = chunk
-            runs[-1].append(i)
-        return runs
+        # consecutive parameters of one chunk per call, in order (the rounding draws stay in order)
+        for _, run in itertools.groupby(zip(params, states), key=lambda pair: self._chunk_of.get(pair[0], "")):
+            ps, ss = zip(*run)
+            update([_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in ss],
+                   [_local(s["exp_avg_sq"]) for s in ss], *scalars, beta1, beta2, group["eps"],
+                   group["weight_decay"])
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

@@ -50,14 +50,14 @@ def where(frame) -> str:
     stack = traceback.extract_stack(frame)
     parts = []
     for summary in reversed(stack):
-        path = summary.filename.replace("\\", "/")
-        match = next(((key, what) for key, what in _ACTIVITIES if f"/{key}" in path), None)
+        match = next(((key, what) for key, what in _ACTIVITIES if f"/{key}" in summary.filename), None)
         if match:
             parts.append(f"{match[1]} ({match[0].replace('/', '.')})")
             break
-    ours = next((s for s in reversed(stack) if _ours(s.filename)), None)
-    if ours is not None:
-        parts.append(f"under {_ours(ours.filename)}:{ours.lineno} {ours.name}")
+    for summary in reversed(stack):
+        if path := _ours(summary.filename):
+            parts.append(f"under {path}:{summary.lineno} {summary.name}")
+            break
     return ", ".join(parts) or f"in {stack[-1].filename}:{stack[-1].lineno}"
 
 
