@@ -67,6 +67,7 @@ class Run:
     backend: str
     compile: bool
     dispatcher: str = "all_to_all"
+    trace: str | None = None  # a folder: one traced layer step per row
 
 
 def timed(fn, run: Run) -> float:
@@ -120,6 +121,19 @@ def all_to_all_busbw(nbytes_per_rank: int, group, run: Run) -> float:
     return nbytes_per_rank / (ms / 1e3) / 1e9 * (n - 1) / n
 
 
+def trace(folder: str, tag: str, step) -> None:
+    """One step under torch.profiler, as each rank's Chrome trace FOLDER/TAG-rankR.json.gz (runtime.timeline
+    reads it: the compute stream's busy time against the collectives')."""
+    step()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, f"{tag}-rank{dist.get_rank()}.json.gz"))
+
+
 def peak_gib(run: Run) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if run.device == "cuda" else None
 
@@ -156,6 +170,9 @@ def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None
         ms = timed(lambda mask=mask: layer_step(dispatcher, experts, x, ids, w, mask, run.backend), run)
         setattr(row, f"{name}_ms", ms)
         setattr(row, f"{name}_peak_gib", peak_gib(run))
+    if run.trace:
+        trace(run.trace, f"ep{ep}-chunks{chunks}", lambda: layer_step(dispatcher, experts, x, ids, w, False,
+                                                                        run.backend))
     if chunks > 1:
         _close(dispatcher)
         return row
@@ -196,6 +213,7 @@ def main() -> None:
     p.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="pieces the layer's tokens are pipelined in (parallelism.ep_chunks), comma-separated: "
                         "a row each (1: whole, with the mask and exchange columns)")
+    p.add_argument("--trace", help="a folder for each row's traced layer step (GPU): one Chrome trace per rank")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.deepep_sms != [None] and args.dispatcher != "deepep":
@@ -205,8 +223,8 @@ def main() -> None:
         run, shape, tokens = Run("cpu", *cpu, args.compile, args.dispatcher), "tiny", 32
         dist.init_process_group("gloo")
     else:
-        run, shape, tokens = (Run("cuda", torch.bfloat16, args.backend, args.compile, args.dispatcher), args.shape,
-                              args.tokens)
+        run, shape, tokens = (Run("cuda", torch.bfloat16, args.backend, args.compile, args.dispatcher, args.trace),
+                              args.shape, args.tokens)
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world, rank = dist.get_world_size(), dist.get_rank()
