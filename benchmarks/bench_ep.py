@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_ep --dry   # gloo on the CPU, tiny shape
     torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep --dispatcher deepep   # DeepEP's kernels
     torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep --dispatcher deepep --deepep-sms 20,24,32
-    torchrun --standalone --nproc_per_node 4 -m benchmarks.bench_ep --chunks 1,2,4   # the pipelined layer
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_ep --trace DIR   # + a traced layer step per rank
 
 At one MoE shape (harness.SHAPES), T tokens per rank, bf16: one MoE layer (all_to_all dispatch ->
 grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask (-1 slots sent to local
@@ -16,9 +16,7 @@ fp32 (eager experts): a smoke test, its numbers mean nothing. `--compile` compil
 training does under EP (runtime.distributed.compile.compile_experts: fullgraph, rows dynamic), dispatch
 and combine staying eager; with `--dry` the experts are then grouped_mm in bf16 (the only dtype
 torch._grouped_mm traces on the CPU). `--deepep-sms` gives DeepEP's kernels each of these SM counts in turn
-(one row per ep and count; moe/dispatch/deepep.py's DEFAULT_NUM_SMS otherwise). `--chunks` adds rows of
-the layer pipelined over that many pieces of the tokens (moe/dispatch/overlap.py: each piece's exchange
-beside another's experts), sentinel-skip only, against the whole layer's row above them.
+(one row per ep and count; moe/dispatch/deepep.py's DEFAULT_NUM_SMS otherwise).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import SHAPES, Column, Report, median_ms
-from moe.dispatch import ChunkedDispatcher, build_dispatcher
+from moe.dispatch import build_dispatcher
 from moe.experts import GroupedExperts
 from runtime.distributed.compile import compile_experts
 
@@ -67,7 +65,7 @@ class Run:
     backend: str
     compile: bool
     dispatcher: str = "all_to_all"
-    trace: str | None = None  # a folder: one traced layer step per row
+    trace: str | None = None  # a folder: one traced layer step per ep
 
 
 def timed(fn, run: Run) -> float:
@@ -96,13 +94,13 @@ def mask_to_compute(ids_Mk: torch.Tensor, w_Mk: torch.Tensor):
 
 
 def layer_step(dispatcher, experts, x_TH, ids_Tk, w_Tk, mask: bool, backend: str):
-    def compute(routed):
-        ids, w = routed.expert_ids_Mk, routed.weights_Mk
-        if mask:
-            ids, w = mask_to_compute(ids, w)
-        return experts(routed.x_MH, ids, w, backend=backend)
-
-    dispatcher.run(x_TH, ids_Tk, w_Tk, compute).float().square().mean().backward()
+    routed = dispatcher.dispatch(x_TH, ids_Tk, w_Tk)
+    ids, w = routed.expert_ids_Mk, routed.weights_Mk
+    if mask:
+        ids, w = mask_to_compute(ids, w)
+    y = experts(routed.x_MH, ids, w, backend=backend)
+    out = dispatcher.combine(y, routed)
+    out.float().square().mean().backward()
 
 
 def dispatch_combine_step(dispatcher, x_TH, ids_Tk, w_Tk):
@@ -123,7 +121,7 @@ def all_to_all_busbw(nbytes_per_rank: int, group, run: Run) -> float:
 
 def trace(folder: str, tag: str, step) -> None:
     """One step under torch.profiler, as each rank's Chrome trace FOLDER/TAG-rankR.json.gz (runtime.timeline
-    reads it: the compute stream's busy time against the collectives')."""
+    reads it: the compute stream's busy time, its idle gaps and what launched the kernels after them)."""
     step()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -138,16 +136,15 @@ def peak_gib(run: Run) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if run.device == "cuda" else None
 
 
-def make_dispatcher(run: Run, group, num_experts: int, num_sms: int | None, chunks: int):
+def make_dispatcher(run: Run, group, num_experts: int, num_sms: int | None):
     if num_sms is None:
-        return build_dispatcher(run.dispatcher, group, num_experts, chunks=chunks)
+        return build_dispatcher(run.dispatcher, group, num_experts)
     from moe.dispatch.deepep import DeepEPDispatcher
 
-    deepep = DeepEPDispatcher(group, num_experts, num_sms=num_sms)
-    return deepep if chunks == 1 else ChunkedDispatcher(deepep, chunks)
+    return DeepEPDispatcher(group, num_experts, num_sms=num_sms)
 
 
-def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None, chunks: int = 1) -> Row:
+def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None) -> Row:
     s = SHAPES[shape]
     E, H, I, K = s.experts, s.hidden, s.intermediate, s.top_k
     group = ep_group(ep)
@@ -156,26 +153,20 @@ def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None
     experts = GroupedExperts(E // ep, H, I, device=run.device, dtype=run.dtype, expert_offset=rank_in_group * E // ep)
     if run.compile:
         compile_experts(experts)
-    dispatcher = make_dispatcher(run, group, E, num_sms, chunks)
+    dispatcher = make_dispatcher(run, group, E, num_sms)
     x = torch.randn(tokens, H, device=run.device, dtype=run.dtype, requires_grad=True)
     logits = torch.randn(tokens, E, device=run.device)
     w, ids = torch.topk(torch.softmax(logits, -1), K)
     w = (w / w.sum(-1, keepdim=True)).to(run.dtype).requires_grad_()
-    notes = ([] if num_sms is None else [f"{num_sms} SMs"]) + ([] if chunks == 1 else [f"{chunks} chunks"])
-    row = Row(ep, tokens, note=", ".join(notes))
-    # pipelined: the layer with sentinel-skip only (the exchange alone is the same as whole)
-    for name, mask in (("skip", False),) if chunks > 1 else (("skip", False), ("mask", True)):
+    row = Row(ep, tokens, note="" if num_sms is None else f"{num_sms} SMs")
+    for name, mask in (("skip", False), ("mask", True)):
         if run.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = timed(lambda mask=mask: layer_step(dispatcher, experts, x, ids, w, mask, run.backend), run)
         setattr(row, f"{name}_ms", ms)
         setattr(row, f"{name}_peak_gib", peak_gib(run))
     if run.trace:
-        trace(run.trace, f"ep{ep}-chunks{chunks}", lambda: layer_step(dispatcher, experts, x, ids, w, False,
-                                                                        run.backend))
-    if chunks > 1:
-        _close(dispatcher)
-        return row
+        trace(run.trace, f"ep{ep}", lambda: layer_step(dispatcher, experts, x, ids, w, False, run.backend))
     row.skip_over_mask = row.skip_ms / row.mask_ms
     row.dispatch_combine_ms = timed(lambda: dispatch_combine_step(dispatcher, x, ids, w), run)
     routed = dispatcher.dispatch(x.detach(), ids, w.detach())
@@ -189,15 +180,9 @@ def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None
     row.dispatch_combine_GBps = 4 * sent_bytes / (row.dispatch_combine_ms / 1e3) / 1e9
     row.a2a_busbw_GBps = all_to_all_busbw(sent_bytes, group, run)
     row.a2a_busbw_128MiB_GBps = all_to_all_busbw((1 if run.device == "cpu" else 128) * 2**20, group, run)
-    _close(dispatcher)
+    if hasattr(dispatcher, "close"):  # deepep: its NVLink buffer (a collective over the group)
+        dispatcher.close()
     return row
-
-
-def _close(dispatcher) -> None:
-    """deepep: its NVLink buffer (a collective over the group)."""
-    inner = getattr(dispatcher, "inner", dispatcher)
-    if hasattr(inner, "close"):
-        inner.close()
 
 
 def main() -> None:
@@ -210,10 +195,7 @@ def main() -> None:
     p.add_argument("--dispatcher", default="all_to_all", help="all_to_all | deepep (parallelism.dispatcher)")
     p.add_argument("--deepep-sms", type=lambda s: [int(x) for x in s.split(",")], default=[None],
                    help="with --dispatcher deepep: SM counts for its kernels, comma-separated (even numbers)")
-    p.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                   help="pieces the layer's tokens are pipelined in (parallelism.ep_chunks), comma-separated: "
-                        "a row each (1: whole, with the mask and exchange columns)")
-    p.add_argument("--trace", help="a folder for each row's traced layer step (GPU): one Chrome trace per rank")
+    p.add_argument("--trace", help="a folder for one traced layer step per ep (GPU): a Chrome trace per rank")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.deepep_sms != [None] and args.dispatcher != "deepep":
@@ -238,8 +220,7 @@ def main() -> None:
     for ep in (2, 4, 8):
         if ep <= world and world % ep == 0:
             for num_sms in args.deepep_sms:
-                for chunks in args.chunks:
-                    report.add(bench(ep, shape, tokens, run, num_sms, chunks))
+                report.add(bench(ep, shape, tokens, run, num_sms))
     dist.destroy_process_group()
 
 

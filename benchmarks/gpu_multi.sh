@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound] [overlap] [deepep]
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
 #               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
@@ -20,9 +20,6 @@
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
-#   overlap     the EP exchange pipelined beside the experts (parallelism.ep_chunks, moe/dispatch/overlap.py):
-#               tests/gpu/test_overlap_gpu.py, bench_ep --chunks 1,2,3,4 (OVERLAP_CHUNKS), verify ep=N at 2 chunks,
-#               and the 8-layer full fine-tune step (no checkpointing) at ep=N whole and in 2 chunks, then at ep=1
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # SETS="key=value ...": config overrides for every training run of the call (e.g. SETS="train.max_steps=30
@@ -146,18 +143,6 @@ if [[ $parts == *hostbound* ]]; then
   done
   [ -n "${HOSTBOUND_GRAPHS:-}" ] && train_run "lora8-ep$N-cudagraphs" "$N" "${eight[@]}" "${lora[@]}" \
     --set compile.enabled=true --set "compile.inductor_options={triton.cudagraphs: true}"
-fi
-if [[ $parts == *overlap* ]]; then
-  timeout 300 python3 -m pytest -q -s tests/gpu/test_overlap_gpu.py > "$OUT/test_overlap.log" 2>&1
-  summary+=("test_overlap_gpu: $(tail -n 1 "$OUT/test_overlap.log")")
-  torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --chunks "${OVERLAP_CHUNKS:-1,2,3,4}" \
-    --out "$OUT" > "$OUT/bench_ep.log" 2>&1
-  summary+=("$(grep -E '^ep |^ *[0-9]+ ' "$OUT/bench_ep.log")")
-  verify "ep$N-chunks2" "$N" --ep "$N" "$TINY" --set parallelism.ep_chunks=2
-  eight=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none)
-  train_run "full8-ep$N" "$N" --ep "$N" "${eight[@]}"
-  train_run "full8-ep$N-chunks2" "$N" --ep "$N" "${eight[@]}" --set parallelism.ep_chunks=2
-  train_run full8-ep1 1 --ep 1 "${eight[@]}"
 fi
 if [[ $parts == *deepep* ]]; then
   # the 8-layer step at ep=N on DeepEP's dispatcher (its wheel: benchmarks/build_deepep.sh; carry .whl-deepep)

@@ -1,8 +1,7 @@
 """MoEBlock = router + dispatcher + grouped experts (+ sigmoid-gated shared expert).
 
     x_TH -> router -> (topk_ids_Tk, topk_w_Tk) -> dispatch -> backend -> combine -> out_TH
-The dispatcher decides where tokens are computed (local or over an EP group) and runs the three steps
-(Dispatcher.run: it may pipeline chunks of tokens); the backend decides how.
+The dispatcher decides where tokens are computed (local or over an EP group); the backend how.
 A block is built whole, with its dispatcher (`local` for a single process); what couples it to other
 ranks is set in one step, `MoEBlock.wire(dispatcher, balance_group, aux_grad_scale)`.
 """
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.backends import expert_backend
-from moe.dispatch import Dispatcher, Routed
+from moe.dispatch import Dispatcher
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 
@@ -76,12 +75,11 @@ class MoEBlock(nn.Module):
         shape = x.shape
         x_TH = x.reshape(-1, shape[-1])
         routing = self.gate(x_TH)
-        out_TH = self.dispatcher.run(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk, self._compute)
-        return self.add_shared(x_TH, out_TH, routing.aux_loss).reshape(shape)
-
-    def _compute(self, routed: Routed) -> torch.Tensor:
-        return self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend,
+        routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
+        y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend,
                             valid_slots=routed.valid_slots)
+        out_TH = self.dispatcher.combine(y_MH, routed)
+        return self.add_shared(x_TH, out_TH, routing.aux_loss).reshape(shape)
 
     def add_shared(self, x_TH: torch.Tensor, out_TH: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
         """out_TH (the combined routed experts) + the gated shared expert of x_TH; attaches the balance

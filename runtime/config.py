@@ -130,9 +130,6 @@ class ParallelismConfig(Section):
     ep: int = Field(1, ge=1)
     # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
     dispatcher: str = "all_to_all"
-    # Under EP, each MoE layer exchanges and computes its tokens in this many pieces, the exchange of one
-    # beside the experts of another (moe/dispatch/overlap.py); 1: whole. Needs activation_checkpoint none.
-    ep_chunks: int = Field(1, ge=1)
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     # A collective that waits longer fails; the watchdog ends every rank once a peer stalls this long.
     collective_timeout_s: int = Field(600, ge=5)
@@ -266,11 +263,6 @@ class Config(Section):
         if p.dispatcher == "local" and p.ep > 1:
             raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
                              f"parallelism.ep is {p.ep}; use all_to_all")
-        if p.ep_chunks > 1 and p.activation_checkpoint != "none":
-            raise ValueError(f"parallelism.ep_chunks={p.ep_chunks} overlaps the EP exchange with the experts only "
-                             f"without activation checkpointing (parallelism.activation_checkpoint is "
-                             f"{p.activation_checkpoint}: its recompute replays the exchange whole); set "
-                             "parallelism.activation_checkpoint: none or parallelism.ep_chunks: 1")
         if self.checkpoint.export_merged and not self.lora.enabled:
             raise ValueError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
                              "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")

@@ -1,14 +1,13 @@
 """Token dispatchers behind one contract (see moe/dispatch/base.py), in the `DISPATCHERS` registry
 (config key parallelism.dispatcher).
 
-    dispatcher = build_dispatcher(name, ep_group, num_experts, chunks=1)
+    dispatcher = build_dispatcher(name, ep_group, num_experts)
 
 `local` keeps every expert on this rank (the identity); `all_to_all` exchanges tokens over the EP
 group, and is the identity too when that group has one rank (nothing to exchange, no collective).
 `deepep` exchanges them with DeepEP's NVLink kernels (moe/dispatch/deepep.py); it is registered only
 where the deep_ep package is installed (benchmarks/build_deepep.sh builds it), which is imported on
-first use, and is the identity too with one rank. `chunks` > 1 (parallelism.ep_chunks) pipelines an
-exchanging dispatcher over that many pieces of the tokens (moe/dispatch/overlap.py).
+first use, and is the identity too with one rank.
 """
 
 from __future__ import annotations
@@ -22,10 +21,8 @@ from moe.dispatch.all_to_all import AllToAllDispatcher
 from moe.dispatch.base import Dispatcher, Routed
 from moe.dispatch.deepep import deepep_unavailable_reason
 from moe.dispatch.local import LocalDispatcher
-from moe.dispatch.overlap import ChunkedDispatcher
 
-__all__ = ["DISPATCHERS", "AllToAllDispatcher", "ChunkedDispatcher", "Dispatcher", "LocalDispatcher", "Routed",
-           "build_dispatcher"]
+__all__ = ["DISPATCHERS", "AllToAllDispatcher", "Dispatcher", "LocalDispatcher", "Routed", "build_dispatcher"]
 
 # (EP group or None, num_experts) -> a dispatcher for the blocks of one model
 DispatcherFactory = Callable[[dist.ProcessGroup | None, int], Dispatcher]
@@ -65,11 +62,6 @@ else:
     DISPATCHERS.unavailable("deepep", f"{_deepep_missing}; or use all_to_all")
 
 
-def build_dispatcher(name: str, ep_group: dist.ProcessGroup | None, num_experts: int,
-                     chunks: int = 1) -> Dispatcher:
-    """The dispatcher `name` over `ep_group` (None: no expert parallelism), pipelined over `chunks` pieces
-    of the tokens where it exchanges them."""
-    dispatcher = DISPATCHERS.get(name)(ep_group, num_experts)
-    if chunks == 1 or isinstance(dispatcher, LocalDispatcher):
-        return dispatcher
-    return ChunkedDispatcher(dispatcher, chunks)
+def build_dispatcher(name: str, ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:
+    """The dispatcher `name` over `ep_group` (None: no expert parallelism)."""
+    return DISPATCHERS.get(name)(ep_group, num_experts)

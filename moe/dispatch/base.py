@@ -17,17 +17,11 @@ topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
 
 `traceable` says whether dispatch and combine trace into a fullgraph torch.compile region (no host
 sync, no data-dependent shape); where not, the runtime compiles the MoE block around the exchange.
-
-The MoE block calls the three steps through `run`, so a dispatcher may interleave them instead
-(moe/dispatch/overlap.py pipelines chunks of tokens, the exchange of one beside the experts of another):
-
-    out_TH = dispatcher.run(x_TH, topk_ids_Tk, topk_w_Tk, compute)   # compute(routed) -> y_MH
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,12 +45,6 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, y_MH: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Brings the backend's rows back to their tokens: out_TH[t] = sum of its rows' y."""
-
-    def run(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor,
-            compute: Callable[[Routed], torch.Tensor]) -> torch.Tensor:
-        """dispatch, compute (the experts: routed -> y_MH), combine: the whole routed half of a MoE layer."""
-        routed = self.dispatch(x_TH, topk_ids_Tk, topk_w_Tk)
-        return self.combine(compute(routed), routed)
 
 
 def check_routing_shapes(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> None:

@@ -3,7 +3,6 @@ suits who is watching.
 
     all_to_all(x, out_splits, in_splits, group) -> the exchanged rows (None splits: equal parts)
     all_reduce_sum(x, group) -> the elementwise sum over the group
-    functional_form() -> whether they are issued as functional collectives now (below)
 
 Under a torch dispatch mode (selective activation checkpointing's caching and cached modes) or while
 torch.compile traces, they are functional collectives: ops that return their output, which the
@@ -20,15 +19,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 
-def functional_form() -> bool:
-    """Whether the collectives are issued as functional ones now (a dispatch mode or a compile trace)."""
+def _functional() -> bool:
     # is_compiling first: dynamo folds it to True and never traces the dispatch-stack query.
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
     x = x.contiguous()
-    if functional_form():
+    if _functional():
         return funcol.wait_tensor(funcol.all_to_all_single(x, out_splits, in_splits, group))
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = x.new_empty((rows, *x.shape[1:]))
@@ -37,7 +35,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[in
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    if functional_form():
+    if _functional():
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
     x = x.clone()
     dist.all_reduce(x, group=group)

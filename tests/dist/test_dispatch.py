@@ -11,7 +11,6 @@ because starting the processes and the group costs more than the cases themselve
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe.backends import expert_backend
-from moe.dispatch import AllToAllDispatcher, ChunkedDispatcher, LocalDispatcher, build_dispatcher
+from moe.dispatch import AllToAllDispatcher, LocalDispatcher, build_dispatcher
 from moe.experts import GroupedExperts
 
 H, I, E = 8, 4, 8  # 16-byte aligned fp32 rows, so grouped_mm runs torch._grouped_mm on the CPU
@@ -147,8 +146,9 @@ def run_moe(dispatcher, backend, experts, x_TH, topk_ids_Tk, topk_w_Tk, grad_out
         experts.zero_grad()  # the reference experts serve several backends
     x_TH = x_TH.clone().requires_grad_()
     topk_w_Tk = topk_w_Tk.clone().requires_grad_()
-    out_TH = dispatcher.run(x_TH, topk_ids_Tk, topk_w_Tk, lambda routed: backend(
-        routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, experts, valid_slots=routed.valid_slots))
+    routed = dispatcher.dispatch(x_TH, topk_ids_Tk, topk_w_Tk)
+    y_MH = backend(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, experts, valid_slots=routed.valid_slots)
+    out_TH = dispatcher.combine(y_MH, routed)
     # The residual x + moe(x) keeps every rank's loss differentiable, even a rank whose MoE output has
     # no history (it computed no rows): that rank must still join the backward collectives.
     ((x_TH + out_TH) * grad_out_TH).sum().backward()
@@ -185,13 +185,12 @@ def check_case(case: Case, rank: int, ep: int, seed: int) -> list[int]:
     check_routed_layout(routed, batch, rank, ep)
     full = full_experts(seed)
     data = (batch.x_NH, batch.topk_ids_Nk, batch.topk_w_Nk, batch.grad_out_NH)
-    # ChunkedDispatcher: the same tokens in 2 and 3 pieces (some empty: a rank holds 0 to 16 tokens)
-    for (backend_name, backend, experts, ref_experts), chunks in itertools.product([
+    for backend_name, backend, experts, ref_experts in [
             ("identity", identity_backend, None, None),
-            *((name, expert_backend(name), rank_experts(full, rank, ep), full) for name in CPU_BACKENDS)], (1, 2, 3)):
-        what = f"{case.name}, ep={ep}, rank {rank}, {backend_name}, {chunks} chunks"
+            *((name, expert_backend(name), rank_experts(full, rank, ep), full) for name in CPU_BACKENDS)]:
+        what = f"{case.name}, ep={ep}, rank {rank}, {backend_name}"
         ref = run_moe(LocalDispatcher(), backend, ref_experts, *data)
-        got = run_moe(ChunkedDispatcher(dispatcher, chunks), backend, experts, *(t[mine] for t in data))
+        got = run_moe(dispatcher, backend, experts, *(t[mine] for t in data))
         assert_close(got.out_TH, ref.out_TH[mine], f"{what}: out")
         assert_close(got.grad_x_TH, ref.grad_x_TH[mine], f"{what}: grad x")
         assert_close(got.grad_w_Tk, ref.grad_w_Tk[mine], f"{what}: grad topk_w")
@@ -208,8 +207,6 @@ def check_all(rank: int, ep: int) -> dict[str, list[int]]:
         with pytest.raises(ValueError, match=f"num_experts={E - 1}.*size {ep}"):
             AllToAllDispatcher(dist.group.WORLD, E - 1)
     assert isinstance(build_dispatcher("all_to_all", dist.group.WORLD, E), AllToAllDispatcher)
-    chunked = build_dispatcher("all_to_all", dist.group.WORLD, E, chunks=2)
-    assert isinstance(chunked, ChunkedDispatcher) and isinstance(chunked.inner, AllToAllDispatcher)
     with pytest.raises(ValueError, match="EP group has .* ranks; use all_to_all"):
         build_dispatcher("local", dist.group.WORLD, E)
     singleton = dist.new_group([0])  # every rank must take part in creating it
@@ -236,7 +233,6 @@ def test_local_dispatcher_is_identity():
     x_TH, w_Tk = torch.randn(5, H), torch.rand(5, 2)
     ids_Tk = torch.tensor([[0, 3], [1, 2], [7, 0], [4, 5], [6, 1]])
     assert isinstance(build_dispatcher("all_to_all", None, E), LocalDispatcher)  # no EP group
-    assert isinstance(build_dispatcher("all_to_all", None, E, chunks=2), LocalDispatcher)  # nothing to overlap
     dispatcher = build_dispatcher("local", None, E)
     assert isinstance(dispatcher, LocalDispatcher)
     routed = dispatcher.dispatch(x_TH, ids_Tk, w_Tk)

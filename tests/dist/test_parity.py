@@ -47,9 +47,6 @@ MESHES = {
     "hsdp2x2_ep2": (4, {"dp_replicate": 2, "ep": 2}),
     "fsdp4_ep2_selective_ac": (4, {"ep": 2, "activation_checkpoint": "selective"}),
     "ep2_full_ac": (2, {"ep": 2, "activation_checkpoint": "full"}),
-    # the exchange pipelined over pieces of the tokens; under FSDP the experts unit runs once per piece
-    "ep2_chunks2": (2, {"ep": 2, "ep_chunks": 2}),
-    "fsdp4_ep2_chunks3": (4, {"ep": 2, "ep_chunks": 3}),
     # context parallelism: rows split over cp ranks (zigzag), attention by K/V all-gather or Ulysses
     "cp2": (2, {"cp": 2}),
     "cp4": (4, {"cp": 4}),

@@ -15,13 +15,18 @@ Runs where there are >= 2 CUDA devices and deep_ep imports (benchmarks/build_dee
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from tests.gpu.nccl import spawn
+import torch.multiprocessing as mp
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu,
@@ -161,11 +166,38 @@ def _check_all(rank: int, ep: int) -> list[dict]:
     return results
 
 
+def _child(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
+    try:
+        torch.save(_check_all(rank, world), os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int) -> list:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_child, args=(world, port, out_dir), nprocs=world, join=True, start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            errs = sorted(f for f in os.listdir(out_dir) if f.endswith(".err"))
+            raise RuntimeError("\n".join(Path(out_dir, f).read_text() for f in errs) or "a child failed") from None
+        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepep_matches_all_to_all(world):
     if world > N_GPUS:
         pytest.skip(f"needs {world} CUDA devices, found {N_GPUS}")
-    results = spawn(_check_all, world)
+    results = _spawn(world)
     for rank, rows in enumerate(results):
         for row in rows:
             print(f"ep={world} rank {rank}: {row}")

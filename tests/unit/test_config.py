@@ -61,10 +61,6 @@ BAD = {
     "lora target typo": (lambda r: r.update(lora={"enabled": True, "target_modules": ["qproj"]}),
                          "lora.target_modules.0: Input should be"),
     "random init without tokenizer": (lambda r: r["data"].pop("tokenizer"), "set data.tokenizer"),
-    "ep chunks under checkpointing": (lambda r: r.update(parallelism={"ep": 2, "ep_chunks": 2,
-                                                                     "activation_checkpoint": "selective"}),
-                                      "set parallelism.activation_checkpoint: none or parallelism.ep_chunks: 1"),
-    "zero ep chunks": (lambda r: r.update(parallelism={"ep_chunks": 0}), "parallelism.ep_chunks: Input should be"),
     "zero dp_shard": (lambda r: r.update(parallelism={"dp_shard": 0}), "parallelism.dp_shard must be >= 1"),
 }
 
