@@ -64,8 +64,9 @@ SUPPORTED_EP = (2, 4, 8)  # intranode kernels are instantiated for these group s
 MAX_TOPK = 32             # one warp lane per slot in the intranode kernels
 MAX_LOCAL_EXPERTS = 1024  # NUM_MAX_LOCAL_EXPERTS
 # deep_ep.Buffer.num_sms: SMs the exchange kernels take (even: send/recv pairs). Nothing computes while they
-# run (no overlap here), and at 8192 tokens per rank 32 beat 24 and 20 at ep 2 and 4 (docs/benchmarks.md).
-DEFAULT_NUM_SMS = 32
+# run (no overlap here). At 8192 tokens per rank on 4x H200, 48 beat 32 and 24 at ep 2 and 4 (on 4x H100 too at
+# ep 2; at ep 4 it was 5% behind 32 there): docs/benchmarks.md.
+DEFAULT_NUM_SMS = 48
 
 
 def deepep_unavailable_reason() -> str | None:
