@@ -126,7 +126,8 @@ class MetricsLogger:
             log.info("step %d eval loss %.4g over %d label tokens", record["step"], record["eval_loss"],
                      record["eval_tokens"])
             return
-        status = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k in ("loss", "lr", "grad_norm", "tok_s", "mfu"))
+        status = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k in ("loss", "lr", "grad_norm", "tok_s", "mfu",
+                                                                          "ep_imbalance"))
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
         if record["step"] % self.every == 0:

@@ -23,7 +23,7 @@ import torch
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
 from runtime.data import build_dataloader, eval_batches, load_tokenizer
-from runtime.distributed.expert_parallel import parallelize
+from runtime.distributed.expert_parallel import ep_load_imbalance, parallelize
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
@@ -92,6 +92,7 @@ class StepResult:
     grad_norm: float
     num_tokens: int
     skipped: str | None = None  # "no_labels" | "non_finite": the optimizer did not step
+    ep_imbalance: float | None = None  # busiest EP rank's routed slots / the EP mean (expert_parallel.py)
 
 
 def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None,
@@ -228,6 +229,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                     with profiler.step(step):
                         result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
+                    result.ep_imbalance = ep_load_imbalance(model, env.device)
                 guard.check(step, result, last_good)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
@@ -273,6 +275,8 @@ def step_record(step: int, result: StepResult, lr: float, elapsed: float, dims: 
               "tok_s": tokens / elapsed, "step_s": elapsed}
     if result.skipped:
         record["skipped"] = result.skipped
+    if result.ep_imbalance is not None:
+        record["ep_imbalance"] = result.ep_imbalance
     if peak:
         record["mfu"] = flops_tok * tokens / elapsed / (peak * env.world_size)
     if (mem := peak_memory_gib(env.device)) is not None:

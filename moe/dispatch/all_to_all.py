@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
 from moe.dispatch.collectives import all_to_all as _all_to_all
+from moe.dispatch.load import LoadLog
 
 
 @dataclass
@@ -100,6 +101,7 @@ class AllToAllDispatcher(Dispatcher):
         self.group = group
         self.ep = ep
         self.num_local_experts = num_experts // ep
+        self.loads = LoadLog()
 
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor,
                  topk_w_Tk: torch.Tensor) -> AllToAllRouted:
@@ -111,6 +113,7 @@ class AllToAllDispatcher(Dispatcher):
             1, owner_Tk, torch.ones_like(owner_Tk))
         needs_TR = slots_TR > 0
         send_splits, recv_splits, valid_slots = self._exchange_counts(needs_TR.sum(0), slots_TR.sum(0))
+        self.loads.add(valid_slots)
         token_S, rank_S = _send_order(needs_TR, sum(send_splits))
         ids_Sk = self._local_ids(topk_ids_Tk.index_select(0, token_S), rank_S)
         x_MH, w_Mk, ids_Mk = _DispatchAllToAll.apply(
@@ -125,6 +128,9 @@ class AllToAllDispatcher(Dispatcher):
         y_SH = _CombineAllToAll.apply(y_MH, routed.x_MH, routed.weights_Mk, routed.send_splits,
                                       routed.recv_splits, self.group)
         return y_SH.new_zeros(routed.num_tokens, y_SH.shape[1]).index_add(0, routed.token_S, y_SH)
+
+    def load_imbalance(self, device: torch.device) -> float | None:
+        return self.loads.read(self.group, device)
 
     def _exchange_counts(self, rows_R: torch.Tensor, slots_R: torch.Tensor) -> tuple[list[int], list[int], int]:
         """(rows sent to each rank, rows received from each, valid slots received in all) from the rows and

@@ -17,6 +17,7 @@ topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
 
 `traceable` says whether dispatch and combine trace into a fullgraph torch.compile region (no host
 sync, no data-dependent shape); where not, the runtime compiles the MoE block around the exchange.
+`load_imbalance` reads how evenly the exchanges spread the work over the EP ranks (None without EP).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, y_MH: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Brings the backend's rows back to their tokens: out_TH[t] = sum of its rows' y."""
+
+    def load_imbalance(self, device: torch.device) -> float | None:
+        """The busiest EP rank's routed slots over the EP mean, averaged over the training dispatches since
+        the last call (moe/dispatch/load.py); a collective over the EP group where there is one, else None."""
+        return None
 
 
 def check_routing_shapes(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+from moe.dispatch.load import LoadLog
 
 BUILD_HINT = ("build DeepEP intranode-only for sm90 with benchmarks/build_deepep.sh (`prepare` here from a "
               "DeepEP mirror, then `build` on a GPU machine) and install the wheel it writes")
@@ -246,6 +247,7 @@ class DeepEPDispatcher(Dispatcher):
             Buffer.num_sms = default_sms  # a class attribute: leave it as found
         self.buffer = None
         self._nvl_bytes = 0
+        self.loads = LoadLog()
 
     def buffer_for(self, x_TH: torch.Tensor):
         """The buffer, made (collectively) on first use or when x's rows need more than it holds."""
@@ -268,8 +270,13 @@ class DeepEPDispatcher(Dispatcher):
         check_deepep_shapes(self.ep, self.num_experts, x_TH.shape[1], x_TH.element_size(), topk_ids_Tk.shape[1])
         exchange = _Exchange()
         x_MH, w_Mk, ids_Mk = _DeepEPDispatch.apply(x_TH, topk_w_Tk, topk_ids_Tk, self, exchange)
+        valid_slots = sum(exchange.tokens_per_expert)
+        self.loads.add(valid_slots)
         return DeepEPRouted(x_MH, ids_Mk, w_Mk, exchange.handle, x_TH.shape[0], exchange.tokens_per_expert,
-                            self.rank, valid_slots=sum(exchange.tokens_per_expert))
+                            self.rank, valid_slots=valid_slots)
+
+    def load_imbalance(self, device: torch.device) -> float | None:
+        return self.loads.read(self.group, device)
 
     def combine(self, y_MH: torch.Tensor, routed: DeepEPRouted) -> torch.Tensor:
         if y_MH.shape != routed.x_MH.shape:

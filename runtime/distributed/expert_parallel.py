@@ -35,6 +35,14 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
     return frozenset(g.group_name for g in (ep_group, balance_group) if g is not None)
 
 
+def ep_load_imbalance(model: QwenForCausalLM, device) -> float | None:
+    """The busiest EP rank's routed slots over the EP mean since the last call (moe/dispatch/load.py), read from
+    the dispatcher the MoE blocks share: a collective over the EP group (every rank calls it); None without EP
+    or MoE layers."""
+    block = next(iter(model.moe_blocks()), None)
+    return None if block is None else block.dispatcher.load_imbalance(device)
+
+
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
                 autocast: bool = True) -> QwenForCausalLM:
     """MoE wiring (EP dispatcher with meshes), context parallelism (cp > 1), activation checkpointing,

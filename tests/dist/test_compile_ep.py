@@ -46,7 +46,8 @@ def _train(cfg, world_size, rank):
         graphs.append(counters["stats"]["unique_graphs"])
 
     records = train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, meshes, on_grads=on_grads)
-    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g} for r, g in zip(records, grads)], graphs
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_imbalance": r["ep_imbalance"]}
+            for r, g in zip(records, grads)], graphs
 
 
 def _eager_and_compiled(rank, world_size, tmp, parallelism):
@@ -78,6 +79,11 @@ def test_compiled_ep_matches_eager(run_dist, tmp_path, mesh):
     for _, _, graphs, breaks in results:
         assert not breaks, breaks
         assert graphs == [REGIONS] * STEPS, f"compiled graphs after each step: {graphs}"
+    # every step's EP load record: one collective result (the same on both ranks), >= 1 by definition
+    # (its value against the routing is tests/dist/test_dispatch.py's)
+    for run in (0, 1):
+        per_rank = [[step["ep_imbalance"] for step in result[run]] for result in results]
+        assert per_rank[0] == per_rank[1] and all(x >= 1.0 for x in per_rank[0]), per_rank
     check_against_eager_and_reference(results, tmp_path, world, parallelism)
 
 

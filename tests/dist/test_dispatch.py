@@ -199,7 +199,17 @@ def check_case(case: Case, rank: int, ep: int, seed: int) -> list[int]:
         if backend is identity_backend:  # the round trip itself: x * sum of the token's weights
             x_TH, w_Tk = batch.x_NH[mine], batch.topk_w_Nk[mine]
             assert_close(got.out_TH, x_TH * w_Tk.sum(-1, keepdim=True), f"{what}: round trip")
+    check_load_log(dispatcher, batch, ep)
     return routed.recv_splits
+
+
+def check_load_log(dispatcher: AllToAllDispatcher, batch: Batch, ep: int) -> None:
+    """The load log saw this case's training dispatches (the no-grad one above is not logged), all with the
+    same counts: its reading is their busiest rank's slots over the mean, from the routing itself; a read empties it."""
+    slots_R = [int((batch.topk_ids_Nk // (E // ep) == r).sum()) for r in range(ep)]
+    expected = max(slots_R) * ep / sum(slots_R) if sum(slots_R) else 1.0
+    assert dispatcher.load_imbalance(torch.device("cpu")) == pytest.approx(expected, rel=1e-12)
+    assert dispatcher.load_imbalance(torch.device("cpu")) is None
 
 
 def check_all(rank: int, ep: int) -> dict[str, list[int]]:
