@@ -9,7 +9,8 @@
 
 At one MoE shape (harness.SHAPES), T tokens per rank, bf16: one MoE layer (all_to_all dispatch ->
 grouped_mm experts -> combine) fwd+bwd with sentinel-skip vs compute-and-mask (-1 slots sent to local
-expert 0 with weight 0, so every slot is computed), for every ep that divides the world; time (median
+expert 0 with weight 0, so every slot is computed), for every ep that divides the world, and at ep 1 (all
+experts on each rank, nothing exchanged: the baseline of a weak-scaling reading, at balanced routing); time (median
 over ranks' medians: the slowest rank) and peak memory; and dispatch+combine alone vs the NCCL
 all_to_all bus bandwidth measured in the same run. `--dry` runs the same code on gloo CPU ranks in
 fp32 (eager experts): a smoke test, its numbers mean nothing. `--compile` compiles the expert compute as
@@ -159,7 +160,8 @@ def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None
     w, ids = torch.topk(torch.softmax(logits, -1), K)
     w = (w / w.sum(-1, keepdim=True)).to(run.dtype).requires_grad_()
     row = Row(ep, tokens, note="" if num_sms is None else f"{num_sms} SMs")
-    for name, mask in (("skip", False), ("mask", True)):
+    # ep 1: every expert here and nothing exchanged (no -1 slots to mask): the layer's baseline
+    for name, mask in (("skip", False),) if ep == 1 else (("skip", False), ("mask", True)):
         if run.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = timed(lambda mask=mask: layer_step(dispatcher, experts, x, ids, w, mask, run.backend), run)
@@ -167,6 +169,8 @@ def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None
         setattr(row, f"{name}_peak_gib", peak_gib(run))
     if run.trace:
         trace(run.trace, f"ep{ep}", lambda: layer_step(dispatcher, experts, x, ids, w, False, run.backend))
+    if ep == 1:
+        return row
     row.skip_over_mask = row.skip_ms / row.mask_ms
     row.dispatch_combine_ms = timed(lambda: dispatch_combine_step(dispatcher, x, ids, w), run)
     routed = dispatcher.dispatch(x.detach(), ids, w.detach())
@@ -217,7 +221,7 @@ def main() -> None:
     report.header(f"EP MoE layer fwd+bwd, x{world}, {shape} (E={s.experts} H={s.hidden} I={s.intermediate} "
                   f"k={s.top_k}), {tokens} tokens per rank, {run.backend} experts{' (compiled)' if run.compile else ''}, "
                   f"{run.dispatcher} dispatcher,")
-    for ep in (2, 4, 8):
+    for ep in (1, 2, 4, 8):
         if ep <= world and world % ep == 0:
             for num_sms in args.deepep_sms:
                 report.add(bench(ep, shape, tokens, run, num_sms))

@@ -42,7 +42,7 @@ verify() {  # tag, world, then runtime.verify flags
   summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $rc)")
 }
 
-tokens_row() {  # tag, world, run dir: median tok/s/GPU, MFU, peak GiB over steps 4..
+tokens_row() {  # tag, world, run dir: median tok/s/GPU, MFU, EP load imbalance; peak GiB over steps 4..
   python - "$1" "$2" "$3" <<'PY'
 import json, statistics, sys
 tag, world, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -51,7 +51,9 @@ steady = [r for r in rows if r["step"] >= 4] or rows
 tps = statistics.median(r["tok_s"] for r in steady) / world
 mfu = statistics.median(r.get("mfu") or 0 for r in steady)
 peak = max(r.get("peak_mem_gib") or 0 for r in rows)
-print(f"{tag}: {tps:,.0f} tok/s/GPU  MFU {mfu:.3f}  peak {peak:.1f} GiB  ({len(rows)} steps)")
+imbalance = [r["ep_imbalance"] for r in steady if r.get("ep_imbalance")]
+busiest = f"  EP busiest/mean {statistics.median(imbalance):.2f}" if imbalance else ""
+print(f"{tag}: {tps:,.0f} tok/s/GPU  MFU {mfu:.3f}  peak {peak:.1f} GiB{busiest}  ({len(rows)} steps)")
 PY
 }
 
