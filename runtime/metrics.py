@@ -87,6 +87,10 @@ class StepTimer:
         return elapsed
 
 
+# The record's keys the console line shows, in record order.
+STATUS_KEYS = ("loss", "lr", "grad_norm", "tok_s", "mfu", "ep_imbalance")
+
+
 class MetricsLogger:
     """Rank-0 sink for per-step metrics: JSONL file, progress bar, periodic log lines."""
 
@@ -126,8 +130,7 @@ class MetricsLogger:
             log.info("step %d eval loss %.4g over %d label tokens", record["step"], record["eval_loss"],
                      record["eval_tokens"])
             return
-        status = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k in ("loss", "lr", "grad_norm", "tok_s", "mfu",
-                                                                          "ep_imbalance"))
+        status = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k in STATUS_KEYS)
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
         if record["step"] % self.every == 0:
