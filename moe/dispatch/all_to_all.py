@@ -61,7 +61,9 @@ class _DispatchAllToAll(torch.autograd.Function):
 
 
 class _CombineAllToAll(torch.autograd.Function):
-    """Partial sums back to their source ranks; their gradients out again along the dispatch path.
+    """Partial sums back to their source ranks and added per token; their gradients out again along the
+    dispatch path. It keeps only token_S for backward: autograd's own index_add would keep the received
+    rows [S, H] (its source gradient's formula names the source), one more row buffer per layer.
 
     The dispatched x_MH and weights_Mk are inputs (gradient None) only to tie the dispatch node into
     this rank's backward graph: a backend that computed nothing (a rank that received no rows)
@@ -70,14 +72,17 @@ class _CombineAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y_MH, x_MH, w_Mk, send_splits, recv_splits, group):
+    def forward(ctx, y_MH, x_MH, w_Mk, token_S, num_tokens, send_splits, recv_splits, group):
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        return _all_to_all(y_MH, send_splits, recv_splits, group)
+        ctx.save_for_backward(token_S)
+        y_SH = _all_to_all(y_MH, send_splits, recv_splits, group)
+        return y_SH.new_zeros(num_tokens, y_SH.shape[1]).index_add_(0, token_S, y_SH)
 
     @staticmethod
-    def backward(ctx, grad_y_SH):
-        grad_y_MH = _all_to_all(grad_y_SH, ctx.recv_splits, ctx.send_splits, ctx.group)
-        return grad_y_MH, None, None, None, None, None
+    def backward(ctx, grad_out_TH):
+        (token_S,) = ctx.saved_tensors
+        grad_y_MH = _all_to_all(grad_out_TH.index_select(0, token_S), ctx.recv_splits, ctx.send_splits, ctx.group)
+        return grad_y_MH, None, None, None, None, None, None, None
 
 
 def _send_order(needs_TR: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +130,8 @@ class AllToAllDispatcher(Dispatcher):
         if y_MH.shape != routed.x_MH.shape:
             raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
                              f"{tuple(routed.x_MH.shape)}")
-        y_SH = _CombineAllToAll.apply(y_MH, routed.x_MH, routed.weights_Mk, routed.send_splits,
-                                      routed.recv_splits, self.group)
-        return y_SH.new_zeros(routed.num_tokens, y_SH.shape[1]).index_add(0, routed.token_S, y_SH)
+        return _CombineAllToAll.apply(y_MH, routed.x_MH, routed.weights_Mk, routed.token_S, routed.num_tokens,
+                                      routed.send_splits, routed.recv_splits, self.group)
 
     def load_imbalance(self, device: torch.device) -> float | None:
         return self.loads.read(self.group, device)

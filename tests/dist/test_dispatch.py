@@ -212,7 +212,26 @@ def check_load_log(dispatcher: AllToAllDispatcher, batch: Batch, ep: int) -> Non
     assert dispatcher.load_imbalance(torch.device("cpu")) is None
 
 
+def check_exchange_keeps_indices_only(ep: int) -> None:
+    """Dispatch and combine keep integer indices for backward, never rows: the received rows a backend keeps
+    are its own business, and the exchange adding a row buffer per layer costs 121 MB per layer at
+    Qwen3-30B-A3B dims and ep 4 (the combine's index_add kept its [S, H] source before)."""
+    batch = make_batch(CASES[0], ep, seed=7)
+    mine = slice(batch.starts[dist.get_rank()], batch.starts[dist.get_rank() + 1])
+    x_TH = batch.x_NH[mine].clone().requires_grad_()
+    w_Tk = batch.topk_w_Nk[mine].clone().requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        dispatcher = AllToAllDispatcher(dist.group.WORLD, E)
+        routed = dispatcher.dispatch(x_TH, batch.topk_ids_Nk[mine], w_Tk)
+        out_TH = dispatcher.combine(routed.x_MH * 2.0, routed)  # a scalar product keeps nothing
+    assert kept and all(not t.is_floating_point() for t in kept), [(tuple(t.shape), t.dtype) for t in kept]
+    out_TH.sum().backward()
+    assert x_TH.grad is not None
+
+
 def check_all(rank: int, ep: int) -> dict[str, list[int]]:
+    check_exchange_keeps_indices_only(ep)
     if rank == 0:  # alone: a collective before the check would hang the group
         with pytest.raises(ValueError, match=f"num_experts={E - 1}.*size {ep}"):
             AllToAllDispatcher(dist.group.WORLD, E - 1)
