@@ -46,7 +46,7 @@ def _train(cfg, world_size, rank):
         graphs.append(counters["stats"]["unique_graphs"])
 
     records = train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, meshes, on_grads=on_grads)
-    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_imbalance": r["ep_imbalance"]}
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_imbalance": r.get("ep_imbalance")}
             for r, g in zip(records, grads)], graphs
 
 
