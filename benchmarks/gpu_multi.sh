@@ -7,7 +7,8 @@
 #               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
 #               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) whose tag matches
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters,
-#               selective AC) and LoRA (no AC): tokens/s/GPU, MFU, peak GiB from metrics.jsonl (median of steps 4-12); on cards of
+#               selective AC) and LoRA (no AC; eager and compiled): tokens/s/GPU, MFU, peak GiB from metrics.jsonl
+#               (median of steps 4-12); on cards of
 #               >= 120 GiB also full without activation checkpointing (estimated 94 GiB per rank at ep=4)
 #   scaling     the same model at 8 layers, ep = 1, 2, 4, ... N on as many GPUs, one row per GPU: weak scaling
 #               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with),
@@ -102,6 +103,9 @@ if [[ $parts == *throughput* ]]; then
   # LoRA without checkpointing (estimated 62 GiB per rank at ep=4): selective costs 1.3-1.6x (docs/benchmarks.md)
   train_run "lora-ep$N" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32 \
     --set parallelism.activation_checkpoint=none
+  # the LoRA step under EP is host-bound (its layer enqueues longer than it computes): compile took it 1.18x at ep2
+  train_run "lora-ep$N-compiled" "$N" --ep "$N" --set lora.enabled=true --set optim.master_dtype=fp32 \
+    --set parallelism.activation_checkpoint=none --set compile.enabled=true
   gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
   [ "$gib" -ge $((120 * 1024)) ] && train_run "full-ep$N-noac" "$N" --ep "$N" \
     --set parallelism.activation_checkpoint=none
