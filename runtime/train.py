@@ -127,7 +127,7 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
     if skipped is None:
         optimizer_step(optimizer, grad_scale)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, grad_norm, num_tokens, skipped)
+    return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load_imbalance(model, env.device))
 
 
 class StepGuard:
@@ -229,7 +229,6 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                     with profiler.step(step):
                         result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
-                    result.ep_imbalance = ep_load_imbalance(model, env.device)
                 guard.check(step, result, last_good)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()

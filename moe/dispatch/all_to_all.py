@@ -133,9 +133,6 @@ class AllToAllDispatcher(Dispatcher):
         return _CombineAllToAll.apply(y_MH, routed.x_MH, routed.weights_Mk, routed.token_S, routed.num_tokens,
                                       routed.send_splits, routed.recv_splits, self.group)
 
-    def load_imbalance(self, device: torch.device) -> float | None:
-        return self.loads.read(self.group, device)
-
     def _exchange_counts(self, rows_R: torch.Tensor, slots_R: torch.Tensor) -> tuple[list[int], list[int], int]:
         """(rows sent to each rank, rows received from each, valid slots received in all) from the rows and
         valid slots this rank sends to each rank, in one all_to_all of [R, 2] counts."""

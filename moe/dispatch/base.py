@@ -26,6 +26,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+from moe.dispatch.load import LoadLog
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Routed:
 
 class Dispatcher(ABC):
     traceable: bool = False  # dispatch and combine trace into a fullgraph torch.compile region
+    # An exchanging dispatcher's EP group and the log of its training dispatches' slot counts (load_imbalance)
+    group: dist.ProcessGroup | None = None
+    loads: LoadLog | None = None
 
     @abstractmethod
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> Routed:
@@ -50,7 +56,7 @@ class Dispatcher(ABC):
     def load_imbalance(self, device: torch.device) -> float | None:
         """The busiest EP rank's routed slots over the EP mean, averaged over the training dispatches since
         the last call (moe/dispatch/load.py); a collective over the EP group where there is one, else None."""
-        return None
+        return None if self.loads is None else self.loads.read(self.group, device)
 
 
 def check_routing_shapes(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> None:

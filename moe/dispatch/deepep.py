@@ -275,9 +275,6 @@ class DeepEPDispatcher(Dispatcher):
         return DeepEPRouted(x_MH, ids_Mk, w_Mk, exchange.handle, x_TH.shape[0], exchange.tokens_per_expert,
                             self.rank, valid_slots=valid_slots)
 
-    def load_imbalance(self, device: torch.device) -> float | None:
-        return self.loads.read(self.group, device)
-
     def combine(self, y_MH: torch.Tensor, routed: DeepEPRouted) -> torch.Tensor:
         if y_MH.shape != routed.x_MH.shape:
             raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "

@@ -21,7 +21,7 @@ STEPS = 3
 
 def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant: str = "none",
                 model: dict | None = None, seq_len: int = 64, **parallelism):
-    overrides = {**({"model.config": model} if model else {}),"data.seq_len": seq_len, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
+    overrides = {**({"model.config": model} if model else {}), "data.seq_len": seq_len, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
                  "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
                  "train.max_steps": STEPS, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend,
                  "quant.base_weights": quant}
