@@ -11,7 +11,8 @@
 #          on bf16 / MXFP4 / NVFP4 weights, LoRA, Qwen3-30B-A3B shapes)
 #   e2e    bench_e2e LoRA 12 layers: ours on bf16 experts vs transformers+PEFT, then ours on NVFP4 and MXFP4
 #          experts (ms/step and peak GiB against the bf16 row)
-#   check  what fits one call after a decode change: the dequantize kernel bit for bit, scattermoe on packed
+#   check  what fits one call after a decode change: the decode of every code under every scale byte and the
+#          dequantize kernel bit for bit, scattermoe on packed
 #          experts at the Qwen3-30B-A3B shape (both formats, LoRA and frozen), the memory accounting; then the
 #          expert layer on bf16 / MXFP4 / NVFP4 weights at that shape (time and transient peak, scattermoe)
 #   sweep  one call (< 9 min) after a decode or tuning change: the decode of every code under every scale
@@ -35,8 +36,8 @@ if [[ $parts == *dense* ]]; then
   tail -n 3 "$OUT/fp4_dense_tests.log"
 fi
 if [[ $parts == *check* ]]; then
-  python -m pytest -q -rs tests/gpu/test_fp4_gpu.py -k "dequantize or qwen3-30b-a3b or no_dense_copy" \
-    > "$OUT/fp4_check.log" 2>&1
+  python -m pytest -q -rs tests/unit/test_quant.py tests/gpu/test_fp4_gpu.py \
+    -k "compiled_decode or dequantize or qwen3-30b-a3b or no_dense_copy" > "$OUT/fp4_check.log" 2>&1
   tail -n 3 "$OUT/fp4_check.log"
   python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 \
     --backends scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1

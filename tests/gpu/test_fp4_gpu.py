@@ -81,14 +81,14 @@ def test_scattermoe_on_packed_experts_matches_eager_fp32(shape, fmt, rank):
         assert err <= TOL, f"{shape} {fmt} {name}: {err:.2e}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("config", FP4_GEMM_CONFIGS, ids=[str(c) for c in FP4_GEMM_CONFIGS])
-def test_each_config_on_each_packed_path(config, one_config):  # noqa: F811 (the fixture)
+def test_each_config_on_each_packed_path(config, fmt, one_config):  # noqa: F811 (the fixture)
     """Each FP4 candidate config (tuning.FP4_GEMM_CONFIGS) forced on every GEMM that reads a packed weight
     (Qwen3-30B-A3B shapes), against CUTLASS on the dequantized bf16 weights (the same MMA inputs): gate_up
     (gathered rows, SwiGLU epilogue), down (W), g and dx (the transposed packed view), and down / dx with a split
-    and a fused LoRA. NVFP4 only: the formats differ in the element-wise scale decode alone, not in what a config
-    changes (tiles, layouts, the persistent loop), and each config compiles ~7 kernels."""
-    fmt = "nvfp4"
+    and a fused LoRA. Both formats: MXFP4 in bf16 decodes through its own PTX (fp4._MXFP4_BF16_PTX), NVFP4
+    through fp32 bits."""
     one_config(config)
     slots, t = operands()
     n, s, R = int(slots.offsets_E1[-1]), 2.0, t["ia"].shape[1]
