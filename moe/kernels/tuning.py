@@ -5,10 +5,8 @@ Contract:
                                  candidate triton.Configs (one fixed small config under TRITON_INTERPRET=1,
                                  where autotuning over several configs does not work)
     FP4_GEMM_CONFIGS             the grouped GEMM's candidates when its weight is FP4-packed (prune_gemm keeps
-                                 each family to its own launches);
-                                 MOE_FP4_GEMM_CONFIG="BM,BN,BK,warps,stages[,persistent[,maxnreg]]" (persistent
-                                 1 / 0; maxnreg: registers per thread) replaces them by that one config
-                                 (benchmarks/gpu_fp4.sh sweep)
+                                 each family to its own launches); MOE_FP4_GEMM_CONFIG="BM,BN,BK,warps,stages[,1]"
+                                 (1: persistent) replaces them by that one config (benchmarks/gpu_fp4.sh sweep)
     prune_gemm / prune_xty / prune_factor_grads
                                  `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
@@ -49,15 +47,12 @@ _ACC_REGS_LORA = 96
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int, names=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-            maxnreg: int | None = None, **extra):
-    return triton.Config({**dict(zip(names, (bm, bn, bk))), **extra}, num_warps=warps, num_stages=stages,
-                         maxnreg=maxnreg)
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int, names=("BLOCK_M", "BLOCK_N", "BLOCK_K"), **extra):
+    return triton.Config({**dict(zip(names, (bm, bn, bk))), **extra}, num_warps=warps, num_stages=stages)
 
 
-def _gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False,
-                 maxnreg: int | None = None):
-    return _config(bm, bn, bk, warps, stages, maxnreg=maxnreg, PERSISTENT=persistent)
+def _gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False):
+    return _config(bm, bn, bk, warps, stages, PERSISTENT=persistent)
 
 
 _XTY_NAMES = ("BLOCK_P", "BLOCK_Q", "BLOCK_K")
@@ -99,20 +94,16 @@ else:
 # Packed FP4 weights decoded in the K loop (integer and fp32 ALU work in the MMA warps). Taller row blocks
 # decode less per MMA (offline sm_90a SASS: 256x64x64 ~27% fewer instructions per K step than 128x128x64) but
 # measured 2x slower on an H200 (registers: one CTA per SM); 128x128x64 won, 128x256 and 256x128 came within
-# ~25% (gpu_fp4.sh sweep, docs/benchmarks.md). A K step waits for its MMA before the next decode (the decoded
-# tile has one shared buffer), so decode and MMA overlap only across CTAs: 128x128x64 again with at most 128
-# registers (the SwiGLU gate_up needs 174, one CTA per SM; capped, two fit, spilling 32 bytes outside the loop).
+# ~25% (gpu_fp4.sh sweep, docs/benchmarks.md), so only these three are tried.
 FP4_GEMM_CONFIGS = GEMM_CONFIGS if INTERPRET else [_gemm_config(*c) for c in (
-    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3, False, 128))]
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
 if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
-    _bm, _bn, _bk, _warps, _stages, *_rest = (int(v) for v in os.environ["MOE_FP4_GEMM_CONFIG"].split(","))
-    FP4_GEMM_CONFIGS = [_gemm_config(_bm, _bn, _bk, _warps, _stages, bool(_rest and _rest[0]),
-                                     _rest[1] if len(_rest) > 1 else None)]
+    _bm, _bn, _bk, _warps, _stages, *_persistent = (int(v) for v in os.environ["MOE_FP4_GEMM_CONFIG"].split(","))
+    FP4_GEMM_CONFIGS = [_gemm_config(_bm, _bn, _bk, _warps, _stages, bool(_persistent and _persistent[0]))]
 
 
 def _gemm_key(c: triton.Config) -> tuple:
-    return (*(c.kwargs[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")), c.num_warps, c.num_stages,
-            c.maxnreg)
+    return (*(c.kwargs[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")), c.num_warps, c.num_stages)
 
 
 _DENSE_KEYS = {_gemm_key(c) for c in GEMM_CONFIGS}
@@ -192,8 +183,8 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
         budget = _ACC_REGS_LORA if args["LORA_IN_LOOP"] else _ACC_REGS
         if _fits(c, stage, args["in_ptr"].element_size(), acc, budget, device):
             persistent = c.kwargs["PERSISTENT"]
-            kept[(bm, bn, bk, c.num_warps, c.num_stages, persistent, c.maxnreg)] = _gemm_config(
-                bm, bn, bk, c.num_warps, c.num_stages, persistent, c.maxnreg)
+            kept[(bm, bn, bk, c.num_warps, c.num_stages, persistent)] = _gemm_config(
+                bm, bn, bk, c.num_warps, c.num_stages, persistent)
     return _dedupe_or_smallest(kept, configs, args)
 
 
