@@ -5,7 +5,8 @@
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
 #               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
-#               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) whose tag matches
+#               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) and the
+#               training rows of every part whose tag matches (e.g. ONLY="mxfp4|lora-ep4-compiled")
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters,
 #               selective AC) and LoRA (no AC; eager and compiled): tokens/s/GPU, MFU, peak GiB from metrics.jsonl
 #               (median of steps 4-12); on cards of
@@ -62,6 +63,7 @@ train_run() {  # tag, world, then runtime.launch flags (then SETS' overrides)
   local tag=$1 world=$2 override
   shift 2
   [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
+  [[ $tag =~ ${ONLY:-.} ]] || return 0
   rm -rf "$OUT/$tag"
   for override in ${SETS:-}; do set -- "$@" --set "$override"; done
   timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
