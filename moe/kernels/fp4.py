@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.target_info import cuda_capability_geq
 
 from gpu.launch import cdiv, launch
 from moe.kernels.tuning import INTERPRET
@@ -96,7 +97,7 @@ mul.rn.bf16x2 $1, $1, $6;
 mul.rn.bf16x2 $2, $2, $5;
 mul.rn.bf16x2 $3, $3, $6;
 }""")
-_PTX_DECODE = tl.constexpr(not INTERPRET)
+_PTX_DECODE = tl.constexpr(not INTERPRET)  # and sm_90 or later (mul.bf16x2): cuda_capability_geq in the kernel
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def fp4_pairs(q_ptrs, s_ptrs, ts, mask, FMT: tl.constexpr, DTYPE: tl.constexpr):
     byte = tl.load(q_ptrs, mask=mask, other=0)
     # other=0: a masked element is code 0 times a finite scale (e4m3 0 or e8m0 2^-127), +0.
     s = tl.load(s_ptrs, mask=mask, other=0)
-    if FMT == 1 and DTYPE == tl.bfloat16 and _PTX_DECODE:
+    if FMT == 1 and DTYPE == tl.bfloat16 and _PTX_DECODE and cuda_capability_geq(9, 0):
         # e8m0 to bf16: s << 7 is 2^(s - 127) for s in 1..254; s = 0 the subnormal 2^-127, 255 NaN.
         bits = tl.maximum(s.to(tl.int16) << 7, 0x40).to(tl.int16)
         scale = tl.where(s == 255, 0x7FC0, bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
