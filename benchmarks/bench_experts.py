@@ -27,7 +27,8 @@ and a cProfile of the host time, `--graphs` the steady fwd+bwd eager and under
 torch.compile(mode="reduce-overhead") (CUDA graphs take the host out of the step), `--clocks` why
 back-to-back steps run slower than one: steady time after n = 3..100 steps with the SM clock after,
 kernel sum and span of profiled steps, CUDA-graph replays x10 / x100, and NVML (clock, power against
-its limit, temperature, the driver's clock reasons) while the graph replays for ~2 s.
+its limit, temperature, the driver's clock reasons) while the graph replays for ~2 s; `--gemms` each GEMM that
+reads a packed weight in a LoRA step, on bf16 weights and on MXFP4 / NVFP4 (GPU only).
 """
 
 from __future__ import annotations
@@ -488,6 +489,50 @@ def clocks(shapes: list[str], T: int, modes: list[str]) -> None:
             torch.cuda.empty_cache()
 
 
+def packed_gemms(shape: str, T: int, iters: int) -> None:
+    """Each GEMM that reads a packed weight in a LoRA step (split LoRA, r=16, all slots valid), ms per call: on
+    the bf16 weights (our dispatch: CUTLASS or our Triton kernel) and on MXFP4 / NVFP4 weights (our Triton
+    kernel, decoding in its K loop): where the FP4 layer's extra time goes."""
+    from moe.kernels import grouped_linear as gl
+    from moe.kernels.fp4 import PackedWeight
+    from moe.kernels.routing import sort_slots
+    from quant import FP4Weight
+
+    s, R = SHAPES[shape], 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    _, ids = torch.randn(T, s.experts, device="cuda", generator=gen).softmax(-1).topk(s.top_k, dim=-1)
+    slots = sort_slots(ids, s.experts)
+    E, H, I, S = s.experts, s.hidden, s.intermediate, T * s.top_k
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    x, hw, dy, dgu = (torch.randn(T, H, **bf), torch.randn(S, I, **bf), torch.randn(S, H, **bf),
+                      torch.randn(S, 2 * I, **bf))
+    w_gu, w_down = torch.randn(E, 2 * I, H, **bf) * 0.02, torch.randn(E, H, I, **bf) * 0.02
+    ia, rw = torch.randn(S, R, **bf), torch.rand(T, s.top_k, **bf)
+
+    def lora(N, K):
+        return gl.LoraView(torch.randn(E, R, K, **bf) * 0.02, torch.randn(E, N, R, **bf) * 0.02, 2.0, True)
+    lora_gu, lora_down, lora_dx = lora(2 * I, H), lora(H, I), lora(H, 2 * I)
+
+    def t(w):
+        return w.t() if isinstance(w, PackedWeight) else w.transpose(1, 2)
+
+    def gemms(gu, down):
+        return {"gate_up + SwiGLU (gathered)": lambda: gl.gate_up_swiglu(x, slots, gu, lora_gu, rw),
+                "down + LoRA": lambda: gl.expert_linear(hw, slots, down, lora_down, gather=False, ia_Sr=ia),
+                "down^T (g = dy W_down)": lambda: gl.expert_gemm(dy, slots, t(down)),
+                "gate_up^T + LoRA (dx)": lambda: gl.expert_linear(dgu, slots, t(gu), lora_dx, gather=False, ia_Sr=ia)}
+
+    columns = {"bf16": gemms(w_gu, w_down)}
+    for fmt in ("mxfp4", "nvfp4"):
+        columns[fmt] = gemms(*(PackedWeight.of(FP4Weight.from_dense(w, fmt)) for w in (w_gu, w_down)))
+    print(f"packed GEMMs, {shape}, T={T}, ms per call (LoRA r=16 split):")
+    print(f"{'GEMM':30s}" + "".join(f"{name:>10s}" for name in columns) + "  x bf16 (mxfp4, nvfp4)")
+    for name in columns["bf16"]:
+        times = [statistics.median(event_times_ms(fns[name], iters, 3)) for fns in columns.values()]
+        print(f"{name:30s}" + "".join(f"{ms:10.3f}" for ms in times)
+              + f"  {times[1] / times[0]:.2f}x {times[2] / times[0]:.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
@@ -511,6 +556,8 @@ def main() -> None:
                     help="instead of the table: scattermoe eager vs torch.compile(mode='reduce-overhead')")
     ap.add_argument("--clocks", action="store_true",
                     help="instead of the table: steady time and SM clock over n steps, graph replays, NVML")
+    ap.add_argument("--gemms", action="store_true",
+                    help="instead of the table: each GEMM reading a packed weight, bf16 vs MXFP4 vs NVFP4 (GPU)")
     args = ap.parse_args()
     shapes = ["qwen3-30b-a3b", "mixtral-8x7b"] if args.quick else args.shapes.split(",")
     T = args.tokens or (2048 if args.quick else 8192)
@@ -530,6 +577,10 @@ def main() -> None:
         return
     if args.clocks:
         clocks(shapes, T, modes)
+        return
+    if args.gemms:
+        for shape in shapes:
+            packed_gemms(shape, T, args.iters)
         return
     report = Report("bench_experts", COLUMNS, args.out)
     matmul = None if args.dry else matmul_tflops()

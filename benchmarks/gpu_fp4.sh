@@ -2,7 +2,7 @@
 # FP4 expert weights on one GPU (issue 18), carry [".whl"] (torchao and the rest the image lacks), H100 or H200,
 # one part per device call (each compiles many kernel variants: the FP4 tests alone take ~580 s on an H100):
 #   bash benchmarks/gpu_fp4.sh tests;  bash benchmarks/gpu_fp4.sh dense;  bash benchmarks/gpu_fp4.sh bench;  ... e2e
-#   (sweep, check and fit are asked for by name only)
+#   (sweep, check, gemms and fit are asked for by name only)
 #   tests  tests/gpu/test_fp4_gpu.py: scattermoe on packed weights vs eager on the dequantized ones (bf16, the
 #          real expert shapes, both formats, LoRA) and the memory accounting (no dequantized copy)
 #   dense  the dense scattermoe GPU tests and the quant unit tests: a change to the packed path touches the
@@ -20,6 +20,7 @@
 #          at the Qwen3-30B-A3B shape (both formats, LoRA and frozen); the expert layer (bf16 / MXFP4 / NVFP4,
 #          LoRA r=16, autotuned); then each FP4 GEMM config forced on every packed GEMM (MOE_FP4_GEMM_CONFIG),
 #          ep1 fwd+bwd ms per format, one line per config (the autotuner may mix configs across the 4 GEMMs)
+#   gemms  each GEMM reading a packed weight in a LoRA step, bf16 vs MXFP4 vs NVFP4 (bench_experts --gemms)
 #   fit    the whole Qwen3-30B-A3B (48 layers) LoRA on MXFP4 experts, rows of 8192, no checkpointing: peak
 #          against the estimate (runtime.launch --estimate: 66.55 GiB)
 # Logs in $OUT/*.log, rows in $OUT/*.json; the summary comes last.
@@ -66,6 +67,9 @@ PY
     ((rc)) && echo "sweep $cfg failed (rc $rc; 124: timed out)" >> "$OUT/fp4_sweep.log"
   done
 fi
+if [[ $parts == *gemms* ]]; then
+  python -m benchmarks.bench_experts --gemms --shapes qwen3-30b-a3b,qwen3.5-35b-a3b --iters 20 > "$OUT/fp4_gemms.log" 2>&1
+fi
 if [[ $parts == *bench* ]]; then
   python -m benchmarks.bench_quant --experts 128 --out "$OUT" > "$OUT/bench_quant.log" 2>&1
   python -m benchmarks.bench_experts --shapes qwen3-30b-a3b,qwen3.5-35b-a3b --modes lora16,lora16-mxfp4,lora16-nvfp4 --backends transformers,scattermoe --out "$OUT" > "$OUT/bench_experts_fp4.log" 2>&1
@@ -89,6 +93,7 @@ fi
 echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
 [[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 24
+[[ -f $OUT/fp4_gemms.log ]] && grep -E "packed GEMMs|^GEMM|ms$|x$|Error" "$OUT/fp4_gemms.log"
 [[ -f $OUT/fp4_sweep.log ]] && echo "config (MOE_FP4_GEMM_CONFIG)  fmt fwd fwd+bwd steady ms (ep1)" \
   && grep -E "^sweep|Error" "$OUT/fp4_sweep.log"
 for tag in "${tags[@]}"; do
