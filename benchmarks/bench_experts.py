@@ -492,7 +492,8 @@ def clocks(shapes: list[str], T: int, modes: list[str]) -> None:
 def packed_gemms(shape: str, T: int, iters: int) -> None:
     """Each GEMM that reads a packed weight in a LoRA step (split LoRA, r=16, all slots valid), ms per call: on
     the bf16 weights (our dispatch: CUTLASS or our Triton kernel) and on MXFP4 / NVFP4 weights (our Triton
-    kernel, decoding in its K loop): where the FP4 layer's extra time goes."""
+    kernel, decoding in its K loop): where the FP4 layer's extra time goes. gate_up's row includes its rank
+    product x A^T (gate_up_swiglu computes it); the others are given theirs (ia_Sr), as in the backend."""
     from moe.kernels import grouped_linear as gl
     from moe.kernels.fp4 import PackedWeight
     from moe.kernels.routing import sort_slots

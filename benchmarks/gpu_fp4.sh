@@ -93,7 +93,7 @@ fi
 echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
 [[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 24
-[[ -f $OUT/fp4_gemms.log ]] && grep -E "packed GEMMs|^GEMM|ms$|x$|Error" "$OUT/fp4_gemms.log"
+[[ -f $OUT/fp4_gemms.log ]] && grep -E "packed GEMMs|^GEMM|x$|Error" "$OUT/fp4_gemms.log"
 [[ -f $OUT/fp4_sweep.log ]] && echo "config (MOE_FP4_GEMM_CONFIG)  fmt fwd fwd+bwd steady ms (ep1)" \
   && grep -E "^sweep|Error" "$OUT/fp4_sweep.log"
 for tag in "${tags[@]}"; do
