@@ -164,4 +164,4 @@ fi
 echo "== summary ($N GPUs)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 pack_out "gpu_multi_${parts// /_}"
-mv /tmp/traces/* "$OUT/" 2>/dev/null  # every rank's traces of `profile`, beside the archive (pack_out keeps small files)
+mv /tmp/traces/* "$OUT/" 2>/dev/null || true  # every rank's traces of `profile`, beside the archive (pack_out keeps small files)
