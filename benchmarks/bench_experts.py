@@ -28,7 +28,8 @@ torch.compile(mode="reduce-overhead") (CUDA graphs take the host out of the step
 back-to-back steps run slower than one: steady time after n = 3..100 steps with the SM clock after,
 kernel sum and span of profiled steps, CUDA-graph replays x10 / x100, and NVML (clock, power against
 its limit, temperature, the driver's clock reasons) while the graph replays for ~2 s; `--gemms` each GEMM that
-reads a packed weight in a LoRA step, on bf16 weights and on MXFP4 / NVFP4 (GPU only).
+reads a packed weight in a LoRA step, on bf16 weights and on MXFP4 / NVFP4 (GPU only); `--floor` the layer's
+GEMMs as plain dense matmuls over all slots (the bound a grouped layer cannot beat) beside scattermoe's layer.
 """
 
 from __future__ import annotations
@@ -534,6 +535,32 @@ def packed_gemms(shape: str, T: int, iters: int) -> None:
               + f"  {times[1] / times[0]:.2f}x {times[2] / times[0]:.2f}x", flush=True)
 
 
+def dense_floor(shape: str, T: int, iters: int) -> None:
+    """The layer's GEMMs as plain dense matmuls over all T*k slots at once (no grouping, gather, tile tails or
+    elementwise passes: what the expert layer cannot beat on this GPU), steady fwd+bwd beside scattermoe's
+    steady layer in the same process; full fine-tune (6 GEMMs: 2 forward, dX and dW of each) and LoRA's frozen
+    base (4: no dW; its rank-16 products are left out)."""
+    s = SHAPES[shape]
+    S, H, I = T * s.top_k, s.hidden, s.intermediate
+    bf = {"device": CASE.device, "dtype": CASE.dtype}
+    x, h, dy, dgu = (torch.randn(S, H, **bf), torch.randn(S, I, **bf), torch.randn(S, H, **bf),
+                     torch.randn(S, 2 * I, **bf))
+    w_gu, w_down = torch.randn(2 * I, H, **bf), torch.randn(H, I, **bf)
+
+    def frozen():
+        return x @ w_gu.t(), h @ w_down.t(), dy @ w_down, dgu @ w_gu
+
+    def full():
+        return (*frozen(), dy.t() @ h, dgu.t() @ x)
+    print(f"dense floor, {shape}, T={T} ({S} slots), steady fwd+bwd ms (TFLOP/s), SM clock MHz after:", flush=True)
+    for mode, gemms, flops in (("full", full, 2 * S * H * 3 * I * 3), ("lora16", frozen, 2 * S * H * 3 * I * 2)):
+        floor = steady_ms(gemms, iters, warmup=3)
+        floor_mhz = sm_clock_mhz()
+        layer = steady_ms(fwd_bwd_step("scattermoe", *make_case(shape, T, mode, 1)[:4]), iters, warmup=3)
+        print(f"  {mode:7s} dense GEMMs {floor:.3f} ({flops / floor / 1e9:.0f}) @ {floor_mhz}  scattermoe layer "
+              f"{layer:.3f} @ {sm_clock_mhz()}  layer / floor {layer / floor:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=2048, qwen3-30b-a3b and mixtral-8x7b only")
@@ -557,6 +584,8 @@ def main() -> None:
                     help="instead of the table: scattermoe eager vs torch.compile(mode='reduce-overhead')")
     ap.add_argument("--clocks", action="store_true",
                     help="instead of the table: steady time and SM clock over n steps, graph replays, NVML")
+    ap.add_argument("--floor", action="store_true",
+                    help="instead of the table: the layer's GEMMs as plain dense matmuls beside scattermoe's layer")
     ap.add_argument("--gemms", action="store_true",
                     help="instead of the table: each GEMM reading a packed weight, bf16 vs MXFP4 vs NVFP4 (GPU)")
     args = ap.parse_args()
@@ -578,6 +607,10 @@ def main() -> None:
         return
     if args.clocks:
         clocks(shapes, T, modes)
+        return
+    if args.floor:
+        for shape in shapes:
+            dense_floor(shape, T, args.iters)
         return
     if args.gemms:
         for shape in shapes:
