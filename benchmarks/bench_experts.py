@@ -553,7 +553,8 @@ def dense_floor(shape: str, T: int, iters: int) -> None:
     def full():
         return (*frozen(), dy.t() @ h, dgu.t() @ x)
     print(f"dense floor, {shape}, T={T} ({S} slots), steady fwd+bwd ms (TFLOP/s), SM clock MHz after:", flush=True)
-    for mode, gemms, flops in (("full", full, 2 * S * H * 3 * I * 3), ("lora16", frozen, 2 * S * H * 3 * I * 2)):
+    for mode, gemms, train_base in (("full", full, True), ("lora16", frozen, False)):
+        flops = layer_flops(S, H, I, 0, train_base)
         floor = steady_ms(gemms, iters, warmup=3)
         floor_mhz = sm_clock_mhz()
         layer = steady_ms(fwd_bwd_step("scattermoe", *make_case(shape, T, mode, 1)[:4]), iters, warmup=3)

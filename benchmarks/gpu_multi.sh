@@ -63,8 +63,8 @@ PY
 train_run() {  # tag, world, then runtime.launch flags (then SETS' overrides)
   local tag=$1 world=$2 override
   shift 2
-  [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
   [[ $tag =~ ${ONLY:-.} ]] || return 0
+  [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
   rm -rf "$OUT/$tag"
   for override in ${SETS:-}; do set -- "$@" --set "$override"; done
   timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
