@@ -13,6 +13,7 @@
 # `bench` with the first TAG that ran. Steps default to smoke tests bench, each bounded by what is left of DEADLINE
 # (seconds, default 570: the call's 600 s limit). A later call on the warm machine may run more steps:
 #   bash benchmarks/gpu_sonicmoe.sh run TAG -- bench
+#   SHAPES=olmoe,mixtral-8x7b bash benchmarks/gpu_sonicmoe.sh run TAG -- bench e2e   # e2e: bench_e2e, both backends
 #   eval "$(bash benchmarks/gpu_sonicmoe.sh env TAG)"; python3 ...   # any command with TAG's packages
 #
 # Why a folder named site-packages: quack >= 0.6.2 fingerprints what its epilogues reach except functions whose
@@ -199,9 +200,20 @@ case "$verb" in
     fi
     if [[ $steps == *bench* ]]; then
       # shellcheck disable=SC2086  # BENCH_ARGS: more bench_experts options, e.g. "--modes lora16"
-      timeout "$(left)" python3 -m benchmarks.bench_experts --shapes qwen3-30b-a3b \
+      timeout "$(left)" python3 -m benchmarks.bench_experts --shapes "${SHAPES:-qwen3-30b-a3b}" \
         --backends "${BACKENDS:-sonicmoe,scattermoe,transformers}" ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sonicmoe_bench.log" | tail -n 45
       echo "== bench exit ${PIPESTATUS[0]} ($(left) s left)"
+    fi
+    if [[ $steps == *e2e* ]]; then  # the whole training step: sonicmoe (+ transformers) then scattermoe alone
+      for mode in ${E2E_MODES:-lora full}; do
+        for experts in sonicmoe scattermoe; do
+          base=()
+          [ "$experts" = scattermoe ] && base=(--no-baseline)
+          timeout "$(left)" python3 -m benchmarks.bench_e2e --mode "$mode" --experts "$experts" "${base[@]}" \
+            --steps 5 --warmup 2 --tag "$experts-$mode" --out "$OUT" 2>&1 | tee "$OUT/e2e_$experts-$mode.log" | tail -n 6
+          echo "== e2e $mode $experts exit ${PIPESTATUS[0]} ($(left) s left)"
+        done
+      done
     fi
     if [[ $steps == *tuned* ]]; then  # QuACK's autotuner instead of its default configs (P fixed in the bench)
       mkdir -p "$OUT/tuned"

@@ -242,6 +242,22 @@ def test_fixed_gemm_configs_binds_tuned_false_in_the_given_modules_only():
     assert gemm(0) is True
 
 
+def test_bound_gather_keys_rounds_max_k_up_in_varlen_mode_only():
+    from types import SimpleNamespace
+
+    def launch(x, w, out, perm, offsets, T, max_k, H, is_varlen_K):
+        return max_k
+
+    fwd, bwd = SimpleNamespace(token_gather_and_sum_varlen_K_triton=launch), SimpleNamespace()
+    sm.bound_gather_keys((fwd, bwd))
+    sm.bound_gather_keys((fwd, bwd))  # idempotent: one wrapper, not nested
+    gather = fwd.token_gather_and_sum_varlen_K_triton
+    assert gather.launch is launch and not hasattr(bwd, "token_gather_and_sum_varlen_K_triton")
+    # E' active experts of a merged LoRA weight: 97..128 share one key; the fixed-K mode keeps its K
+    assert [gather(*[None] * 6, e, 2048, True) for e in (1, 2, 3, 64, 65, 97, 128)] == [1, 2, 4, 64, 128, 128, 128]
+    assert gather(*[None] * 6, 6, 2048, False) == 6
+
+
 def test_check_inputs_refuses_what_sonicmoe_cannot_run():
     ex = make_experts(4, R)
     ex.lora_dropout = 0.1
