@@ -204,13 +204,14 @@ case "$verb" in
         --backends "${BACKENDS:-sonicmoe,scattermoe,transformers}" ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sonicmoe_bench.log" | tail -n 45
       echo "== bench exit ${PIPESTATUS[0]} ($(left) s left)"
     fi
-    if [[ $steps == *e2e* ]]; then  # the whole training step: sonicmoe (+ transformers) then scattermoe alone
+    if [[ $steps == *e2e* ]]; then  # the training step: sonicmoe (+ transformers), scattermoe alone; E2E_LIMIT s each
       for mode in ${E2E_MODES:-lora full}; do
         for experts in sonicmoe scattermoe; do
           base=()
           [ "$experts" = scattermoe ] && base=(--no-baseline)
-          timeout "$(left)" python3 -m benchmarks.bench_e2e --mode "$mode" --experts "$experts" "${base[@]}" \
-            --steps 5 --warmup 2 --tag "$experts-$mode" --out "$OUT" 2>&1 | tee "$OUT/e2e_$experts-$mode.log" | tail -n 6
+          lim=$(left); [ "$lim" -gt "${E2E_LIMIT:-200}" ] && lim=${E2E_LIMIT:-200}
+          timeout "$lim" python3 -m benchmarks.bench_e2e --mode "$mode" --experts "$experts" "${base[@]}" \
+            --steps 5 --warmup 3 --tag "$experts-$mode" --out "$OUT" 2>&1 | tee "$OUT/e2e_$experts-$mode.log" | tail -n 6
           echo "== e2e $mode $experts exit ${PIPESTATUS[0]} ($(left) s left)"
         done
       done
