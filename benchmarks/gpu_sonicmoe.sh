@@ -206,7 +206,7 @@ case "$verb" in
     fi
     if [[ $steps == *e2e* ]]; then  # the training step: sonicmoe (+ transformers), scattermoe alone; E2E_LIMIT s each
       for mode in ${E2E_MODES:-lora full}; do
-        for experts in sonicmoe scattermoe; do
+        for experts in ${E2E_BACKENDS:-sonicmoe scattermoe}; do
           base=()
           [ "$experts" = scattermoe ] && base=(--no-baseline)
           lim=$(left); [ "$lim" -gt "${E2E_LIMIT:-200}" ] && lim=${E2E_LIMIT:-200}

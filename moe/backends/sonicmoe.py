@@ -4,7 +4,7 @@ Hopper / Blackwell) through its general-routing entry point, under our backend c
     y_MH = expert_backend("sonicmoe")(x_MH, expert_ids_Mk, weights_Mk, experts)
 
 Shapes: M routed rows, k slots, P valid (row, slot) pairs (id >= 0), E local experts, E' of them with
-rows, H hidden, I intermediate, r LoRA rank.
+rows (padded to a power of two), H hidden, I intermediate, r LoRA rank.
 
 The call (sonic-moe 0.1.2.post1, sonicmoe/functional/__init__.py):
 
@@ -33,8 +33,7 @@ copy per projection and step, and dW' (SonicMoE has no rank-sized LoRA hook). Pa
 dequantized copy until the backward. lora_dropout > 0 in training is refused (the merge has no dropout).
 
 QuACK's GEMMs run its default tile configs (`fixed_gemm_configs`): its autotuner keys on exact shapes and P
-changes every step. SonicMoE's own Triton gather kernel keys its autotuning on E, which is E' for the merged
-weight: `bound_gather_keys` rounds that key up to a power of two.
+changes every step.
 
 The package is imported on the first call (`load_sonic`), never by this module: the runtime imports and
 runs without it. Without the package or without CUDA the backend is registered as unavailable, and asking
@@ -71,12 +70,17 @@ def valid_pairs(expert_ids_Mk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def active_experts(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(active_A, local_P): the experts that received at least one pair (ascending, int64) and each pair's
-    expert renumbered into 0..E'-1. One host sync (E')."""
+    """(active_A, local_P): the experts that received at least one pair, padded with idle ones to E' = the
+    next power of two (at most E), ascending int64, and each pair's expert renumbered into 0..E'-1. SonicMoE
+    compiles and autotunes its kernels per expert count: an exact count, new at nearly every layer and step,
+    recompiled them all the time. One host sync (the count)."""
     counts_E = torch.bincount(expert_P, minlength=num_experts)
-    active_A = torch.nonzero(counts_E).squeeze(1)
+    count = int(torch.count_nonzero(counts_E))
+    padded = min(num_experts, 1 << max(count - 1, 0).bit_length())
+    active_first_E = torch.argsort((counts_E == 0).to(torch.int8), stable=True)
+    active_A = active_first_E[:padded].sort().values
     renumber_E = torch.full((num_experts,), -1, dtype=torch.int64, device=expert_P.device)
-    renumber_E[active_A] = torch.arange(active_A.numel(), device=expert_P.device)
+    renumber_E[active_A] = torch.arange(padded, device=expert_P.device)
     return active_A, renumber_E[expert_P]
 
 
@@ -162,36 +166,10 @@ def fixed_gemm_configs(modules) -> None:
                 setattr(mod, name, functools.partial(fn, tuned=False))
 
 
-class Pow2KBound:
-    """SonicMoE's token gather-and-sum launcher (`token_gather_and_sum_varlen_K_triton(x, w, out, perm,
-    offsets, T, MAX_K, H, is_varlen_K)`) with MAX_K rounded up to a power of two in the varlen-K mode. There
-    MAX_K is only the Triton autotuner's key and its pruning bound (which rounds it up itself); the kernel
-    loops over each token's own count. SonicMoE passes the expert count E, which for the merged LoRA weight
-    is E' (the active experts) and changes with every layer and step: each new value autotuned the kernel
-    anew (about a minute of compiles per value, hence a 12-layer training step that never got going)."""
-
-    def __init__(self, launch):
-        self.launch = launch
-
-    def __call__(self, x, w, out, perm, offsets, T, max_k, H, is_varlen_K):
-        if is_varlen_K:
-            max_k = 1 << (max_k - 1).bit_length()
-        return self.launch(x, w, out, perm, offsets, T, max_k, H, is_varlen_K)
-
-
-def bound_gather_keys(modules) -> None:
-    """Binds `Pow2KBound` over the gather launcher in `modules` (their module global of that name)."""
-    for mod in modules:
-        launch = getattr(mod, "token_gather_and_sum_varlen_K_triton", None)
-        if launch is not None and not isinstance(launch, Pow2KBound):
-            mod.token_gather_and_sum_varlen_K_triton = Pow2KBound(launch)
-
-
 @functools.cache
 def load_sonic():
     """(moe_general_routing_inputs, ActivationType.SWIGLU) of the installed sonic-moe; imported on first use.
-    Its GEMMs run QuACK's default configs (fixed_gemm_configs), its gather kernel one autotune key per
-    power of two of E (bound_gather_keys)."""
+    Its GEMMs run QuACK's default configs (fixed_gemm_configs)."""
     try:
         from sonicmoe.enums import ActivationType
         from sonicmoe.functional import backward, forward, moe_general_routing_inputs
@@ -200,7 +178,6 @@ def load_sonic():
                           f"(quack-kernels, nvidia-cutlass-dsl), which failed to import: {err}. "
                           f"Install: {INSTALL_HINT}") from err
     fixed_gemm_configs((forward, backward))
-    bound_gather_keys((forward, backward))
     return moe_general_routing_inputs, ActivationType.SWIGLU
 
 

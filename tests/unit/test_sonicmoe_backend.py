@@ -88,8 +88,16 @@ def test_valid_pairs_are_the_valid_slots_in_row_order():
 def test_active_experts_renumbers_into_the_experts_with_rows():
     expert_P = torch.tensor([5, 1, 5, 3, 1, 1])
     active, local = sm.active_experts(expert_P, num_experts=8)
-    assert active.tolist() == [1, 3, 5]
+    assert active.tolist() == [0, 1, 3, 5]  # 3 with rows, padded to 4 with the lowest idle one
     assert torch.equal(active[local], expert_P)
+    # one compiled shape per power of two: 5..8 experts with rows all give 8; never more than E
+    for with_rows in ([0, 1, 2, 3, 4], [0, 2, 4, 5, 6, 7], list(range(8))):
+        active, local = sm.active_experts(torch.tensor(with_rows[::-1]), num_experts=8)
+        assert active.tolist() == list(range(8)) and torch.equal(active[local], torch.tensor(with_rows[::-1]))
+    active, _ = sm.active_experts(torch.tensor([0, 1, 2, 4, 5]), num_experts=6)  # 5 -> 8, capped at E = 6
+    assert active.tolist() == list(range(6))
+    active, _ = sm.active_experts(torch.tensor([2, 2]), num_experts=6)
+    assert active.tolist() == [2]
 
 
 def test_weight_views_are_permuted_views_in_sonicmoe_layout():
@@ -240,22 +248,6 @@ def test_fixed_gemm_configs_binds_tuned_false_in_the_given_modules_only():
     assert fwd.gemm(0) is False and fwd.gemm_gated(0) is False and bwd.gemm_dgated(0) is False
     assert isinstance(fwd.gemm, functools.partial) and fwd.gemm.func is gemm
     assert gemm(0) is True
-
-
-def test_bound_gather_keys_rounds_max_k_up_in_varlen_mode_only():
-    from types import SimpleNamespace
-
-    def launch(x, w, out, perm, offsets, T, max_k, H, is_varlen_K):
-        return max_k
-
-    fwd, bwd = SimpleNamespace(token_gather_and_sum_varlen_K_triton=launch), SimpleNamespace()
-    sm.bound_gather_keys((fwd, bwd))
-    sm.bound_gather_keys((fwd, bwd))  # idempotent: one wrapper, not nested
-    gather = fwd.token_gather_and_sum_varlen_K_triton
-    assert gather.launch is launch and not hasattr(bwd, "token_gather_and_sum_varlen_K_triton")
-    # E' active experts of a merged LoRA weight: 97..128 share one key; the fixed-K mode keeps its K
-    assert [gather(*[None] * 6, e, 2048, True) for e in (1, 2, 3, 64, 65, 97, 128)] == [1, 2, 4, 64, 128, 128, 128]
-    assert gather(*[None] * 6, 6, 2048, False) == 6
 
 
 def test_check_inputs_refuses_what_sonicmoe_cannot_run():
