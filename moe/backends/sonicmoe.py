@@ -41,7 +41,8 @@ for it raises the registry's error with the install hint.
 
 Checked on an H200 with nvidia-cutlass-dsl 4.8.1, quack-kernels 0.6.5 and sonic-moe 0.1.2.post1
 (tests/gpu/test_sonicmoe_gpu.py through benchmarks/gpu_sonicmoe.sh; docs/validation.md). Speed: scattermoe is
-faster at every measured shape (docs/benchmarks.md), so `auto` never picks this backend.
+faster at every measured shape and mode but Mixtral's full fine-tune (docs/benchmarks.md), so `auto` never
+picks this backend.
 """
 
 from __future__ import annotations
