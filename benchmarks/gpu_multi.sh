@@ -45,7 +45,7 @@ verify() {  # tag, world, then runtime.verify flags
   summary+=("verify $tag: $(grep -Eo 'PASS|FAIL' "$OUT/verify_$tag.log" | tail -n 1) (rc $rc)")
 }
 
-tokens_row() {  # tag, world, run dir: median tok/s/GPU, MFU, EP load imbalance; peak GiB over steps 4..
+tokens_row() {  # tag, world, run dir: median tok/s/GPU, MFU, EP load imbalance and host skew; peak GiB over steps 4..
   python - "$1" "$2" "$3" <<'PY'
 import json, statistics, sys
 tag, world, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -56,6 +56,12 @@ mfu = statistics.median(r.get("mfu") or 0 for r in steady)
 peak = max(r.get("peak_mem_gib") or 0 for r in rows)
 imbalance = [r["ep_imbalance"] for r in steady if r.get("ep_imbalance")]
 busiest = f"  EP busiest/mean {statistics.median(imbalance):.2f}" if imbalance else ""
+skew = [(r["ep_host_skew_s"], r["ep_slowest_host"]) for r in steady if "ep_host_skew_s" in r]
+if skew:  # the hosts ahead waited this long per step for the one behind (moe/dispatch/load.py)
+    step_s = statistics.median(r["step_s"] for r in steady)
+    slowest = statistics.mode(rank for _, rank in skew)
+    busiest += (f"  host skew {statistics.median(s for s, _ in skew) * 1e3:.0f} ms of {step_s * 1e3:.0f}"
+                f" (slowest host: EP rank {slowest})")
 print(f"{tag}: {tps:,.0f} tok/s/GPU  MFU {mfu:.3f}  peak {peak:.1f} GiB{busiest}  ({len(rows)} steps)")
 PY
 }

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.dispatch import LoadReading
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
 from runtime.data import build_dataloader, eval_batches, load_tokenizer
-from runtime.distributed.expert_parallel import ep_load_imbalance, parallelize
+from runtime.distributed.expert_parallel import ep_load, parallelize
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
@@ -92,7 +93,7 @@ class StepResult:
     grad_norm: float
     num_tokens: int
     skipped: str | None = None  # "no_labels" | "non_finite": the optimizer did not step
-    ep_imbalance: float | None = None  # busiest EP rank's routed slots / the EP mean (expert_parallel.py)
+    ep_load: LoadReading | None = None  # routing imbalance and host skew of the EP exchanges (moe/dispatch/load.py)
 
 
 def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None,
@@ -127,7 +128,7 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
     if skipped is None:
         optimizer_step(optimizer, grad_scale)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load_imbalance(model, env.device))
+    return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load(model, env.device))
 
 
 class StepGuard:
@@ -274,8 +275,9 @@ def step_record(step: int, result: StepResult, lr: float, elapsed: float, dims: 
               "tok_s": tokens / elapsed, "step_s": elapsed}
     if result.skipped:
         record["skipped"] = result.skipped
-    if result.ep_imbalance is not None:
-        record["ep_imbalance"] = result.ep_imbalance
+    if result.ep_load is not None:
+        record.update(ep_imbalance=result.ep_load.imbalance, ep_host_skew_s=result.ep_load.host_skew_s,
+                      ep_slowest_host=result.ep_load.slowest_host)
     if peak:
         record["mfu"] = flops_tok * tokens / elapsed / (peak * env.world_size)
     if (mem := peak_memory_gib(env.device)) is not None:

@@ -20,9 +20,11 @@ from gpu.registry import Registry
 from moe.dispatch.all_to_all import AllToAllDispatcher
 from moe.dispatch.base import Dispatcher, Routed
 from moe.dispatch.deepep import deepep_unavailable_reason
+from moe.dispatch.load import LoadReading
 from moe.dispatch.local import LocalDispatcher
 
-__all__ = ["DISPATCHERS", "AllToAllDispatcher", "Dispatcher", "LocalDispatcher", "Routed", "build_dispatcher"]
+__all__ = ["DISPATCHERS", "AllToAllDispatcher", "Dispatcher", "LoadReading", "LocalDispatcher", "Routed",
+           "build_dispatcher"]
 
 # (EP group or None, num_experts) -> a dispatcher for the blocks of one model
 DispatcherFactory = Callable[[dist.ProcessGroup | None, int], Dispatcher]

@@ -23,6 +23,7 @@ Autograd: the backward of an all_to_all is the reverse all_to_all, so dispatch's
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +118,9 @@ class AllToAllDispatcher(Dispatcher):
         slots_TR = torch.zeros(T, self.ep, dtype=torch.int64, device=x_TH.device).scatter_add_(
             1, owner_Tk, torch.ones_like(owner_Tk))
         needs_TR = slots_TR > 0
+        start = time.perf_counter()
         send_splits, recv_splits, valid_slots = self._exchange_counts(needs_TR.sum(0), slots_TR.sum(0))
-        self.loads.add(valid_slots)
+        self.loads.add(valid_slots, time.perf_counter() - start)
         token_S, rank_S = _send_order(needs_TR, sum(send_splits))
         ids_Sk = self._local_ids(topk_ids_Tk.index_select(0, token_S), rank_S)
         x_MH, w_Mk, ids_Mk = _DispatchAllToAll.apply(

@@ -17,7 +17,8 @@ topk_w_Tk (the latter through the backend's multiplication by weights_Mk).
 
 `traceable` says whether dispatch and combine trace into a fullgraph torch.compile region (no host
 sync, no data-dependent shape); where not, the runtime compiles the MoE block around the exchange.
-`load_imbalance` reads how evenly the exchanges spread the work over the EP ranks (None without EP).
+`load_reading` reads how evenly the exchanges spread the work over the EP ranks and how far apart the ranks'
+hosts reach them (None without EP).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.load import LoadLog
+from moe.dispatch.load import LoadLog, LoadReading
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Routed:
 
 class Dispatcher(ABC):
     traceable: bool = False  # dispatch and combine trace into a fullgraph torch.compile region
-    # An exchanging dispatcher's EP group and the log of its training dispatches' slot counts (load_imbalance)
+    # An exchanging dispatcher's EP group and the log of its training dispatches' slot counts and host waits (load_reading)
     group: dist.ProcessGroup | None = None
     loads: LoadLog | None = None
 
@@ -53,9 +54,9 @@ class Dispatcher(ABC):
     def combine(self, y_MH: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Brings the backend's rows back to their tokens: out_TH[t] = sum of its rows' y."""
 
-    def load_imbalance(self, device: torch.device) -> float | None:
-        """The busiest EP rank's routed slots over the EP mean, averaged over the training dispatches since
-        the last call (moe/dispatch/load.py); a collective over the EP group where there is one, else None."""
+    def load_reading(self, device: torch.device) -> LoadReading | None:
+        """Routing imbalance and host skew over the training dispatches since the last call
+        (moe/dispatch/load.py); a collective over the EP group where there is one, else None."""
         return None if self.loads is None else self.loads.read(self.group, device)
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -269,9 +270,10 @@ class DeepEPDispatcher(Dispatcher):
         check_routing_shapes(x_TH, topk_ids_Tk, topk_w_Tk)
         check_deepep_shapes(self.ep, self.num_experts, x_TH.shape[1], x_TH.element_size(), topk_ids_Tk.shape[1])
         exchange = _Exchange()
+        start = time.perf_counter()  # the dispatch waits on the host for DeepEP's received counts
         x_MH, w_Mk, ids_Mk = _DeepEPDispatch.apply(x_TH, topk_w_Tk, topk_ids_Tk, self, exchange)
         valid_slots = sum(exchange.tokens_per_expert)
-        self.loads.add(valid_slots)
+        self.loads.add(valid_slots, time.perf_counter() - start)
         return DeepEPRouted(x_MH, ids_Mk, w_Mk, exchange.handle, x_TH.shape[0], exchange.tokens_per_expert,
                             self.rank, valid_slots=valid_slots)
 

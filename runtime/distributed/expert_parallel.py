@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from moe.dispatch import build_dispatcher
+from moe.dispatch import LoadReading, build_dispatcher
 from runtime.config import Config
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile
@@ -35,12 +35,12 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
     return frozenset(g.group_name for g in (ep_group, balance_group) if g is not None)
 
 
-def ep_load_imbalance(model: QwenForCausalLM, device) -> float | None:
-    """The busiest EP rank's routed slots over the EP mean since the last call (moe/dispatch/load.py), read from
-    the dispatcher the MoE blocks share: a collective over the EP group (every rank calls it); None without EP
-    or MoE layers."""
+def ep_load(model: QwenForCausalLM, device) -> LoadReading | None:
+    """Routing imbalance and host skew of the EP exchanges since the last call (moe/dispatch/load.py), read
+    from the dispatcher the MoE blocks share: a collective over the EP group (every rank calls it); None
+    without EP or MoE layers."""
     block = next(iter(model.moe_blocks()), None)
-    return None if block is None else block.dispatcher.load_imbalance(device)
+    return None if block is None else block.dispatcher.load_reading(device)
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,

@@ -46,7 +46,8 @@ def _train(cfg, world_size, rank):
         graphs.append(counters["stats"]["unique_graphs"])
 
     records = train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, meshes, on_grads=on_grads)
-    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_imbalance": r.get("ep_imbalance")}
+    ep_keys = ("ep_imbalance", "ep_host_skew_s", "ep_slowest_host")
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_load": tuple(r.get(k) for k in ep_keys)}
             for r, g in zip(records, grads)], graphs
 
 
@@ -79,11 +80,13 @@ def test_compiled_ep_matches_eager(run_dist, tmp_path, mesh):
     for _, _, graphs, breaks in results:
         assert not breaks, breaks
         assert graphs == [REGIONS] * STEPS, f"compiled graphs after each step: {graphs}"
-    # every step's EP load record: one collective result (the same on both ranks), >= 1 by definition
-    # (its value against the routing is tests/dist/test_dispatch.py's)
+    # every step's EP load record: one collective result (the same on both ranks), imbalance >= 1 and skew
+    # >= 0 by definition, the slowest host an EP rank (their values: tests/dist/test_dispatch.py's)
     for run in (0, 1):
-        per_rank = [[step["ep_imbalance"] for step in result[run]] for result in results]
-        assert per_rank[0] == per_rank[1] and all(x >= 1.0 for x in per_rank[0]), per_rank
+        per_rank = [[step["ep_load"] for step in result[run]] for result in results]
+        assert per_rank[0] == per_rank[1], per_rank
+        assert all(imbalance >= 1.0 and skew >= 0.0 and slowest in (0, 1)
+                   for imbalance, skew, slowest in per_rank[0]), per_rank
     check_against_eager_and_reference(results, tmp_path, world, parallelism)
 
 

@@ -11,6 +11,7 @@ because starting the processes and the group costs more than the cases themselve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -208,8 +209,26 @@ def check_load_log(dispatcher: AllToAllDispatcher, batch: Batch, ep: int) -> Non
     same counts: its reading is their busiest rank's slots over the mean, from the routing itself; a read empties it."""
     slots_R = [int((batch.topk_ids_Nk // (E // ep) == r).sum()) for r in range(ep)]
     expected = max(slots_R) * ep / sum(slots_R) if sum(slots_R) else 1.0
-    assert dispatcher.load_imbalance(torch.device("cpu")) == pytest.approx(expected, rel=1e-12)
-    assert dispatcher.load_imbalance(torch.device("cpu")) is None
+    reading = dispatcher.load_reading(torch.device("cpu"))
+    assert reading.imbalance == pytest.approx(expected, rel=1e-12)
+    assert dispatcher.load_reading(torch.device("cpu")) is None
+
+
+def check_host_skew(rank: int, ep: int, lag_s: float = 0.1, dispatches: int = 3) -> None:
+    """The last rank's host reaches each exchange `lag_s` after the others: the reading names it as the
+    slowest host on every rank and its skew is about dispatches * lag_s (the others waited that long), while
+    the routing imbalance stays what the routing says (every rank sends each rank one slot per token)."""
+    dispatcher = AllToAllDispatcher(dist.group.WORLD, E)
+    x_TH, w_Tk = torch.randn(4, H, requires_grad=True), torch.rand(4, ep)
+    ids_Tk = (torch.arange(ep) * (E // ep)).expand(4, ep)
+    for _ in range(dispatches):
+        if rank == ep - 1:
+            time.sleep(lag_s)
+        dispatcher.dispatch(x_TH, ids_Tk, w_Tk)
+    reading = dispatcher.load_reading(torch.device("cpu"))
+    assert reading.slowest_host == ep - 1, reading
+    assert 0.7 * dispatches * lag_s < reading.host_skew_s < dispatches * lag_s + 0.5, reading
+    assert reading.imbalance == pytest.approx(1.0)
 
 
 def check_exchange_keeps_indices_only(ep: int) -> None:
@@ -232,6 +251,7 @@ def check_exchange_keeps_indices_only(ep: int) -> None:
 
 def check_all(rank: int, ep: int) -> dict[str, list[int]]:
     check_exchange_keeps_indices_only(ep)
+    check_host_skew(rank, ep)
     if rank == 0:  # alone: a collective before the check would hang the group
         with pytest.raises(ValueError, match=f"num_experts={E - 1}.*size {ep}"):
             AllToAllDispatcher(dist.group.WORLD, E - 1)
