@@ -18,7 +18,8 @@ import math
 
 from runtime.config import Config, ConfigError
 
-_TRAIN_KEYS = ("loss", "lr", "grad_norm", "tok_s", "step_s", "mfu", "peak_mem_gib", "ep_imbalance", "ep_host_skew_s")
+_TRAIN_KEYS = ("loss", "lr", "grad_norm", "tok_s", "step_s", "mfu", "peak_mem_gib", "ep_imbalance",
+               "ep_host_skew_s")
 _EVAL_KEYS = ("eval_loss", "eval_tokens")
 _INSTALL = "pip install 'moe-runtime[trackers]'"
 

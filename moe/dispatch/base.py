@@ -42,7 +42,8 @@ class Routed:
 
 class Dispatcher(ABC):
     traceable: bool = False  # dispatch and combine trace into a fullgraph torch.compile region
-    # An exchanging dispatcher's EP group and the log of its training dispatches' slot counts and host waits (load_reading)
+    # An exchanging dispatcher's EP group and the log of its training dispatches' slot counts and host waits
+    # (load_reading)
     group: dist.ProcessGroup | None = None
     loads: LoadLog | None = None
 

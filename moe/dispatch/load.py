@@ -13,7 +13,8 @@ split sizes). That exchange completes for every rank at about the same moment (w
 reaches it), so the ranks' waits differ by when their hosts arrived: `reading.host_skew_s` sums over the
 dispatches the longest wait minus the shortest (how long the hosts ahead waited for the one behind), and
 `reading.slowest_host` is the EP rank that waited least in all (the host the others wait for). Routing
-imbalance delays every rank's completion alike, so it does not show in the skew: the two are separate.
+imbalance delays every rank's completion alike, so it does not show in the skew: the two are separate. Only
+the forward dispatches have a count exchange, so the skew is the forward pass's.
 
 Dispatches without autograd (eval) are not logged; a checkpointed layer's recompute logs its dispatch again,
 with the same counts. Every rank of the group logs the same number of dispatches (each is a collective).

@@ -214,7 +214,7 @@ def check_load_log(dispatcher: AllToAllDispatcher, batch: Batch, ep: int) -> Non
     assert dispatcher.load_reading(torch.device("cpu")) is None
 
 
-def check_host_skew(rank: int, ep: int, lag_s: float = 0.1, dispatches: int = 3) -> None:
+def check_host_skew(rank: int, ep: int, lag_s: float = 0.2, dispatches: int = 3) -> None:
     """The last rank's host reaches each exchange `lag_s` after the others: the reading names it as the
     slowest host on every rank and its skew is about dispatches * lag_s (the others waited that long), while
     the routing imbalance stays what the routing says (every rank sends each rank one slot per token)."""
@@ -227,7 +227,7 @@ def check_host_skew(rank: int, ep: int, lag_s: float = 0.1, dispatches: int = 3)
         dispatcher.dispatch(x_TH, ids_Tk, w_Tk)
     reading = dispatcher.load_reading(torch.device("cpu"))
     assert reading.slowest_host == ep - 1, reading
-    assert 0.7 * dispatches * lag_s < reading.host_skew_s < dispatches * lag_s + 0.5, reading
+    assert 0.7 * dispatches * lag_s < reading.host_skew_s < dispatches * lag_s + 2.0, reading  # a busy CI host
     assert reading.imbalance == pytest.approx(1.0)
 
 
