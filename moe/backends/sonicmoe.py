@@ -53,6 +53,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from gpu.launch import next_power_of_2
 from moe.backends import EXPERT_BACKENDS, compute_dtype
 
 INSTALL_HINT = ("pip install 'moe-runtime[sonicmoe]' && pip install --no-deps sonic-moe==0.1.2.post1 (sonic-moe "
@@ -77,7 +78,7 @@ def active_experts(expert_P: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     recompiled them all the time. One host sync (the count)."""
     counts_E = torch.bincount(expert_P, minlength=num_experts)
     count = int(torch.count_nonzero(counts_E))
-    padded = min(num_experts, 1 << max(count - 1, 0).bit_length())
+    padded = min(num_experts, next_power_of_2(count))
     active_first_E = torch.argsort((counts_E == 0).to(torch.int8), stable=True)
     active_A = active_first_E[:padded].sort().values
     renumber_E = torch.full((num_experts,), -1, dtype=torch.int64, device=expert_P.device)
