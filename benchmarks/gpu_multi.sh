@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [profile] [hostbound] [deepep]
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [ceiling] [profile] [hostbound] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
 #               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
@@ -15,6 +15,8 @@
 #               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with),
 #               eager (SCALING_COMPILE=1: compiled)
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
+#   ceiling     the per-GPU ceiling of ep=N: the model at ep=1 with 4 and 8 layers, full and LoRA, no checkpointing,
+#               side by side (one GPU each); the step's slope per layer extrapolates ep=1 to all 48 layers
 #   profile     the model at 8 layers, full fine-tune, no checkpointing, ep=1 and ep=N (PROFILE_EPS), step 6 traced
 #               (profiling.steps): rank 0's summary (wall, kernel share, host syncs, the compute stream's idle
 #               gaps by cause: runtime.timeline), every rank's gap summary and who waited for whom at the
@@ -130,6 +132,48 @@ fi
 if [[ $parts == *bandwidth* ]]; then
   torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --out "$OUT" > "$OUT/bench_ep.log" 2>&1
   summary+=("bench_ep: $(tail -n 3 "$OUT/bench_ep.log" | tr '\n' ' ')")
+fi
+if [[ $parts == *ceiling* ]]; then
+  # at ep=N each rank computes as many expert slots as at ep=1, so ep=1's step, extrapolated to 48 layers, bounds
+  # the tok/s/GPU of ep=N; the step is a + b x layers: the 4- and 8-layer runs give both
+  runs=0
+  for mode in full lora; do
+    for layers in 4 8; do
+      tag=ceiling-$mode-L$layers
+      [[ $tag =~ ${ONLY:-.} ]] || continue
+      (( runs > 0 && runs % N == 0 )) && wait  # one run per GPU at a time
+      extra=()
+      [ "$mode" = lora ] && extra=(--set lora.enabled=true --set optim.master_dtype=fp32)
+      rm -rf "$OUT/$tag"
+      CUDA_VISIBLE_DEVICES=$((runs % N)) timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node 1 \
+        -m runtime.launch "$BIG" --output-dir "$OUT/$tag" --set model.num_layers_override=$layers \
+        --set parallelism.activation_checkpoint=none "${extra[@]}" > "$OUT/$tag.log" 2>&1 &
+      runs=$((runs + 1))
+    done
+  done
+  wait
+  summary+=("$(python - "$OUT" <<'PY'
+import json, statistics, sys
+def steady(tag):  # median step seconds and tokens per step over steps 4.., or None
+    try:
+        rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{tag}/metrics.jsonl") if '"loss"' in l]
+    except OSError:
+        return None, None
+    rows = [r for r in rows if r["step"] >= 4]
+    if not rows:
+        return None, None
+    return statistics.median(r["step_s"] for r in rows), statistics.median(r["tok_s"] * r["step_s"] for r in rows)
+for mode in ("full", "lora"):
+    (s4, tokens), (s8, _) = steady(f"ceiling-{mode}-L4"), steady(f"ceiling-{mode}-L8")
+    if s4 is None or s8 is None:
+        print(f"ceiling {mode}: a run failed, see ceiling-{mode}-L*.log")
+        continue
+    per_layer = (s8 - s4) / 4
+    s48 = s4 + 44 * per_layer
+    print(f"ceiling {mode} ep1: {s4 * 1e3:.0f} / {s8 * 1e3:.0f} ms at 4 / 8 layers, {per_layer * 1e3:.1f} ms per layer,"
+          f" 48 layers {s48 * 1e3:.0f} ms = {tokens / s48:,.0f} tok/s/GPU")
+PY
+)")
 fi
 if [[ $parts == *profile* ]]; then
   # the 8-layer model, full fine-tune, no checkpointing, at ep=1 and ep=N: where the ep=N step loses its time
