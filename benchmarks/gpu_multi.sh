@@ -82,6 +82,7 @@ train_run() {  # tag, world, then runtime.launch flags (then SETS' overrides)
 
 if [[ $parts == *verify* ]]; then
   verify "ep$N" "$N" --ep "$N" "$TINY"
+  [ "$N" -gt 2 ] && verify ep2 2 --ep 2 "$TINY"
   verify "ep$N-lora" "$N" --ep "$N" "$TINY" --set lora.enabled=true
   verify "fsdp$N-ep2" "$N" --ep 2 "$TINY"
   verify "fsdp$N-ep2-lora" "$N" --ep 2 "$TINY" --set lora.enabled=true
