@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [ceiling] [profile] [hostbound] [deepep]
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [gathers] [ceiling] [profile] [hostbound] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
 #               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
@@ -15,6 +15,8 @@
 #               (SCALING_EPS="2 4": those only), without activation checkpointing (SCALING_AC=selective: with),
 #               eager (SCALING_COMPILE=1: compiled)
 #   bandwidth   bench_ep: dispatch+combine against NCCL all_to_all bus bandwidth in the same run
+#   gathers     FSDP's fp32 gathers against bf16 (parallelism.fsdp_param_dtype): 8 layers, full, fp32 masters, ep=2 and
+#               dp_shard=2, on 2 GPUs
 #   ceiling     the per-GPU ceiling of ep=N: the model at ep=1 with 4 and 8 layers, full and LoRA, no checkpointing,
 #               side by side (one GPU each); the step's slope per layer extrapolates ep=1 to all 48 layers
 #   profile     the model at 8 layers, full fine-tune, no checkpointing, ep=1 and ep=N (PROFILE_EPS), step 6 traced
@@ -97,6 +99,12 @@ if [[ $parts == *verify* ]]; then
   verify "ep$N-exact" "$N" --ep "$N" "$TINY" --exact
   verify hybrid-cp2-exact 2 --cp 2 "$TINY" --set "$hybrid" --exact
   verify hybrid-cp2-state-exact 2 --cp 2 "$TINY" --set parallelism.cp_gdn=state --set "$hybrid" --exact
+  # FSDP's gathers in the parameters' own dtype (fp32 masters): the one-process reference's precision
+  fp32=(--set parallelism.fsdp_param_dtype=fp32)
+  verify ep2-fp32gathers 2 --ep 2 "$TINY" "${fp32[@]}"
+  verify hybrid-cp2-fp32gathers 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set "$hybrid" "${fp32[@]}"
+  verify hybrid-cp2-state-fp32gathers 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set parallelism.cp_gdn=state \
+    --set "$hybrid" "${fp32[@]}"
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
   verify mxfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=mxfp4
   # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N
@@ -133,6 +141,17 @@ fi
 if [[ $parts == *bandwidth* ]]; then
   torchrun --standalone --nproc_per_node "$N" -m benchmarks.bench_ep --out "$OUT" > "$OUT/bench_ep.log" 2>&1
   summary+=("bench_ep: $(tail -n 3 "$OUT/bench_ep.log" | tr '\n' ' ')")
+fi
+if [[ $parts == *gathers* ]]; then
+  # the cost of fp32 gathers (parallelism.fsdp_param_dtype): 8 layers, full fine-tune with fp32 masters, no
+  # checkpointing, ep=2 and plain FSDP (dp_shard=2: the experts join each block's unit), bf16 then fp32 gathers
+  for mesh in ep2 fsdp2; do
+    flags=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set optim.master_dtype=fp32)
+    [ "$mesh" = ep2 ] && flags+=(--ep 2)
+    for gathers in bf16 fp32; do
+      train_run "gathers-$mesh-$gathers" 2 "${flags[@]}" --set "parallelism.fsdp_param_dtype=$gathers"
+    done
+  done
 fi
 if [[ $parts == *ceiling* ]]; then
   # at ep=N each rank computes as many expert slots as at ep=1, so ep=1's step, extrapolated to 48 layers, bounds

@@ -131,6 +131,10 @@ class ParallelismConfig(Section):
     # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
     dispatcher: str = "all_to_all"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    # FSDP's parameter gathers under bf16 autocast (CUDA): bf16 rounds every parameter for compute, norms, router,
+    # embedding and GDN decay included; fp32 gathers the parameters in their own dtype and autocast casts only
+    # the matmul inputs: one GPU's precision, at twice the gather bytes of fp32 masters (runtime/distributed/fsdp.py).
+    fsdp_param_dtype: Literal["bf16", "fp32"] = "bf16"
     # A collective that waits longer fails; the watchdog ends every rank once a peer stalls this long.
     collective_timeout_s: int = Field(600, ge=5)
 

@@ -446,12 +446,16 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     activations = int(tokens * activation_bytes_per_token(run, mode))
 
     forward, start, end = {}, {}, {}
-    copies = shards == 1 and p.master != p.compute  # FSDP computes with its bf16 gathered weights instead
+    # FSDP's bf16 gathers are the compute weights; one GPU and fp32 gathers have autocast cast copies instead
+    # (counted for the experts too, which under EP gather in bf16: an over-count there)
+    fp32_gathers = shards > 1 and cuda and cfg.parallelism.fsdp_param_dtype == "fp32"
+    copies = (shards == 1 or fp32_gathers) and p.master != p.compute
     if copies:
         forward["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, in_backward=False)
         start["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, in_backward=True)
     lm_head = model.lm_head.weight
-    lm_head_bytes = p.compute if shards > 1 and cuda else p.master if lm_head.requires_grad else p.frozen
+    lm_head_bytes = (p.compute if shards > 1 and cuda and not fp32_gathers
+                     else p.master if lm_head.requires_grad else p.frozen)
     forward["chunked loss"] = loss_buffers(qcfg.vocab_size, qcfg.hidden_size, tokens, p.compute, lm_head_bytes,
                                            lm_head.requires_grad)
     if lm_head.requires_grad:  # computed by the loss in forward, kept until backward hands it over
@@ -463,8 +467,8 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     if cfg.parallelism.cp > 1 and cfg.parallelism.cp_attention == "allgather":
         varlen = cuda and cfg.model.attn_backend != "sdpa"  # auto and flash take the varlen kernel on CUDA
         start["cp gathered K/V"] = forward["cp gathered K/V"] = _allgather_kv(run, tokens, dims.cp, mode, varlen)
-    if shards > 1:  # FSDP's param dtype (bf16 on CUDA): the current block, the prefetched next, the root unit
-        unit_bytes = p.compute if cuda else p.master
+    if shards > 1:  # FSDP's param dtype: the current block, the prefetched next, the root unit
+        unit_bytes = p.compute if cuda and not fp32_gathers else p.master
         fsdp = int(unit_bytes * (2 * _gathered_block_values(model, dims) + _root_values(model) * (shards - 1) / shards))
         forward["FSDP gathered units"] = start["FSDP gathered units"] = end["FSDP gathered units"] = fsdp
     return MemoryEstimate(parameters, gradients, optimizer, activations, forward, start, end)

@@ -5,7 +5,8 @@
 runs K optimizer steps with the requested parallelism, then (on rank 0) the same K steps of the same
 config in one process over the same global batch, and prints per-step loss, grad-norm and per-tensor
 gradient deltas with PASS/FAIL. Tolerances (norm-relative): fp32 loss 1e-5, grads 1e-4; bf16 (GPU:
-FSDP casts parameters to bf16, the one-process reference autocasts fp32 parameters) loss 2e-2, grads
+FSDP gathers parameters in parallelism.fsdp_param_dtype, the one-process reference autocasts fp32
+parameters) loss 2e-2, grads
 5e-2 at step 1 and 1e-1 after the first update, router weights 1e-1: the rounding differs, and in the
 router it moves near-tie top-k choices; once the two runs' weights have drifted apart by one update,
 such a flip moves whole tokens between experts (measured on GPUs: docs/validation.md).
@@ -223,6 +224,10 @@ def verify(argv: list[str]) -> int:
         if not ok and dtype == "bfloat16":
             print("bf16 rounding moves near-tie routing choices between runs: `--exact` runs both sides in fp32 on the "
                   "plain kernels and checks the parallelism alone at fp32 bounds")
+            if cfg.parallelism.fsdp_param_dtype == "bf16" and dims.dp_shard * dims.cp > 1:
+                print("FSDP gathered the parameters in bf16 (parallelism.fsdp_param_dtype: bf16), rounding norms, router, "
+                      "embedding and GDN decay parameters the one-process reference computes in fp32: "
+                      "--set parallelism.fsdp_param_dtype=fp32 verifies at one GPU's precision")
     if env.world_size > 1:
         flag = torch.tensor([int(ok)], device=env.device)
         dist.broadcast(flag, 0)

@@ -54,5 +54,5 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
-        apply_fsdp(model, meshes, meshes.world.device_type, autocast)
+        apply_fsdp(model, meshes, meshes.world.device_type, autocast, cfg.parallelism.fsdp_param_dtype)
     return model

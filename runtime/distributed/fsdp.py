@@ -22,20 +22,24 @@ from runtime.distributed.mesh import Meshes
 from runtime.models.qwen import QwenForCausalLM
 
 
-def _mp_policy(device_type: str, autocast: bool = True) -> MixedPrecisionPolicy:
-    """bf16 parameter gathers with fp32 reductions when training autocasts on CUDA; else the parameters'
-    own dtype (the CPU, and runtime.verify's fp32 runs on CUDA)."""
+def _mp_policy(device_type: str, autocast: bool = True, param_dtype: str = "bf16") -> MixedPrecisionPolicy:
+    """Under CUDA autocast fp32 reductions, with parameters gathered in bf16 or (`param_dtype` fp32) in their own
+    dtype, where autocast casts only matmul inputs, as on one GPU; else the parameters' own dtype (the CPU, and
+    runtime.verify's fp32 runs on CUDA)."""
     if device_type == "cuda" and autocast:
-        # Inputs arrive in bf16 already (the embedding's output); a cast would rebuild every dataclass argument,
+        # Inputs arrive in the embedding's dtype already; a cast would rebuild every dataclass argument,
         # the per-batch AttnMeta and its CPShard (whose derived fields dataclasses.replace refuses), per block.
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    cast_forward_inputs=False)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else None,
+                                    reduce_dtype=torch.float32, cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 
 
-def _expert_mp_policy(mp: MixedPrecisionPolicy, expert_fsdp_size: int) -> MixedPrecisionPolicy:
-    """The experts' policy: with one rank on their FSDP mesh nothing is reduced, so no fp32 copy of every
-    expert gradient is made for a reduction that does not happen (FSDP copies into the reduce dtype anyway)."""
+def _expert_mp_policy(device_type: str, autocast: bool, expert_fsdp_size: int) -> MixedPrecisionPolicy:
+    """The policy of the experts' own unit (under EP): bf16 gathers whatever fsdp_param_dtype says, since the
+    expert kernels read bf16 and rounding before the gather equals rounding after it. With one rank on their
+    FSDP mesh nothing is reduced, so no fp32 copy of every expert gradient is made for a reduction that does
+    not happen (FSDP copies into the reduce dtype anyway)."""
+    mp = _mp_policy(device_type, autocast)
     return dataclasses.replace(mp, reduce_dtype=None) if expert_fsdp_size == 1 else mp
 
 
@@ -62,9 +66,12 @@ def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh) -> list[nn.Par
     return params
 
 
-def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True) -> None:
-    mp = _mp_policy(device_type, autocast)
-    expert_mp = _expert_mp_policy(mp, meshes.expert_fsdp.size())
+def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True,
+               param_dtype: str = "bf16") -> None:
+    """FSDP2 units: each decoder block, under EP its experts (their own mesh), and the root; `param_dtype`:
+    parallelism.fsdp_param_dtype."""
+    mp = _mp_policy(device_type, autocast, param_dtype)
+    expert_mp = _expert_mp_policy(device_type, autocast, meshes.expert_fsdp.size())
     fsdp_modules = []
     ignored: set[nn.Parameter] = set()
     expert_parallel = meshes.experts["ep"].size() > 1
@@ -74,7 +81,7 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocas
         # the block's unit (a nested unit's hooks would also land inside a compiled block forward).
         unwrapped: set[nn.Parameter] = set()
         if experts is not None and expert_parallel:
-            if meshes.expert_fsdp.size() == 1 and _readable_in_place(experts, mp):
+            if meshes.expert_fsdp.size() == 1 and _readable_in_place(experts, expert_mp):
                 unwrapped.update(_unwrapped_experts(experts, meshes.expert_fsdp))
             else:
                 fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))

@@ -247,3 +247,18 @@ def test_cli_prints_the_estimate_before_any_process_group(capsys):
     out = capsys.readouterr().out
     assert "world 8 = dp_replicate 1 x dp_shard 4 x cp 2; ep 2, efsdp 4" in out and "peak (estimate)" in out
     assert not torch.distributed.is_initialized()
+
+
+def test_fp32_gathers_count_fp32_units_and_cast_copies():
+    """parallelism.fsdp_param_dtype fp32 under FSDP (full fine-tune, fp32 masters, CUDA): the gathered units in
+    fp32 and autocast's bf16 weight copies, neither of which bf16 gathers have."""
+    from runtime.estimate import estimate
+
+    cfg = tiny_config("qwen3-moe", "full-fp32-masters", "none")
+    dims = ParallelDims(1, 4, 1, 1, 4)
+    bf16 = estimate(cfg, dims, cuda=True)
+    fp32 = estimate(cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(
+        update={"fsdp_param_dtype": "fp32"})}), dims, cuda=True)
+    copies = "bf16 copies of fp32 weights"
+    assert copies in fp32.end_of_forward and copies not in bf16.end_of_forward
+    assert fp32.end_of_forward["FSDP gathered units"] == 2 * bf16.end_of_forward["FSDP gathered units"]

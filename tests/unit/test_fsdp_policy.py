@@ -15,7 +15,16 @@ def test_gathers_follow_autocast():
     assert _mp_policy("cpu").param_dtype is None
 
 
+def test_fp32_gathers_keep_the_parameters_dtype_under_autocast():
+    """parallelism.fsdp_param_dtype fp32: no cast at the gather (autocast casts the matmul inputs, as on one
+    GPU), reductions still fp32."""
+    mp = _mp_policy("cuda", param_dtype="fp32")
+    assert mp.param_dtype is None and mp.reduce_dtype == torch.float32
+
+
 def test_experts_alone_on_their_fsdp_mesh_make_no_fp32_gradient_copy():
-    mp = _mp_policy("cuda")
-    assert _expert_mp_policy(mp, 1).reduce_dtype is None and _expert_mp_policy(mp, 1).param_dtype == torch.bfloat16
-    assert _expert_mp_policy(mp, 2).reduce_dtype == torch.float32
+    assert _expert_mp_policy("cuda", True, 1).reduce_dtype is None
+    assert _expert_mp_policy("cuda", True, 1).param_dtype == torch.bfloat16
+    assert _expert_mp_policy("cuda", True, 2).reduce_dtype == torch.float32
+    assert _expert_mp_policy("cpu", False, 2).param_dtype is None
+
