@@ -99,9 +99,9 @@ if [[ $parts == *verify* ]]; then
   verify "ep$N-exact" "$N" --ep "$N" "$TINY" --exact
   verify hybrid-cp2-exact 2 --cp 2 "$TINY" --set "$hybrid" --exact
   verify hybrid-cp2-state-exact 2 --cp 2 "$TINY" --set parallelism.cp_gdn=state --set "$hybrid" --exact
-  # FSDP's gathers in the parameters' own dtype (fp32 masters): the one-process reference's precision
+  # FSDP's gathers (parallelism.fsdp_param_dtype): bf16 under EP (auto there is fp32), fp32 at cp=2 (auto: bf16)
+  verify ep2-bf16gathers 2 --ep 2 "$TINY" --set parallelism.fsdp_param_dtype=bf16
   fp32=(--set parallelism.fsdp_param_dtype=fp32)
-  verify ep2-fp32gathers 2 --ep 2 "$TINY" "${fp32[@]}"
   verify hybrid-cp2-fp32gathers 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set "$hybrid" "${fp32[@]}"
   verify hybrid-cp2-state-fp32gathers 2 --cp 2 "$TINY" --set model.gdn_op_set=torch --set parallelism.cp_gdn=state \
     --set "$hybrid" "${fp32[@]}"

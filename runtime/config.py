@@ -133,8 +133,9 @@ class ParallelismConfig(Section):
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     # FSDP's parameter gathers under bf16 autocast (CUDA): bf16 rounds every parameter for compute, norms, router,
     # embedding and GDN decay included; fp32 gathers the parameters in their own dtype and autocast casts only
-    # the matmul inputs: one GPU's precision, at twice the gather bytes of fp32 masters (runtime/distributed/fsdp.py).
-    fsdp_param_dtype: Literal["bf16", "fp32"] = "bf16"
+    # the matmul inputs: one GPU's precision, at twice the gather bytes of fp32 masters; auto: fp32 under EP
+    # (the experts keep their own bf16 units there), bf16 without (runtime/distributed/fsdp.py).
+    fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # A collective that waits longer fails; the watchdog ends every rank once a peer stalls this long.
     collective_timeout_s: int = Field(600, ge=5)
 

@@ -44,6 +44,7 @@ from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 from quant import FP4Weight, quantize_experts
 from runtime.config import Config
+from runtime.distributed.fsdp import gather_dtype
 from runtime.distributed.mesh import ParallelDims
 from runtime.lora import apply_lora
 from runtime.loss import default_chunk_size
@@ -448,7 +449,7 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     forward, start, end = {}, {}, {}
     # FSDP's bf16 gathers are the compute weights; one GPU and fp32 gathers have autocast cast copies instead
     # (counted for the experts too, which under EP gather in bf16: an over-count there)
-    fp32_gathers = shards > 1 and cuda and cfg.parallelism.fsdp_param_dtype == "fp32"
+    fp32_gathers = shards > 1 and cuda and gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep) == "fp32"
     copies = (shards == 1 or fp32_gathers) and p.master != p.compute
     if copies:
         forward["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, in_backward=False)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import Config, ConfigError
+from runtime.distributed.fsdp import gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv
 
@@ -224,7 +225,7 @@ def verify(argv: list[str]) -> int:
         if not ok and dtype == "bfloat16":
             print("bf16 rounding moves near-tie routing choices between runs: `--exact` runs both sides in fp32 on the "
                   "plain kernels and checks the parallelism alone at fp32 bounds")
-            if cfg.parallelism.fsdp_param_dtype == "bf16" and dims.dp_shard * dims.cp > 1:
+            if gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep) == "bf16" and dims.dp_shard * dims.cp > 1:
                 print("FSDP gathered the parameters in bf16 (parallelism.fsdp_param_dtype: bf16), rounding norms, router, "
                       "embedding and GDN decay parameters the one-process reference computes in fp32: "
                       "--set parallelism.fsdp_param_dtype=fp32 verifies at one GPU's precision")

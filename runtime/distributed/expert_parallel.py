@@ -16,7 +16,7 @@ from runtime.config import Config
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile
 from runtime.distributed.context_parallel import ContextParallel
-from runtime.distributed.fsdp import apply_fsdp
+from runtime.distributed.fsdp import apply_fsdp, gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
 
@@ -54,5 +54,6 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
-        apply_fsdp(model, meshes, meshes.world.device_type, autocast, cfg.parallelism.fsdp_param_dtype)
+        apply_fsdp(model, meshes, meshes.world.device_type, autocast,
+                   gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep))
     return model

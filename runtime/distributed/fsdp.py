@@ -34,6 +34,15 @@ def _mp_policy(device_type: str, autocast: bool = True, param_dtype: str = "bf16
     return MixedPrecisionPolicy()
 
 
+def gather_dtype(setting: str, ep: int) -> str:
+    """parallelism.fsdp_param_dtype resolved: auto is fp32 under EP, where the experts (the bulk of the bytes)
+    gather in their own bf16 units and fp32 gathers of the rest cost nothing measurable, and bf16 without EP,
+    where the experts would gather in fp32 with their block (-14% measured: docs/benchmarks.md)."""
+    if setting != "auto":
+        return setting
+    return "fp32" if ep > 1 else "bf16"
+
+
 def _expert_mp_policy(device_type: str, autocast: bool, expert_fsdp_size: int) -> MixedPrecisionPolicy:
     """The policy of the experts' own unit (under EP): bf16 gathers whatever fsdp_param_dtype says, since the
     expert kernels read bf16 and rounding before the gather equals rounding after it. With one rank on their
@@ -69,7 +78,7 @@ def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh) -> list[nn.Par
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True,
                param_dtype: str = "bf16") -> None:
     """FSDP2 units: each decoder block, under EP its experts (their own mesh), and the root; `param_dtype`:
-    parallelism.fsdp_param_dtype."""
+    gather_dtype's bf16 or fp32."""
     mp = _mp_policy(device_type, autocast, param_dtype)
     expert_mp = _expert_mp_policy(device_type, autocast, meshes.expert_fsdp.size())
     fsdp_modules = []

@@ -256,6 +256,8 @@ def test_fp32_gathers_count_fp32_units_and_cast_copies():
 
     cfg = tiny_config("qwen3-moe", "full-fp32-masters", "none")
     dims = ParallelDims(1, 4, 1, 1, 4)
+    assert estimate(cfg, dims, cuda=True).peak == estimate(cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(
+        update={"fsdp_param_dtype": "bf16"})}), dims, cuda=True).peak  # auto: bf16 without EP
     bf16 = estimate(cfg, dims, cuda=True)
     fp32 = estimate(cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(
         update={"fsdp_param_dtype": "fp32"})}), dims, cuda=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.distributed.fsdp import _expert_mp_policy, _mp_policy
+from runtime.distributed.fsdp import _expert_mp_policy, _mp_policy, gather_dtype
 
 
 def test_gathers_follow_autocast():
@@ -28,3 +28,10 @@ def test_experts_alone_on_their_fsdp_mesh_make_no_fp32_gradient_copy():
     assert _expert_mp_policy("cuda", True, 2).reduce_dtype == torch.float32
     assert _expert_mp_policy("cpu", False, 2).param_dtype is None
 
+
+
+def test_auto_gathers_in_fp32_under_ep_only():
+    """Under EP the experts keep their own bf16 units, so fp32 gathers of the rest are cheap; without EP the
+    experts would gather in fp32 with their block."""
+    assert gather_dtype("auto", 2) == "fp32" and gather_dtype("auto", 1) == "bf16"
+    assert gather_dtype("bf16", 4) == "bf16" and gather_dtype("fp32", 1) == "fp32"
