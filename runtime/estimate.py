@@ -354,16 +354,17 @@ def _weights(model: QwenForCausalLM) -> tuple[int, int, int]:
     return frozen, trainable, packed
 
 
-def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool) -> int:
+def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts: bool = True) -> int:
     """Trainable values that get a compute-dtype copy: the matmul weights autocast casts (its cache holds them
-    until forward ends) and, without checkpointing, the expert weights scattermoe casts and keeps. In
+    until forward ends) and, without checkpointing, the expert weights scattermoe casts and keeps (`experts`:
+    False where FSDP gathers them in bf16, freed after forward). In
     backward (autocast exited) only what autograd keeps: nothing under checkpointing, and no lora_A of the
     first block's input projections, whose input (the frozen embedding's output) needs no gradient. Neither
     the embedding (never cast) nor lm_head (the loss casts it: loss_buffers)."""
     if in_backward and mode != "none":
         return 0
     first = ("model.layers.0.self_attn.", "model.layers.0.linear_attn.in_proj")
-    cast = (nn.Linear, SoftmaxTopKRouter) + ((GroupedExperts,) if mode == "none" else ())
+    cast = (nn.Linear, SoftmaxTopKRouter) + ((GroupedExperts,) if mode == "none" and experts else ())
     total = 0
     for name, module in model.named_modules():
         if not isinstance(module, cast) or name == "lm_head":
@@ -447,13 +448,14 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     activations = int(tokens * activation_bytes_per_token(run, mode))
 
     forward, start, end = {}, {}, {}
-    # FSDP's bf16 gathers are the compute weights; one GPU and fp32 gathers have autocast cast copies instead
-    # (counted for the experts too, which under EP gather in bf16: an over-count there)
+    # FSDP's bf16 gathers are the compute weights; one GPU and fp32 gathers have autocast's cast copies instead,
+    # except the experts' own units under EP, which gather in bf16 either way
     fp32_gathers = shards > 1 and cuda and gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep) == "fp32"
     copies = (shards == 1 or fp32_gathers) and p.master != p.compute
     if copies:
-        forward["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, in_backward=False)
-        start["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, in_backward=True)
+        experts_cast = dims.ep == 1
+        forward["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, False, experts_cast)
+        start["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, True, experts_cast)
     lm_head = model.lm_head.weight
     lm_head_bytes = (p.compute if shards > 1 and cuda and not fp32_gathers
                      else p.master if lm_head.requires_grad else p.frozen)
@@ -468,7 +470,8 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     if cfg.parallelism.cp > 1 and cfg.parallelism.cp_attention == "allgather":
         varlen = cuda and cfg.model.attn_backend != "sdpa"  # auto and flash take the varlen kernel on CUDA
         start["cp gathered K/V"] = forward["cp gathered K/V"] = _allgather_kv(run, tokens, dims.cp, mode, varlen)
-    if shards > 1:  # FSDP's param dtype: the current block, the prefetched next, the root unit
+    if shards > 1:  # FSDP's param dtype (the experts' share at fp32 gathers over-counted): the current block,
+        # the prefetched next, the root unit
         unit_bytes = p.compute if cuda and not fp32_gathers else p.master
         fsdp = int(unit_bytes * (2 * _gathered_block_values(model, dims) + _root_values(model) * (shards - 1) / shards))
         forward["FSDP gathered units"] = start["FSDP gathered units"] = end["FSDP gathered units"] = fsdp

@@ -255,12 +255,17 @@ def test_fp32_gathers_count_fp32_units_and_cast_copies():
     from runtime.estimate import estimate
 
     cfg = tiny_config("qwen3-moe", "full-fp32-masters", "none")
-    dims = ParallelDims(1, 4, 1, 1, 4)
-    assert estimate(cfg, dims, cuda=True).peak == estimate(cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(
-        update={"fsdp_param_dtype": "bf16"})}), dims, cuda=True).peak  # auto: bf16 without EP
-    bf16 = estimate(cfg, dims, cuda=True)
-    fp32 = estimate(cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(
-        update={"fsdp_param_dtype": "fp32"})}), dims, cuda=True)
+
+    def gathers(dtype: str, dims: ParallelDims):
+        update = {"parallelism": cfg.parallelism.model_copy(update={"fsdp_param_dtype": dtype})}
+        return estimate(cfg.model_copy(update=update), dims, cuda=True)
+
+    fsdp, ep = ParallelDims(1, 4, 1, 1, 4), ParallelDims(1, 4, 1, 2, 4)
+    assert gathers("auto", fsdp).peak == gathers("bf16", fsdp).peak  # auto: bf16 without EP, fp32 with
+    assert gathers("auto", ep).peak == gathers("fp32", ep).peak > gathers("bf16", ep).peak
+    bf16, fp32 = gathers("bf16", fsdp), gathers("fp32", fsdp)
     copies = "bf16 copies of fp32 weights"
     assert copies in fp32.end_of_forward and copies not in bf16.end_of_forward
     assert fp32.end_of_forward["FSDP gathered units"] == 2 * bf16.end_of_forward["FSDP gathered units"]
+    # under EP the experts gather in their own bf16 units: no cast copy of theirs
+    assert gathers("fp32", ep).end_of_forward[copies] < fp32.end_of_forward[copies]

@@ -29,7 +29,6 @@ def test_experts_alone_on_their_fsdp_mesh_make_no_fp32_gradient_copy():
     assert _expert_mp_policy("cpu", False, 2).param_dtype is None
 
 
-
 def test_auto_gathers_in_fp32_under_ep_only():
     """Under EP the experts keep their own bf16 units, so fp32 gathers of the rest are cheap; without EP the
     experts would gather in fp32 with their block."""
