@@ -70,15 +70,20 @@ print(f"{tag}: {tps:,.0f} tok/s/GPU  MFU {mfu:.3f}  peak {peak:.1f} GiB{busiest}
 PY
 }
 
-train_run() {  # tag, world, then runtime.launch flags (then SETS' overrides)
+launch_run() {  # tag, world, then runtime.launch flags (then SETS' overrides): the run into $OUT/tag, its log
   local tag=$1 world=$2 override
   shift 2
-  [[ $tag =~ ${ONLY:-.} ]] || return 0
-  [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
   rm -rf "$OUT/$tag"
   for override in ${SETS:-}; do set -- "$@" --set "$override"; done
   timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node "$world" -m runtime.launch "$BIG" --output-dir "$OUT/$tag" "$@" \
-    > "$OUT/$tag.log" 2>&1 && summary+=("$(tokens_row "$tag" "$world" "$OUT/$tag")") \
+    > "$OUT/$tag.log" 2>&1
+}
+
+train_run() {  # tag, world, then runtime.launch flags: launch_run, then its row in the summary
+  local tag=$1 world=$2
+  [[ $tag =~ ${ONLY:-.} ]] || return 0
+  [ "$world" -le "$N" ] || { summary+=("$tag: skipped (needs $world GPUs)"); return; }
+  launch_run "$@" && summary+=("$(tokens_row "$tag" "$world" "$OUT/$tag")") \
     || summary+=("$tag: failed, see $tag.log: $(grep -E '^error' "$OUT/$tag.log" | head -n 1)")
 }
 
@@ -164,10 +169,8 @@ if [[ $parts == *ceiling* ]]; then
       (( runs > 0 && runs % N == 0 )) && wait  # one run per GPU at a time
       extra=()
       [ "$mode" = lora ] && extra=(--set lora.enabled=true --set optim.master_dtype=fp32)
-      rm -rf "$OUT/$tag"
-      CUDA_VISIBLE_DEVICES=$((runs % N)) timeout "${RUN_LIMIT:-300}" torchrun --standalone --nproc_per_node 1 \
-        -m runtime.launch "$BIG" --output-dir "$OUT/$tag" --set model.num_layers_override=$layers \
-        --set parallelism.activation_checkpoint=none "${extra[@]}" > "$OUT/$tag.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=$((runs % N)) launch_run "$tag" 1 --set model.num_layers_override=$layers \
+        --set parallelism.activation_checkpoint=none "${extra[@]}" &
       runs=$((runs + 1))
     done
   done
