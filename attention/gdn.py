@@ -30,7 +30,8 @@ Context parallelism (meta.cp, zigzag pieces: attention/context_parallel.py), exa
   about (V+K)/V of a delta-rule pass; either op set (the pieces' document tables come from the CPShard).
 
 Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py) in `GDN_OP_SETS` (config key
-model.gdn_op_set; "auto" = fla on CUDA when installed, else torch), chosen at build time, one contract:
+model.gdn_op_set; "auto" = fla on CUDA when installed and its backward can run here, else torch, with a
+warning naming the fix), chosen at build time, one contract:
     docs = ops.prepare_docs(cu_seqlens, B, S, device)
     y_BSD = ops.causal_conv1d_silu(x_BSD, weight_DW, docs)
     o_BSHV = ops.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +69,19 @@ GDN_LAYOUTS = ("qwen3_5", "qwen3_next")
 _FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 
 
+def _fla_refusal() -> str | None:
+    """Why op set fla cannot train on this CUDA device (attention/gdn_ops_fla.py), None when it can."""
+    return importlib.import_module("attention.gdn_ops_fla").backward_refusal()
+
+
 def _auto_op_set() -> str:
-    return "fla" if _FLA_INSTALLED and torch.cuda.is_available() else "torch"
+    if not (_FLA_INSTALLED and torch.cuda.is_available()):
+        return "torch"
+    refusal = _fla_refusal()
+    if refusal:
+        warnings.warn(f"model.gdn_op_set auto: using op set 'torch', because {refusal}", stacklevel=2)
+        return "torch"
+    return "fla"
 
 
 # name -> the op-set module's import path: importing `fla` only when chosen keeps it off CPU-only runs.
@@ -85,7 +98,10 @@ def check_gdn_op_set(name: str) -> str:
     """The op set `name` stands for ("auto" resolved); raises naming the fix when it cannot run here."""
     if name == "fla" and not torch.cuda.is_available():
         raise ValueError("GDN op set 'fla' needs a CUDA device; use op set 'torch' on CPU")
-    return GDN_OP_SETS.resolve(name)
+    resolved = GDN_OP_SETS.resolve(name)
+    if resolved == "fla" and (refusal := _fla_refusal()):
+        raise ValueError(f"GDN op set 'fla' cannot train here: {refusal} (config key model.gdn_op_set)")
+    return resolved
 
 
 def load_op_set(name: str):

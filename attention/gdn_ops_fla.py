@@ -32,18 +32,36 @@ decay). For exact fp32 decay gradients use op set torch (docs/validation.md, 202
 
 FLA internals used (their signatures changed between 0.4 and 0.6; tests/gpu/test_gdn_gpu.py guards them):
 l2norm_fwd/l2norm_bwd, chunk_gated_delta_rule_fwd/chunk_gated_delta_rule_bwd, causal_conv1d_fwd/
-causal_conv1d_bwd, prepare_chunk_indices. On Hopper with Triton < 3.7.1 FLA routes the gated backward
-to its TileLang kernel (FLA issue #640), so tilelang must be installed there.
+causal_conv1d_bwd, prepare_chunk_indices. On Hopper with Triton 3.4 to 3.7.0 FLA routes the gated backward
+to its TileLang kernel (FLA issue #640) and raises at the first backward where that backend cannot run;
+`backward_refusal()` asks FLA's own flags beforehand, so the op set is refused (or `auto` passed over) at
+build time instead.
 """
 
 import torch
+import triton
 from fla.modules.causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
 from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+from fla.ops.common.backends.tilelang import CommonTileLangBackend
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from fla.ops.utils.index import prepare_chunk_indices
+from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 from torch import Tensor
 
 CHUNK = 64  # FLA's gated delta rule chunk size; also the row count of its A matrix per token
+
+
+def backward_refusal() -> str | None:
+    """Why FLA would refuse the gated delta rule's backward on this device, with the fix; None when it runs.
+    The same test as FLA's chunk_bwd_dqkwg (Triton 3.4 to 3.7.0 on Hopper) and its backend dispatch (the
+    TileLang backend installed, nvcc usable, not disabled by FLA_TILELANG=0)."""
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    if CommonTileLangBackend.is_available() and CommonTileLangBackend().is_enabled():
+        return None
+    return (f"flash-linear-attention's gated backward refuses Triton {triton.__version__} on Hopper (FLA issue "
+            "#640) unless its TileLang backend can run: pip install tilelang (nvcc on PATH, FLA_TILELANG not 0), "
+            "or Triton >= 3.7.1; or use op set 'torch'")
 
 
 def chunk_indices(cu_seqlens: Tensor | None) -> Tensor | None:

@@ -59,7 +59,8 @@ class ModelConfig(Section):
     norm_rope_impl: str = "auto"
     # lm_head + cross-entropy (runtime/loss.py): auto = a fused loss that never holds [tokens, vocab] logits.
     loss_impl: str = "auto"
-    # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed, else torch.
+    # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed and able to run its
+    # backward here (FLA on Hopper with Triton < 3.7.1 needs tilelang), else torch.
     gdn_op_set: str = "auto"
     router_aux_loss_coef: float = Field(0.0, ge=0.0)
     # Fewer decoder layers than the checkpoint has (parity checks of big models).

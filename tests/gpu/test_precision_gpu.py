@@ -212,6 +212,14 @@ def gdn_case(op_set: str, decays: str):
     return layer, x_BSH.cuda(), meta
 
 
+def require_fla():
+    """Skip unless op set fla can run forward and backward here (installed; FLA's gated backward not refused)."""
+    pytest.importorskip("fla", reason="op set fla needs flash-linear-attention")
+    from attention import gdn_ops_fla
+    if refusal := gdn_ops_fla.backward_refusal():
+        pytest.skip(refusal)
+
+
 def fla_function(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, cu_seqlens):
     """FLA's own public autograd function (no op of ours): rows packed to [1, B*S] as FLA's varlen wants,
     q/k L2-normalized in its kernel, scale K^-0.5, no initial or final state."""
@@ -297,7 +305,7 @@ def test_gdn_fp32_decay_grads_match_recurrence(op_set, decays):
     """The layer in fp32 vs the same layer with the fp64 recurrence: y and the decay parameters' grads.
     fla_function: op set fla with FLA's own autograd function in place of our delta-rule op."""
     if op_set != "torch":
-        pytest.importorskip("fla", reason="op set fla needs flash-linear-attention")
+        require_fla()
     layer, x_BSH, meta = gdn_case("torch" if op_set == "torch" else "fla", decays)
     if op_set == "fla_function":
         layer = with_delta_rule(layer, fla_function)
@@ -316,7 +324,7 @@ def test_gdn_fp32_decay_grads_match_recurrence(op_set, decays):
 def test_fla_op_set_is_flas_own_function(dtype, decays):
     """Our op set's delta rule (custom ops around FLA's internals) computes what FLA's public autograd
     function computes on the layer's own inputs: o and every input gradient, to rounding (bit-equal here)."""
-    pytest.importorskip("fla", reason="op set fla needs flash-linear-attention")
+    require_fla()
     inputs = layer_delta_rule_inputs(decays)
     theirs = delta_rule_grads(fla_function, inputs, dtype)
     ours = delta_rule_grads(fla_op_set, inputs, dtype)
@@ -339,7 +347,7 @@ def test_fla_delta_rule_matches_recurrence(decays, dtype, impl):
     input gradient, and A_log's gradient through g (sum of dg * g). Inputs: moderate = random q/k/v/beta
     with g ~ U(-1, -0.05) per token; initial = what the test layer at HF's initial decays hands its delta
     rule (g down to -470 per token). Within FLA_TOL except fp32 at the initial decays (upstream, xfail)."""
-    pytest.importorskip("fla", reason="op set fla needs flash-linear-attention")
+    require_fla()
     inputs = band_delta_rule_inputs(-1.0, -0.05) if decays == "moderate" else layer_delta_rule_inputs(decays)
     ref = delta_rule_grads(recurrence_fp64, inputs, dtype)
     ours = delta_rule_grads(fla_op_set if impl == "fla" else fla_function, inputs, dtype)
