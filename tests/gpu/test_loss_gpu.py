@@ -21,6 +21,9 @@ from runtime.loss import IGNORE_INDEX, LOSS_IMPLS, linear_cross_entropy_sum
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 FUSED_IMPLS = ["chunked", "liger", "cce"]
+# CCE 25.1.1 sums grad h over vocabulary blocks into a bf16 buffer (runtime/loss.py): 1.17e-2 unfiltered on an
+# H200; its default filtering measured 1.9e-2, which this bound still catches.
+GRAD_H_TOL = {"cce": 1.5e-2}
 TIMED_ITERS = 3
 
 
@@ -105,7 +108,7 @@ def test_qwen3_shapes_vs_plain(impl, qwen3_case):
     print(table_line(impl, result, errors))
     assert result["grad_h"].dtype == result["grad_w"].dtype == torch.float32
     assert errors["loss_rel"] <= 1e-3
-    assert errors["grad_h_rel"] <= 1e-2 and errors["grad_w_rel"] <= 1e-2
+    assert errors["grad_h_rel"] <= GRAD_H_TOL.get(impl, 1e-2) and errors["grad_w_rel"] <= 1e-2
     assert errors["grad_h_cos"] >= 0.9999 and errors["grad_w_cos"] >= 0.9999
     assert result["extra_gib"] < 0.5 * plain["extra_gib"]
 
