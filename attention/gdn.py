@@ -98,8 +98,8 @@ def check_gdn_op_set(name: str) -> str:
     """The op set `name` stands for ("auto" resolved); raises naming the fix when it cannot run here."""
     if name == "fla" and not torch.cuda.is_available():
         raise ValueError("GDN op set 'fla' needs a CUDA device; use op set 'torch' on CPU")
-    resolved = GDN_OP_SETS.resolve(name)
-    if resolved == "fla" and (refusal := _fla_refusal()):
+    resolved = GDN_OP_SETS.resolve(name)  # first: names a missing fla package before its flags are read
+    if name == "fla" and (refusal := _fla_refusal()):  # auto has passed over fla already where it is refused
         raise ValueError(f"GDN op set 'fla' cannot train here: {refusal} (config key model.gdn_op_set)")
     return resolved
 
