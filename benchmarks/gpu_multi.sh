@@ -26,6 +26,11 @@
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
+#   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, eager, ep=1 against ep=N on the same
+#               machine in one call, each with forced-balanced routing (model.router_force_balanced) and the
+#               random-init router; modes EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and
+#               "<mode>-compiled"); the two ep=1 runs share the call side by side (one GPU each); every run traces
+#               step 6: per layer the experts' kernels, the exchange, the host gaps and idle GPU (runtime.timeline)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # COMPILED_LIMIT: the compiled LoRA row's own limit in seconds (default 360; RUN_LIMIT for the others).
@@ -226,6 +231,28 @@ if [[ $parts == *hostbound* ]]; then
   done
   [ -n "${HOSTBOUND_GRAPHS:-}" ] && train_run "lora8-ep$N-cudagraphs" "$N" "${eight[@]}" "${lora[@]}" \
     --set compile.enabled=true --set "compile.inductor_options={triton.cudagraphs: true}"
+fi
+if [[ $parts == *epbench* ]]; then
+  layers=${EPBENCH_LAYERS:-8}
+  for mode in ${EPBENCH_MODES:-full-fp32 lora}; do
+    flags=(--set model.num_layers_override=$layers --set parallelism.activation_checkpoint=none
+           --set train.max_steps=${EPBENCH_STEPS:-10} --set "profiling.steps=[6]")
+    case $mode in
+      full-bf16*) flags+=(--set optim.master_dtype=bf16) ;;
+      full-fp32*) flags+=(--set optim.master_dtype=fp32) ;;
+      lora*) flags+=(--set lora.enabled=true --set optim.master_dtype=fp32) ;;
+    esac
+    [[ $mode == *-compiled ]] && flags+=(--set compile.enabled=true)
+    balanced=(--set model.router_force_balanced=true)
+    tag=ep-$mode-L$layers
+    [[ $tag =~ ${ONLY:-.} ]] || continue
+    CUDA_VISIBLE_DEVICES=0 launch_run "$tag-ep1-balanced" 1 "${flags[@]}" "${balanced[@]}" &
+    CUDA_VISIBLE_DEVICES=1 launch_run "$tag-ep1-random" 1 "${flags[@]}" &
+    wait
+    launch_run "$tag-ep$N-balanced" "$N" --ep "$N" "${flags[@]}" "${balanced[@]}"
+    launch_run "$tag-ep$N-random" "$N" --ep "$N" "${flags[@]}"
+  done
+  summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --ep "$N")")
 fi
 if [[ $parts == *deepep* ]]; then
   # the 8-layer step at ep=N on DeepEP's dispatcher (its wheel: benchmarks/build_deepep.sh; carry .whl-deepep)
