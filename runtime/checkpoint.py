@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.distributed.state_dict import global_expert_view, is_expert_param
-from runtime.run_dir import STEP_DIR, RunDir, finished_checkpoints
+from runtime.guard.run_dir import STEP_DIR, RunDir, finished_checkpoints
 
 log = logging.getLogger("runtime")
 

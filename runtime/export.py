@@ -26,7 +26,7 @@ from runtime.config import Config, ConfigError, config_from_dict
 from runtime.distributed.state_dict import full_state_dict, gather_full
 from runtime.lora import LoRALinear
 from runtime.models.hf import save_pretrained
-from runtime.run_dir import STEP_DIR, RunDirError, finished_checkpoints, read_run_config
+from runtime.guard.run_dir import STEP_DIR, RunDirError, finished_checkpoints, read_run_config
 
 MERGED_DIR = "merged"
 

@@ -29,18 +29,18 @@ from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
-from runtime.failures import Progress
-from runtime.gc_schedule import scheduled_gc
+from runtime.guard.failures import Progress
+from runtime.observe.gc_schedule import scheduled_gc
 from runtime.lora import seed_lora_A
-from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
+from runtime.observe.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.build import build
 from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
-from runtime.profiling import StepProfiler
-from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
-from runtime.slow_step import SlowStepNotice
-from runtime.trackers import Trackers
+from runtime.observe.profiling import StepProfiler
+from runtime.guard.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
+from runtime.observe.slow_step import SlowStepNotice
+from runtime.observe.trackers import Trackers
 
 log = logging.getLogger("runtime")
 
@@ -178,7 +178,7 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
     `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
     `autocast=False` computes in the parameters' dtype on CUDA too (verify's fp32 reference);
-    `progress` is kept up to date with the step, for the failure report (runtime.failures)."""
+    `progress` is kept up to date with the step, for the failure report (runtime.guard.failures)."""
     progress = progress or Progress()
     resume = resume or cfg.checkpoint.resume
     run_dir = claim(cfg, env, resume)

@@ -67,7 +67,7 @@ def test_held_out_documents_are_never_trained_on():
 
 
 def test_a_held_out_file_is_evaluated_whole(tmp_path):
-    from runtime.preflight import PreflightError, preflight
+    from runtime.guard.preflight import PreflightError, preflight
 
     lines = (EXAMPLE.parent / "tiny" / "data" / "train.jsonl").read_text().splitlines()[:30]
     (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")

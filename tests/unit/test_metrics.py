@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.metrics import flops_per_token
+from runtime.observe.metrics import flops_per_token
 from runtime.models.hf import config_from_hf
 from tests.conftest import TINY_DENSE, TINY_HYBRID
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import Config
-from runtime.run_dir import CHECKPOINTS
-from runtime.trackers import check_trackers
+from runtime.guard.run_dir import CHECKPOINTS
+from runtime.observe.trackers import check_trackers
 
 log = logging.getLogger("runtime")
 
