@@ -58,10 +58,11 @@ from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.loss import LOSS_IMPLS
-from runtime.observe.metrics import device_peak_flops, flops_per_token
+from runtime.models.factory import build_model
 from runtime.models.hf import config_from_hf
+from runtime.observe.metrics import device_peak_flops, flops_per_token
 from runtime.optim import build_optimizer
-from runtime.train import build_model, train_step
+from runtime.train import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tokenizer and data files only satisfy the Config schema: the bench feeds its own token ids.

@@ -13,7 +13,7 @@ from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import estimate
 from runtime.launch import main
-from runtime.train import build_model
+from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
 CASES = {"full": {}, "lora": {"lora.enabled": True}, "lora-nvfp4": {"lora.enabled": True,

@@ -14,7 +14,7 @@ from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.evaluation import evaluate
-from runtime.train import build_model
+from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
 

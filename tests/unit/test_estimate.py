@@ -47,7 +47,7 @@ from runtime.estimate import (
 )
 from runtime.launch import main
 from runtime.optim import apply_master_dtype
-from runtime.train import build_model
+from runtime.models.factory import build_model
 
 if not tuning.INTERPRET:
     pytest.skip("the model runs its Triton kernels on CPU tensors, in the interpreter only", allow_module_level=True)

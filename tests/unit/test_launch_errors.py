@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.guard import preflight as preflight_mod
 from runtime.config import load_config
+from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
