@@ -53,7 +53,7 @@ from benchmarks.baselines.transformers_model import transformers_model
 from benchmarks.harness import SHAPES, Column, Report, event_times_ms, wall_times_ms
 from moe.backends import resolve_expert_backend
 from runtime.config import config_from_dict
-from runtime.data import Batch
+from runtime.data.packing import Batch
 from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv

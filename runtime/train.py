@@ -23,7 +23,8 @@ import torch
 from moe.dispatch import LoadReading
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
-from runtime.data import build_dataloader, eval_batches, load_tokenizer
+from runtime.data.chat import load_tokenizer
+from runtime.data.loader import build_dataloader, eval_batches
 from runtime.distributed.expert_parallel import ep_load, parallelize
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims

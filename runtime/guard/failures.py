@@ -37,7 +37,7 @@ EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
 # qualified class name through the MRO, so this module knows them without importing the model stack, and
 # a subclass counts too.
 USER_ERRORS = frozenset({
-    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.DataError",
+    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.formats.DataError",
     "runtime.models.hf.CheckpointError", "runtime.checkpoint.ResumeError", "runtime.train.TrainingDiverged",
     "runtime.guard.run_dir.RunDirError", "runtime.guard.preflight.PreflightError", "runtime.lora.LoRAFormatError",
     "runtime.launch.UsageError",
@@ -139,10 +139,6 @@ def _chain(err: BaseException) -> list[BaseException]:
 def _frames(err: BaseException) -> list:
     """The traceback's frames, innermost first."""
     return [frame for frame, _ in traceback.walk_tb(err.__traceback__)][::-1]
-
-
-def _in_file(frame, suffix: str) -> bool:
-    return frame.f_code.co_filename.replace(os.sep, "/").endswith(suffix)
 
 
 def _training_step(context: RunContext) -> tuple[str, int] | None:

@@ -46,8 +46,8 @@ from runtime.estimate import (
     weight_copies,
 )
 from runtime.launch import main
-from runtime.optim import apply_master_dtype
 from runtime.models.factory import build_model
+from runtime.optim import apply_master_dtype
 
 if not tuning.INTERPRET:
     pytest.skip("the model runs its Triton kernels on CPU tensors, in the interpreter only", allow_module_level=True)
