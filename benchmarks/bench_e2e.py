@@ -54,8 +54,8 @@ from benchmarks.harness import SHAPES, Column, Report, event_times_ms, wall_time
 from moe.backends import resolve_expert_backend
 from runtime.config import config_from_dict
 from runtime.data.packing import Batch
-from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.loss import LOSS_IMPLS
 from runtime.models.factory import build_model

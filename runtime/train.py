@@ -25,9 +25,10 @@ from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
 from runtime.data.chat import load_tokenizer
 from runtime.data.loader import build_dataloader, eval_batches
-from runtime.distributed.expert_parallel import ep_load, parallelize
+from runtime.distributed.expert_parallel import ep_load
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
 from runtime.guard.failures import Progress

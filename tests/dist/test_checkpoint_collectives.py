@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.config import load_config
-from runtime.distributed.expert_parallel import parallelize
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.models.factory import build_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.distributed.expert_parallel import parallelize
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import estimate

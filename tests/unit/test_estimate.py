@@ -35,8 +35,8 @@ from attention.attention import repeat_kv_heads
 from attention.gdn import GatedDeltaNet
 from moe.kernels import tuning
 from runtime.config import config_from_dict
-from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import (
     FLA_CHUNK,
