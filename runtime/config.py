@@ -233,7 +233,7 @@ class LoggingConfig(Section):
 
 
 class ProfilingConfig(Section):
-    # Optimizer steps traced by torch.profiler (runtime/profiling.py): per rank a Chrome trace and the top ops
+    # Optimizer steps traced by torch.profiler (runtime/observe/profiling.py): per rank a Chrome trace and the top ops
     # under <output_dir>/profile/, and on rank 0 one line of wall time, device kernel time and host syncs.
     steps: list[int] = Field(default_factory=list)
     top: int = Field(25, ge=1)  # ops listed per rank and step

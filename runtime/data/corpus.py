@@ -23,7 +23,7 @@ from runtime.data.formats import (
     read_records,
 )
 
-log = logging.getLogger("runtime")
+log = logging.getLogger("runtime.data")
 
 
 class Corpus:

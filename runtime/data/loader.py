@@ -12,7 +12,7 @@ from runtime.data.corpus import Corpus, build_corpus, split_eval
 from runtime.data.formats import DataError
 from runtime.data.packing import Batch, Row, collate, pack_rows
 
-log = logging.getLogger("runtime")
+log = logging.getLogger("runtime.data")
 
 
 class PackedLoader:
