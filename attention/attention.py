@@ -31,6 +31,7 @@ from attention.context_parallel import (
 )
 from attention.norm import RMSNorm
 from attention.norm_rope import qk_norm_rope
+from gpu.device import compute_dtype
 from gpu.registry import Registry
 
 
@@ -260,13 +261,6 @@ def cudnn_causal_attention(q_BSHD, k_BSKD, v_BSKD, scale: float) -> torch.Tensor
     return out_BHSD.transpose(1, 2)
 
 
-def _varlen_compute_dtype(q_BSHD: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on (the varlen ops have no autocast rule), else q's."""
-    if torch.is_autocast_enabled(q_BSHD.device.type):
-        return torch.get_autocast_dtype(q_BSHD.device.type)
-    return q_BSHD.dtype
-
-
 def _check_varlen_inputs(q_BSHD: torch.Tensor, dtype: torch.dtype) -> None:
     """Both varlen kernels are CUDA-only and half precision only; the device is first known here."""
     if q_BSHD.device.type != "cuda":
@@ -292,7 +286,7 @@ def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float)
     every row is one document). Returns [B, S, Hq, D] in the compute dtype. Rows of one document each go
     to cuDNN where it is faster (dense_causal); the count of boundaries decides, a shape, so no sync."""
     B, S = q_BSHD.shape[:2]
-    dtype = _varlen_compute_dtype(q_BSHD)
+    dtype = compute_dtype(q_BSHD)
     _check_varlen_inputs(q_BSHD, dtype)
     one_document_per_row = meta.cu_seqlens is None or meta.cu_seqlens.numel() == B + 1
     if one_document_per_row and dense_causal():
@@ -323,7 +317,7 @@ def cp_varlen_attention(q_BsHD, k_BSKD, v_BSKD, segments: VarlenSegments, scale:
     whole rows' keys [B, S, Hkv, D], one call over CPShard.segments (no mask). Returns [B, S_loc, Hq, D] in the
     compute dtype."""
     B, s = q_BsHD.shape[:2]
-    dtype = _varlen_compute_dtype(q_BsHD)
+    dtype = compute_dtype(q_BsHD)
     _check_varlen_inputs(q_BsHD, dtype)
     impl = _varlen_kernel()
     q_THD = q_BsHD.flatten(0, 1).to(dtype)

@@ -22,7 +22,7 @@ betas (0.9, 0.95), no weight decay.
 
 Each side runs in its own subprocess, one after the other (its peak memory is its own; an OOM ends only
 that side); the parent prints the table and the ratio. Per side: ms/step (median of the steady steps,
-each between CUDA events from an idle GPU), tokens/s, MFU (runtime.metrics.flops_per_token of the same
+each between CUDA events from an idle GPU), tokens/s, MFU (runtime.observe.metrics.flops_per_token of the same
 config for both sides, 6 x active parameters + attention, against the device's dense bf16 peak), peak
 GiB (max allocated over the whole run, build and warmup included, as a user sees it), step-1 seconds
 (build start to the end of step 1). `--profile` (ours): torch.profiler over 2 steady steps: the top 15
@@ -53,15 +53,16 @@ from benchmarks.baselines.transformers_model import transformers_model
 from benchmarks.harness import SHAPES, Column, Report, event_times_ms, wall_times_ms
 from moe.backends import resolve_expert_backend
 from runtime.config import config_from_dict
-from runtime.data import Batch
-from runtime.distributed.expert_parallel import parallelize
+from runtime.data.packing import Batch
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.loss import LOSS_IMPLS
-from runtime.metrics import device_peak_flops, flops_per_token
+from runtime.models.factory import build_model
 from runtime.models.hf import config_from_hf
+from runtime.observe.metrics import device_peak_flops, flops_per_token
 from runtime.optim import build_optimizer
-from runtime.train import build_model, train_step
+from runtime.train import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tokenizer and data files only satisfy the Config schema: the bench feeds its own token ids.

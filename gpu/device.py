@@ -1,4 +1,5 @@
-"""Properties of the CUDA device that kernels size their grids by, read once per device."""
+"""Properties of the device: the CUDA device's that kernels size their grids by (read once per device), and the
+dtype a kernel without an autocast rule computes in."""
 
 from __future__ import annotations
 
@@ -11,3 +12,11 @@ import torch
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on (as nn.Linear would compute; custom kernels and Triton GEMMs have
+    no autocast rule), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype

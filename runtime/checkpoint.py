@@ -1,4 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP), written atomically, and the final exports.
+"""Training checkpoints with torch.distributed.checkpoint (DCP), written atomically.
 
 Layout: <output_dir>/checkpoints/step_00000012/ holds the DCP shards of model + optimizer and one
 `extra_rank{r}.pt` per rank (step, LR schedule, data position, RNG states) and `meta.json` (step, run
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.distributed.state_dict import global_expert_view, is_expert_param
-from runtime.run_dir import STEP_DIR, RunDir, finished_checkpoints
+from runtime.guard.run_dir import STEP_DIR, RunDir, finished_checkpoints
 
 log = logging.getLogger("runtime")
 
@@ -190,25 +190,3 @@ class CheckpointManager:
             raise ResumeError(f"checkpoint {path} holds {bad} NaN or inf parameter values; move it out of "
                               f"{self.root} to resume from the one before it")
         return extra["step"]
-
-
-def export_final(model, cfg, rank: int, meshes=None) -> Path:
-    """The trained result in HF form, gathered from the shards: a PEFT adapter (LoRA runs) under
-    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it."""
-    from functools import partial
-
-    from runtime.distributed.state_dict import full_state_dict, gather_full
-    from runtime.lora import export_peft
-    from runtime.models.hf import save_pretrained
-
-    out = Path(cfg.train.output_dir)
-    if cfg.lora.enabled:
-        out = out / "adapter"
-        export_peft(model, out, cfg.model.path, gather=partial(gather_full, meshes=meshes))
-    else:
-        out = out / "hf"
-        state = full_state_dict(model, meshes, keep=rank == 0)
-        if rank == 0:
-            save_pretrained(model, out, state=state)
-    _barrier()
-    return out

@@ -22,7 +22,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from moe.dispatch.deepep import deepep_unavailable_reason
-from runtime.model_config_check import model_config_problems
+from runtime.models.config_check import model_config_problems
 from runtime.registry import check_choice
 
 
@@ -202,7 +202,7 @@ class TrainConfig(Section):
     # Eval loss every N optimizer steps (0: only at the end of the run), when data.eval / eval_fraction is set.
     eval_every_n_steps: int = Field(0, ge=0)
     # Python's garbage collection at every N-th step boundary, the same on every rank, instead of automatic
-    # collections that pause one rank mid-step while the others wait (runtime.gc_schedule); 0: automatic.
+    # collections that pause one rank mid-step while the others wait (runtime.observe.gc_schedule); 0: automatic.
     gc_every_n_steps: int = Field(50, ge=0)
 
 
@@ -233,7 +233,7 @@ class LoggingConfig(Section):
 
 
 class ProfilingConfig(Section):
-    # Optimizer steps traced by torch.profiler (runtime/profiling.py): per rank a Chrome trace and the top ops
+    # Optimizer steps traced by torch.profiler (runtime/observe/profiling.py): per rank a Chrome trace and the top ops
     # under <output_dir>/profile/, and on rank 0 one line of wall time, device kernel time and host syncs.
     steps: list[int] = Field(default_factory=list)
     top: int = Field(25, ge=1)  # ops listed per rank and step

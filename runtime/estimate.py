@@ -5,7 +5,7 @@ allocated, no process group is needed).
     est = estimate(cfg, dims, cuda=True); print(est.table())
 
 Contract: `estimate(cfg, dims, cuda)` -> MemoryEstimate for one rank, in the dtypes the trainer uses
-(runtime.train.build_model, runtime.optim): on CUDA bf16 autocast over fp32 masters (or bf16 masters,
+(runtime.models.factory.build_model, runtime.optim): on CUDA bf16 autocast over fp32 masters (or bf16 masters,
 optim.master_dtype), off CUDA every value in its parameter's dtype. Its lines:
     parameters   frozen ones in model.dtype, trainable ones in the master dtype; FSDP shards them over
                  dp_shard*cp (experts over ep x efsdp: the same count per rank); FP4-packed experts
@@ -42,12 +42,12 @@ from torch import nn
 from attention.rope import inv_freq_and_scale
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
-from quant import FP4Weight, quantize_experts
+from quant import FP4Weight
 from runtime.config import Config
 from runtime.distributed.fsdp import gather_dtype
 from runtime.distributed.mesh import ParallelDims
-from runtime.lora import apply_lora
 from runtime.loss import default_chunk_size
+from runtime.models.factory import meta_model, model_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
 
 GIB = 2 ** 30
@@ -63,7 +63,7 @@ MODES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per value (runtime.train.build_model, runtime.optim.apply_master_dtype)."""
+    """Bytes per value (runtime.models.factory.build_model, runtime.optim.apply_master_dtype)."""
     frozen: int   # model.dtype
     master: int   # trainable parameters, their gradients and AdamW moments
     stream: int   # the residual stream: the embedding's dtype (a trained embedding is a master)
@@ -330,18 +330,6 @@ def _recomputed_block(run: Run, tokens: int, model: QwenForCausalLM, copies: boo
 # ----------------------------------------------------------------------------- weights
 
 
-def _meta_model(cfg: Config, qcfg: QwenConfig) -> QwenForCausalLM:
-    """The run's model on the meta device: LoRA applied, experts packed as the trainer builds them."""
-    with torch.device("meta"):
-        model = QwenForCausalLM(qcfg, dtype=torch.bfloat16)
-        if cfg.quant.base_weights != "none":
-            for block in model.moe_blocks():
-                quantize_experts(block.experts, cfg.quant.base_weights)
-        if cfg.lora.enabled:
-            apply_lora(model, cfg.lora)
-    return model
-
-
 def _weights(model: QwenForCausalLM) -> tuple[int, int, int]:
     """(frozen values, trainable values, packed FP4 bytes) of the whole model."""
     frozen = trainable = 0
@@ -433,10 +421,8 @@ class MemoryEstimate:
 
 def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstimate:
     """See the module docstring."""
-    from runtime.train import model_config
-
     qcfg = model_config(cfg)
-    model = _meta_model(cfg, qcfg)
+    model = meta_model(cfg, qcfg, torch.bfloat16)
     run = run_of(cfg, qcfg, cuda, dims.ep)
     p, mode = run.p, cfg.parallelism.activation_checkpoint
     frozen, trainable, packed = _weights(model)

@@ -1,6 +1,8 @@
-"""Merged export of LoRA runs: a HF checkpoint whose base weights have the adapters folded in (attention and
+"""The trained result in HF form. export_final: a PEFT adapter (LoRA runs) or a full HF checkpoint. Merged
+export of LoRA runs: a HF checkpoint whose base weights have the adapters folded in (attention and
 GDN projections, routed experts), which transformers loads like any checkpoint of the model.
 
+    export_final(model, cfg, rank, meshes)           # end of a run (checkpoint.export_hf): every rank calls it
     export_merged(model, cfg, rank, meshes)          # end of a run (checkpoint.export_merged): every rank
                                                      # calls it; rank 0 writes <train.output_dir>/merged
     python -m runtime.export RUN_DIR --merged OUT [--step N]     # from a run folder's checkpoint, on the CPU
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,9 +27,9 @@ import torch.distributed.checkpoint as dcp
 from moe.experts import PROJECTIONS, GroupedExperts
 from runtime.config import Config, ConfigError, config_from_dict
 from runtime.distributed.state_dict import full_state_dict, gather_full
-from runtime.lora import LoRALinear
+from runtime.guard.run_dir import STEP_DIR, RunDirError, finished_checkpoints, read_run_config
+from runtime.lora import LoRALinear, export_peft
 from runtime.models.hf import save_pretrained
-from runtime.run_dir import STEP_DIR, RunDirError, finished_checkpoints, read_run_config
 
 MERGED_DIR = "merged"
 
@@ -79,6 +82,23 @@ def export_merged(model: torch.nn.Module, cfg: Config, rank: int, meshes=None) -
     return out
 
 
+def export_final(model, cfg, rank: int, meshes=None) -> Path:
+    """The trained result in HF form, gathered from the shards: a PEFT adapter (LoRA runs) under
+    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it."""
+    out = Path(cfg.train.output_dir)
+    if cfg.lora.enabled:
+        out = out / "adapter"
+        export_peft(model, out, cfg.model.path, gather=partial(gather_full, meshes=meshes))
+    else:
+        out = out / "hf"
+        state = full_state_dict(model, meshes, keep=rank == 0)
+        if rank == 0:
+            save_pretrained(model, out, state=state)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out
+
+
 # ----------------------------------------------------------------------------- python -m runtime.export
 
 
@@ -99,7 +119,7 @@ def load_run_model(run_dir: Path, step: int | None = None):
     """(cfg, the run's model on the CPU with the LoRA factors of its checkpoint, that checkpoint)."""
     from runtime.distributed.mesh import ParallelDims
     from runtime.distributed.process_group import DistEnv
-    from runtime.train import build_model
+    from runtime.models.factory import build_model
 
     cfg = config_from_dict(read_run_config(run_dir))
     if not cfg.lora.enabled:

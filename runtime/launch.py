@@ -3,10 +3,10 @@
 as a plain process.
 
 Flags override the YAML; `--set` overrides any key. Config and mesh errors are raised before any process
-group exists, then runtime.preflight checks the file system (output dir writable, inputs readable, disk).
+group exists, then runtime.guard.preflight checks the file system (output dir writable, inputs readable, disk).
 `--estimate [--world-size N]` prints the memory one rank would hold (runtime.estimate) and exits there,
 before any weight, process group or preflight.
-A failure ends as runtime.failure_report says: one `error:` line from rank 0, exit code != 0.
+A failure ends as runtime.guard.failure_report says: one `error:` line from rank 0, exit code != 0.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import yaml
 from runtime.config import ConfigError, load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import env_world
-from runtime.failures import RunContext
+from runtime.guard.failures import RunContext
 
 log = logging.getLogger("runtime")
 
@@ -102,7 +102,7 @@ def prepare(argv: list[str] | None = None):
 
 def run(argv: list[str] | None = None, context: RunContext | None = None) -> list[dict]:
     from runtime.distributed.process_group import init_distributed
-    from runtime.preflight import preflight
+    from runtime.guard.preflight import preflight
     from runtime.train import train
 
     context = context or RunContext()
@@ -120,7 +120,7 @@ def run(argv: list[str] | None = None, context: RunContext | None = None) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.failure_report import guarded_main
+    from runtime.guard.failure_report import guarded_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(env_world()[0])

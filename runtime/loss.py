@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from gpu.device import compute_dtype
 from gpu.registry import Registry
 
-IGNORE_INDEX = -100  # the label of a token without loss (runtime.data writes it)
+IGNORE_INDEX = -100  # the label of a token without loss (runtime.data.packing writes it)
 LOGITS_CHUNK_BYTES = 1 << 30  # "chunked": one chunk's fp32 logits take about this much memory
 
 
@@ -65,17 +66,8 @@ def _check_inputs(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.T
                          f"labels {tuple(labels_T.shape)}")
     if labels_T.is_floating_point():
         raise ValueError(f"labels must be integer class indices; got {labels_T.dtype}")
-    compute_dtype(h_TH, weight_VH)
-
-
-def compute_dtype(h_TH: torch.Tensor, weight_VH: torch.Tensor) -> torch.dtype:
-    """The matmul dtype: the autocast dtype when autocast is on (as nn.Linear would), else the inputs'."""
-    device_type = h_TH.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    if h_TH.dtype != weight_VH.dtype:
+    if not torch.is_autocast_enabled(h_TH.device.type) and h_TH.dtype != weight_VH.dtype:
         raise ValueError(f"h ({h_TH.dtype}) and weight ({weight_VH.dtype}) dtypes differ outside autocast")
-    return h_TH.dtype
 
 
 @LOSS_IMPLS.register("plain")
@@ -93,7 +85,7 @@ def chunked(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
     # Decided here: inside Function.forward grad mode is off, and under no_grad no gradient is wanted.
     grad_h = torch.is_grad_enabled() and h_TH.requires_grad
     grad_w = torch.is_grad_enabled() and weight_VH.requires_grad
-    return _ChunkedLinearCrossEntropy.apply(h_TH, weight_VH, labels_T, compute_dtype(h_TH, weight_VH),
+    return _ChunkedLinearCrossEntropy.apply(h_TH, weight_VH, labels_T, compute_dtype(h_TH),
                                             chunk_size, grad_h, grad_w)
 
 
@@ -174,7 +166,7 @@ def _register_liger() -> None:
     def liger(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
         """Liger's chunked Triton loss. We cast to the matmul dtype ourselves and turn autocast off so it
         takes its same-dtype path; grad_weight accumulates in fp32 (accum_dtype) before its cast back."""
-        dtype = compute_dtype(h_TH, weight_VH)
+        dtype = compute_dtype(h_TH)
         with torch.autocast(h_TH.device.type, enabled=False):
             return liger_fused_linear_cross_entropy(h_TH.to(dtype), weight_VH.to(dtype), labels_T,
                                                     ignore_index=IGNORE_INDEX, reduction="sum",
@@ -194,7 +186,7 @@ def _register_cce() -> None:
     def cce(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
         """Cut Cross-Entropy: its Triton kernels see no autocast, so h and weight are cast here (its
         backward takes bf16/fp16 h only)."""
-        dtype = compute_dtype(h_TH, weight_VH)
+        dtype = compute_dtype(h_TH)
         return linear_cross_entropy(h_TH.to(dtype), weight_VH.to(dtype), labels_T, ignore_index=IGNORE_INDEX,
                                     reduction="sum", impl="cce", filter_eps=None)
 

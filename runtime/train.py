@@ -23,57 +23,35 @@ import torch
 from moe.dispatch import LoadReading
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
-from runtime.data import build_dataloader, eval_batches, load_tokenizer
-from runtime.distributed.expert_parallel import ep_load, parallelize
+from runtime.data.chat import load_tokenizer
+from runtime.data.loader import build_dataloader, eval_batches
+from runtime.distributed.expert_parallel import ep_load
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
-from runtime.failures import Progress
-from runtime.gc_schedule import scheduled_gc
-from runtime.lora import seed_lora_A
-from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
-from runtime.models.build import build
-from runtime.models.hf import config_from_hf, read_hf_config
-from runtime.models.qwen import QwenForCausalLM
-from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
-from runtime.profiling import StepProfiler
-from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
-from runtime.slow_step import SlowStepNotice
-from runtime.trackers import Trackers
+from runtime.guard.failures import Progress
+from runtime.guard.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
+from runtime.models.factory import build_model
+from runtime.observe.gc_schedule import scheduled_gc
+from runtime.observe.metrics import (
+    MetricsLogger,
+    StepTimer,
+    device_peak_flops,
+    flops_per_token,
+    peak_memory_gib,
+)
+from runtime.observe.profiling import StepProfiler
+from runtime.observe.slow_step import SlowStepNotice
+from runtime.observe.trackers import Trackers
+from runtime.optim import build_optimizer, optimizer_step
 
 log = logging.getLogger("runtime")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or grad norm; the message names the step and the last good checkpoint."""
-
-
-def model_config(cfg: Config):
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
-    return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
-                          norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
-                          loss_impl=cfg.model.loss_impl,
-                          router_aux_loss_coef=cfg.model.router_aux_loss_coef,
-                          num_layers=cfg.model.num_layers_override)
-
-
-def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalLM:
-    """The model with this rank's weights (runtime.models.build): checkpoint shards (only its experts
-    under EP) or the seeded random init, whose every EP slice equals the single-process init."""
-    qcfg = model_config(cfg)
-    dims.check_experts(qcfg.num_experts)
-    model = build(qcfg, DTYPES[cfg.model.dtype], env.device, path=cfg.model.path, seed=cfg.train.seed,
-                  ep_rank=dims.ep_rank(env.rank), ep=dims.ep, quant=cfg.quant.base_weights)
-    if cfg.lora.enabled:
-        from runtime.lora import apply_lora
-
-        apply_lora(model, cfg.lora)
-        seed_lora_A(model, cfg.train.seed)
-    apply_master_dtype(model, cfg.optim.master_dtype, env.device)
-    return model
 
 
 def grad_norm_and_clip_scale(model: torch.nn.Module, max_norm: float, world_size: int) -> tuple[float, float]:
@@ -178,7 +156,7 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
     `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
     `autocast=False` computes in the parameters' dtype on CUDA too (verify's fp32 reference);
-    `progress` is kept up to date with the step, for the failure report (runtime.failures)."""
+    `progress` is kept up to date with the step, for the failure report (runtime.guard.failures)."""
     progress = progress or Progress()
     resume = resume or cfg.checkpoint.resume
     run_dir = claim(cfg, env, resume)
@@ -247,7 +225,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
         if cfg.checkpoint.save_final:
             save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:
-            from runtime.checkpoint import export_final
+            from runtime.export import export_final
 
             export_final(model, cfg, env.rank, meshes)
         if cfg.checkpoint.export_merged:

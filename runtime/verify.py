@@ -181,8 +181,8 @@ def exact_reference(cfg: Config, dims: ParallelDims, steps: int, device: torch.d
 def main(argv: list[str] | None = None) -> int:
     """The CLI; failures end as in runtime.launch (one line from rank 0, --debug for the traceback)."""
     from runtime.distributed.process_group import env_world
-    from runtime.failure_report import guarded_main
-    from runtime.failures import RunContext
+    from runtime.guard.failure_report import guarded_main
+    from runtime.guard.failures import RunContext
     from runtime.launch import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)

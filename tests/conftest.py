@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU, Triton kernels run in the interpreter. It is chosen when triton is first imported,
@@ -26,6 +27,14 @@ TINY_HYBRID = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "nu
                "rms_norm_eps": 1e-6}
 TINY_DENSE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256}
+
+
+def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over label tokens of full logits (labels are pre-shifted targets)."""
+    from runtime.loss import IGNORE_INDEX  # here: conftest sets TRITON_INTERPRET before any runtime import
+
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def nan_slot_buffers(monkeypatch, guard_rows: int = 0) -> list:

@@ -45,14 +45,6 @@ _MODULES = {"eager": "moe.backends.eager", "grouped_mm": "moe.backends.grouped_m
             "scattermoe": "moe.backends.scattermoe", "sonicmoe": "moe.backends.sonicmoe"}
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the experts compute in: the autocast dtype when autocast is on (the fp32 residual
-    stream enters the experts, and the Triton / grouped GEMMs have no autocast rule), else x's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 def expert_backend(name: str, device: torch.device | str = "cpu") -> ExpertBackend:
     """The backend registered as `name` ("auto" resolved for `device`). A plain dict lookup (every backend
     is imported with this module), so a first call inside a torch.compile(fullgraph=True) region traces

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe.backends import EXPERT_BACKENDS, compute_dtype
+from gpu.device import compute_dtype
+from moe.backends import EXPERT_BACKENDS
 
 
 def lora_linear(x: torch.Tensor, w_OI: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,

@@ -21,7 +21,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from moe.backends import EXPERT_BACKENDS, compute_dtype
+from gpu.device import compute_dtype
+from moe.backends import EXPERT_BACKENDS
 from quant import FP4Weight
 
 log = logging.getLogger(__name__)

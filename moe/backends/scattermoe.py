@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from moe.backends import EXPERT_BACKENDS, compute_dtype
+from gpu.device import compute_dtype
+from moe.backends import EXPERT_BACKENDS
 from moe.kernels.fp4 import PackedWeight
 from moe.kernels.grouped_linear import (
     LoraView,

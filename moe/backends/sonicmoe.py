@@ -53,8 +53,9 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from gpu.device import compute_dtype
 from gpu.launch import next_power_of_2
-from moe.backends import EXPERT_BACKENDS, compute_dtype
+from moe.backends import EXPERT_BACKENDS
 
 INSTALL_HINT = ("pip install 'moe-runtime[sonicmoe]' && pip install --no-deps sonic-moe==0.1.2.post1 (sonic-moe "
                 "declares torch<=2.9.1, hence --no-deps; see pyproject.toml); GPU machines: "

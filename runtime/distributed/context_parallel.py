@@ -21,7 +21,8 @@ from attention.attention import build_attn_meta, resolve_attn_backend
 from attention.context_parallel import CPShard, zigzag_index
 from runtime.config import Config, ConfigError
 from runtime.distributed.mesh import Meshes, ParallelDims
-from runtime.models.qwen import IGNORE_INDEX, GDNConfig, QwenConfig
+from runtime.loss import IGNORE_INDEX
+from runtime.models.qwen import GDNConfig, QwenConfig
 
 
 @dataclass

@@ -1,11 +1,6 @@
-"""Expert parallelism: the MoE blocks' distributed wiring, and the one step that applies every
-parallelism of ParallelDims to a built model (EP wiring, activation checkpointing, compile, FSDP2).
-Which experts an EP rank holds is decided at build time (runtime.models.build.keep_local_experts).
-
-Gradient scaling: every FSDP reduction is a plain sum (divide factor 1) and the loss is divided by
-the global label-token count (runtime.train), so each gradient equals the single-process gradient of
-the same global batch, for dense, expert, router and LoRA parameters alike.
-"""
+"""Expert parallelism: the MoE blocks' distributed wiring (dispatcher over the EP group, balance loss over
+the global micro-batch) and the EP load reading. Which experts an EP rank holds is decided at build time
+(runtime.models.build.keep_local_experts); runtime.distributed.parallelize applies this with the rest."""
 
 from __future__ import annotations
 
@@ -13,10 +8,6 @@ import torch.distributed as dist
 
 from moe.dispatch import LoadReading, build_dispatcher
 from runtime.config import Config
-from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
-from runtime.distributed.compile import apply_compile
-from runtime.distributed.context_parallel import ContextParallel
-from runtime.distributed.fsdp import apply_fsdp, gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
 
@@ -41,19 +32,3 @@ def ep_load(model: QwenForCausalLM, device) -> LoadReading | None:
     without EP or MoE layers."""
     block = next(iter(model.moe_blocks()), None)
     return None if block is None else block.dispatcher.load_reading(device)
-
-
-def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
-                autocast: bool = True) -> QwenForCausalLM:
-    """MoE wiring (EP dispatcher with meshes), context parallelism (cp > 1), activation checkpointing,
-    compile, FSDP2 (with meshes), in the order they compose: compile wraps the checkpointed blocks, FSDP
-    wraps the compiled ones. `autocast`: the step computes in bf16 on CUDA (FSDP gathers bf16 parameters)."""
-    moe_groups = wire_moe_blocks(model, dims, meshes, cfg)
-    model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
-    apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint, keep_groups=moe_groups)
-    if cfg.compile.enabled:
-        apply_compile(model, cfg.compile.inductor_options)
-    if meshes is not None:
-        apply_fsdp(model, meshes, meshes.world.device_type, autocast,
-                   gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep))
-    return model

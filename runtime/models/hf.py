@@ -82,7 +82,7 @@ def _gdn_config(hf: dict, model_type: str) -> GDNConfig:
 
 # The HF config keys config_from_hf reads, by the parts a model kind builds. The required ones have no
 # default there: without them a MoE kind would build a dense model or a router picking no expert.
-# runtime.model_config_check names the missing ones before anything runs.
+# runtime.models.config_check names the missing ones before anything runs.
 _BASE_KEYS = {"required": ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
               "optional": ("num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
                            "tie_word_embeddings", "attention_bias", "initializer_range", "max_position_embeddings",

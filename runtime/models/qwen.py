@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.attention import (
@@ -37,8 +36,6 @@ from moe.experts import PROJECTIONS, GroupedExperts
 from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
 from runtime.loss import linear_cross_entropy_sum
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -219,13 +216,6 @@ class QwenForCausalLM(nn.Module):
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
-
-
-def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over label tokens (labels are pre-shifted targets; -100 is ignored).
-    The caller divides by the (global) label-token count."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -10,10 +10,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.config import load_config
-from runtime.distributed.expert_parallel import parallelize
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.train import build_model
+from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
 COLLECTIVES = {"all_to_all_single", "all_reduce"}

@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from runtime.distributed import expert_parallel
+from runtime.distributed import parallelize
 from runtime.distributed.compile import apply_compile
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
@@ -54,7 +54,7 @@ def _train(cfg, world_size, rank):
 def _eager_and_compiled(rank, world_size, tmp, parallelism):
     eager, _ = _train(_config(f"{tmp}/eager", False, parallelism), world_size, rank)
     # aot_eager traces what inductor would (dynamo + AOT autograd) without C++ codegen on the CPU.
-    expert_parallel.apply_compile = functools.partial(apply_compile, backend="aot_eager")
+    parallelize.apply_compile = functools.partial(apply_compile, backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
     compiled, graphs = _train(_config(f"{tmp}/compiled", True, parallelism), world_size, rank)

@@ -11,7 +11,7 @@ from runtime.distributed.compile import apply_compile
 from runtime.distributed.fsdp import apply_fsdp
 from runtime.distributed.mesh import ParallelDims
 from runtime.models import from_pretrained
-from runtime.models.qwen import label_loss_sum
+from tests.conftest import label_loss_sum
 from runtime.verify import full_grads
 from tests.conftest import write_hf_checkpoint
 

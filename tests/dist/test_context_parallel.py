@@ -92,7 +92,7 @@ def test_zigzag_pieces_cover_every_position_once():
 
 
 def _shard_twice(rank, world_size):
-    from runtime.data import Batch
+    from runtime.data.packing import Batch
     from runtime.distributed.context_parallel import ContextParallel
 
     cp = ContextParallel(dist.group.WORLD, rank, world_size, "allgather", "sdpa")

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.distributed.expert_parallel import parallelize
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import estimate
 from runtime.launch import main
-from runtime.train import build_model
+from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
 CASES = {"full": {}, "lora": {"lora.enabled": True}, "lora-nvfp4": {"lora.enabled": True,

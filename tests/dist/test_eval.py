@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.data import build_dataloader, eval_batches, load_tokenizer
-from runtime.distributed.expert_parallel import parallelize
+from runtime.data.chat import load_tokenizer
+from runtime.data.loader import build_dataloader, eval_batches
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.evaluation import evaluate
-from runtime.train import build_model
+from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
 
@@ -67,7 +68,7 @@ def test_held_out_documents_are_never_trained_on():
 
 
 def test_a_held_out_file_is_evaluated_whole(tmp_path):
-    from runtime.preflight import PreflightError, preflight
+    from runtime.guard.preflight import PreflightError, preflight
 
     lines = (EXAMPLE.parent / "tiny" / "data" / "train.jsonl").read_text().splitlines()[:30]
     (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")

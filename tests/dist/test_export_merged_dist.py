@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.config import load_config
-from runtime.distributed.expert_parallel import parallelize
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.export import export_merged
-from runtime.train import build_model
+from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
 

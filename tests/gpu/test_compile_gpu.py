@@ -13,8 +13,7 @@ from attention.gdn import check_gdn_op_set
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile
 from runtime.models import from_pretrained
-from runtime.models.qwen import label_loss_sum
-from tests.conftest import write_hf_checkpoint
+from tests.conftest import label_loss_sum, write_hf_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -18,7 +18,7 @@ from benchmarks.baselines.transformers_model import TARGET_MODULES, transformers
 from benchmarks.bench_e2e import PRESETS, our_config, parse_args, qwen3_5_moe_config, qwen3_moe_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.train import build_model
+from runtime.models.factory import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

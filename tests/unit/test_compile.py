@@ -20,8 +20,7 @@ from runtime.config import ConfigError, config_from_dict
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile, apply_inductor_options
 from runtime.models import from_pretrained
-from runtime.models.qwen import label_loss_sum
-from tests.conftest import write_hf_checkpoint
+from tests.conftest import label_loss_sum, write_hf_checkpoint
 
 
 def _loss_and_grads(model, ids, pos, labels):

@@ -12,7 +12,7 @@ import yaml
 from runtime.config import ConfigError, config_from_dict, load_config
 from runtime.distributed.mesh import MeshError, ParallelDims
 from runtime.launch import prepare
-from runtime.model_config_check import model_config_problems
+from runtime.models.config_check import model_config_problems
 from tests.conftest import TINY_DENSE, TINY_HYBRID, TINY_MOE, write_hf_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"

@@ -1,4 +1,4 @@
-"""runtime/data.py: sources, chat masking, packing invariants, determinism, dp slicing, resume, bad records,
+"""runtime.data: sources, chat masking, packing invariants, determinism, dp slicing, resume, bad records,
 chat records longer than seq_len (data.overlong).
 
 All offline, on the tiny example's tokenizer and data (examples/tiny/).
@@ -17,14 +17,11 @@ import pytest
 import torch
 
 from runtime.config import DataConfig
-from runtime.data import (
-    Batch,
-    DataError,
-    build_corpus,
-    build_dataloader,
-    load_tokenizer,
-    tokenize_chat,
-)
+from runtime.data.chat import load_tokenizer, tokenize_chat
+from runtime.data.corpus import build_corpus
+from runtime.data.formats import DataError
+from runtime.data.loader import build_dataloader
+from runtime.data.packing import Batch
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny"
 IM_END = "<|im_end|>"

@@ -35,8 +35,8 @@ from attention.attention import repeat_kv_heads
 from attention.gdn import GatedDeltaNet
 from moe.kernels import tuning
 from runtime.config import config_from_dict
-from runtime.distributed.expert_parallel import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import (
     FLA_CHUNK,
@@ -46,8 +46,8 @@ from runtime.estimate import (
     weight_copies,
 )
 from runtime.launch import main
+from runtime.models.factory import build_model
 from runtime.optim import apply_master_dtype
-from runtime.train import build_model
 
 if not tuning.INTERPRET:
     pytest.skip("the model runs its Triton kernels on CPU tensors, in the interpreter only", allow_module_level=True)

@@ -1,11 +1,11 @@
-"""runtime.gc_schedule: automatic collection off inside the loop, collections only on the scheduled steps,
+"""runtime.observe.gc_schedule: automatic collection off inside the loop, collections only on the scheduled steps,
 the collector restored afterwards (also when the loop raises); 0 leaves it alone."""
 
 import gc
 
 import pytest
 
-from runtime.gc_schedule import scheduled_gc
+from runtime.observe.gc_schedule import scheduled_gc
 
 
 def _collections(monkeypatch) -> list:

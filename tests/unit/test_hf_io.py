@@ -122,7 +122,7 @@ def test_exports_respect_the_umask(tiny_moe_ckpt, tmp_path, mask):
 
 
 def test_config_from_hf_reads_only_the_keys_it_declares(tmp_path):
-    """keys_read / missing_keys (what runtime.model_config_check relies on) match what config_from_hf reads."""
+    """keys_read / missing_keys (what runtime.models.config_check relies on) match what config_from_hf reads."""
     read = []
 
     class Recording(dict):

@@ -1,4 +1,4 @@
-"""How a run ends when it fails, as a user sees it (runtime.launch's guarded_main, runtime.preflight).
+"""How a run ends when it fails, as a user sees it (runtime.launch's guarded_main, runtime.guard.preflight).
 
 Subprocesses on real files: every user error ends in exactly one `error:` line from rank 0, no traceback
 unless --debug, exit 1; Ctrl-C says where to resume; a corrupted DCP checkpoint names the checkpoint; a
@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import preflight as preflight_mod
 from runtime.config import load_config
-from runtime.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
-from runtime.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
-from runtime.preflight import PreflightError, estimate_checkpoints, preflight
+from runtime.guard import preflight as preflight_mod
+from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
+from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
+from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.metrics import flops_per_token
 from runtime.models.hf import config_from_hf
+from runtime.observe.metrics import flops_per_token
 from tests.conftest import TINY_DENSE, TINY_HYBRID
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.models import from_pretrained
-from tests.conftest import packed_vs_alone, write_hf_checkpoint
+from tests.conftest import label_loss_sum, packed_vs_alone, write_hf_checkpoint
 
 CASES = {
     "moe": ("moe", {}),
@@ -56,8 +56,6 @@ def test_logits_and_grads_match_transformers(tmp_path, case, backend):
 
 
 def test_packed_batch_equals_documents_one_by_one(tiny_moe_ckpt):
-    from runtime.models.qwen import label_loss_sum
-
     model = from_pretrained(tiny_moe_ckpt, expert_backend="eager", norm_rope_impl="torch")
     for doc, packed, alone in packed_vs_alone(model, (7, 12, 5)):
         assert (alone - packed).abs().max() <= 1e-5

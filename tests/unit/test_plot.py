@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.plot import PlotError, figure, labels, main, read_run
+from runtime.observe.plot import PlotError, figure, labels, main, read_run
 
 TITLES = ["loss", "learning rate", "grad norm", "tokens/s", "peak memory (GiB)"]
 
@@ -73,7 +73,7 @@ def test_two_runs_overlaid_into_one_png(tmp_path, monkeypatch):
 
 def test_resumed_run_has_each_step_once_and_older_files_are_not_read(tmp_path):
     # The first run logged steps 1-3, the run resumed from step 2's checkpoint steps 3 and 4; the first
-    # run's step 3 (runtime.metrics drops it now, an older runtime kept it) loses to the resumed run's.
+    # run's step 3 (runtime.observe.metrics drops it now, an older runtime kept it) loses to the resumed run's.
     records = [_train(s, run_id="first") for s in (1, 2, 3)] + [_train(s, loss=0.5, run_id="resumed") for s in (3, 4)]
     run = _write(tmp_path / "a", records)
     (run / "metrics.20260101-000000.jsonl").write_text(json.dumps(_train(99)) + "\n")  # an earlier run's file

@@ -16,7 +16,7 @@ from runtime.checkpoint import CheckpointManager, read_meta
 from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.run_dir import RunDirError, claim_run_dir, release_run_dir
+from runtime.guard.run_dir import RunDirError, claim_run_dir, release_run_dir
 from runtime.train import TrainingDiverged, train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -400,8 +400,7 @@ def test_compiled_moe_model_blocks_with_scattermoe(tmp_path):
     from runtime.distributed.compile import apply_compile
     from runtime.lora import apply_lora
     from runtime.models import from_pretrained
-    from runtime.models.qwen import label_loss_sum
-    from tests.conftest import write_hf_checkpoint
+    from tests.conftest import label_loss_sum, write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path, "moe", num_hidden_layers=1)  # one block: every block compiles alike (CI time)
     g = torch.Generator().manual_seed(0)

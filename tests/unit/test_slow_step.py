@@ -1,4 +1,4 @@
-"""runtime.slow_step: a long step is announced, with what the main thread is doing; a short one is not."""
+"""runtime.observe.slow_step: a long step is announced, with what the main thread is doing; a short one is not."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import types
 from pathlib import Path
 
-from runtime.slow_step import SlowStepNotice, where
+from runtime.observe.slow_step import SlowStepNotice, where
 
 ROOT = Path(__file__).resolve().parents[2]
 

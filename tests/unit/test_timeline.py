@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runtime import timeline
+from runtime.observe import timeline
 
 
 def _kernel(name, ts, dur, stream, corr):

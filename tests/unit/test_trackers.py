@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from runtime import trackers as trackers_module
 from runtime.config import ConfigError, load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.trackers import check_trackers
+from runtime.observe import trackers as trackers_module
+from runtime.observe.trackers import check_trackers
 from runtime.train import train
 from tests.dist.test_parity import EXAMPLE
 

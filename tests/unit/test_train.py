@@ -124,7 +124,7 @@ def test_profile_summary_counts_device_events_and_blocking_calls_once():
 
     from torch.autograd import DeviceType
 
-    from runtime.profiling import summary_line
+    from runtime.observe.profiling import summary_line
 
     def avg(key, device, count=1, cpu_us=0.0, device_us=0.0, annotation=False):
         return SimpleNamespace(key=key, count=count, cpu_time_total=cpu_us, self_device_time_total=device_us,

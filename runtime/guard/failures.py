@@ -10,7 +10,7 @@
 The step comes from the trainer's Progress (context.progress); the checkpoint folder being read or
 written from torch.distributed.checkpoint's `checkpoint_id` argument or runtime/checkpoint.py's
 save/load frames in the traceback, since DCP's exceptions do not carry it. Pure: printing is
-runtime.failure_report's.
+runtime.guard.failure_report's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.distributed.process_group import env_world
-from runtime.run_dir import finished_checkpoints
+from runtime.guard.run_dir import finished_checkpoints
 
 EXIT_USER_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
@@ -37,9 +37,9 @@ EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
 # qualified class name through the MRO, so this module knows them without importing the model stack, and
 # a subclass counts too.
 USER_ERRORS = frozenset({
-    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.DataError",
+    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.formats.DataError",
     "runtime.models.hf.CheckpointError", "runtime.checkpoint.ResumeError", "runtime.train.TrainingDiverged",
-    "runtime.run_dir.RunDirError", "runtime.preflight.PreflightError", "runtime.lora.LoRAFormatError",
+    "runtime.guard.run_dir.RunDirError", "runtime.guard.preflight.PreflightError", "runtime.lora.LoRAFormatError",
     "runtime.launch.UsageError",
 })
 # Raised from the command line, the YAML and the world size alone, before any rank could differ.
@@ -139,10 +139,6 @@ def _chain(err: BaseException) -> list[BaseException]:
 def _frames(err: BaseException) -> list:
     """The traceback's frames, innermost first."""
     return [frame for frame, _ in traceback.walk_tb(err.__traceback__)][::-1]
-
-
-def _in_file(frame, suffix: str) -> bool:
-    return frame.f_code.co_filename.replace(os.sep, "/").endswith(suffix)
 
 
 def _training_step(context: RunContext) -> tuple[str, int] | None:

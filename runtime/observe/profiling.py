@@ -26,7 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from runtime import timeline
+from runtime.observe import timeline
 
 log = logging.getLogger("runtime")
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import Config
-from runtime.run_dir import CHECKPOINTS
-from runtime.trackers import check_trackers
+from runtime.guard.run_dir import CHECKPOINTS
+from runtime.observe.trackers import check_trackers
 
 log = logging.getLogger("runtime")
 
@@ -104,7 +104,7 @@ class CheckpointEstimate:
 def estimate_checkpoints(cfg: Config) -> CheckpointEstimate:
     """The disk the run's checkpoints need at once (see the module docstring)."""
     trainable = trainable_parameters(cfg)
-    # Trainable parameters are fp32 master copies on CUDA (runtime.train.build_model); on the CPU they
+    # Trainable parameters are fp32 master copies on CUDA (runtime.models.factory.build_model); on the CPU they
     # keep model.dtype. AdamW's moments take the parameters' dtype.
     import torch
 
@@ -117,19 +117,9 @@ def estimate_checkpoints(cfg: Config) -> CheckpointEstimate:
 def trainable_parameters(cfg: Config) -> int:
     """Values a checkpoint saves: every parameter, or only the LoRA factors (the frozen base comes from
     model.path on resume). Counted on a meta-device model, which allocates no memory."""
-    import torch
+    from runtime.models.factory import meta_model
 
-    from runtime.train import DTYPES, model_config
-
-    qcfg = model_config(cfg)
-    with torch.device("meta"):
-        from runtime.models.qwen import QwenForCausalLM
-
-        model = QwenForCausalLM(qcfg, dtype=DTYPES[cfg.model.dtype])
-        if cfg.lora.enabled:
-            from runtime.lora import apply_lora
-
-            apply_lora(model, cfg.lora)
+    model = meta_model(cfg)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

@@ -27,7 +27,7 @@ from typing import Self
 log = logging.getLogger("runtime")
 
 FIRST_NOTICE_S = 60.0
-_PROJECT = Path(__file__).resolve().parents[1]
+_PROJECT = Path(__file__).resolve().parents[2]
 _OUR_PACKAGES = ("runtime", "moe", "attention", "quant", "gpu")
 # What a library frame says the step is doing; the innermost frame that matches decides.
 _ACTIVITIES = (("torch/_inductor", "compiling"), ("torch/_dynamo", "compiling"),

@@ -99,7 +99,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.every = every_n_steps
         self.run_id = run_id
-        self.trackers = trackers  # runtime.trackers.Trackers: TensorBoard / W&B, or None
+        self.trackers = trackers  # runtime.observe.trackers.Trackers: TensorBoard / W&B, or None
         self.file = None
         self.progress = None
         if not enabled:

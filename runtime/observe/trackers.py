@@ -2,7 +2,7 @@
 
     check_trackers(cfg)                        # every rank, before any collective: the packages are there
     trackers = Trackers.start(cfg, run_id, mesh, enabled=rank == 0)
-    trackers.log(record)                       # a metrics record (runtime.metrics): its numbers, at its step
+    trackers.log(record)                       # a metrics record (runtime.observe.metrics): its numbers, at its step
     trackers.close()
 
 `logging.tensorboard: true` writes <output_dir>/tensorboard (torch.utils.tensorboard's writer);

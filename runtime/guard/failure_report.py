@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from runtime.distributed.process_group import env_world
-from runtime.failures import EXIT_USER_ERROR, Failure, RunContext, describe_safely, ranks_text
+from runtime.guard.failures import EXIT_USER_ERROR, Failure, RunContext, describe_safely, ranks_text
 
 
 class Interrupted(KeyboardInterrupt):
