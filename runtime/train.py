@@ -57,6 +57,7 @@ def model_config(cfg: Config):
                           norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
                           loss_impl=cfg.model.loss_impl,
                           router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                          router_force_balanced=cfg.model.router_force_balanced,
                           num_layers=cfg.model.num_layers_override)
 
 
@@ -65,6 +66,9 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     under EP) or the seeded random init, whose every EP slice equals the single-process init."""
     qcfg = model_config(cfg)
     dims.check_experts(qcfg.num_experts)
+    if qcfg.router_force_balanced and env.is_main:
+        log.warning("model.router_force_balanced: every expert receives the same number of slots regardless of "
+                    "the router (benchmarks only: this changes the model)")
     model = build(qcfg, DTYPES[cfg.model.dtype], env.device, path=cfg.model.path, seed=cfg.train.seed,
                   ep_rank=dims.ep_rank(env.rank), ep=dims.ep, quant=cfg.quant.base_weights)
     if cfg.lora.enabled:
