@@ -63,6 +63,9 @@ class ModelConfig(Section):
     # backward here (FLA on Hopper with Triton < 3.7.1 needs tilelang), else torch.
     gdn_op_set: str = "auto"
     router_aux_loss_coef: float = Field(0.0, ge=0.0)
+    # Benchmarks only: each token's k experts are chosen by a fixed pattern that gives every expert the
+    # same slot count (weights still the router's probabilities); it changes the model.
+    router_force_balanced: bool = False
     # Fewer decoder layers than the checkpoint has (parity checks of big models).
     num_layers_override: int | None = Field(None, ge=1)
 

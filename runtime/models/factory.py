@@ -8,6 +8,8 @@ export), and the same model on the meta device (estimate, preflight), so every t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quant import quantize_experts
@@ -20,6 +22,8 @@ from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
 from runtime.optim import apply_master_dtype
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -29,6 +33,7 @@ def model_config(cfg: Config) -> QwenConfig:
                           norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
                           loss_impl=cfg.model.loss_impl,
                           router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                          router_force_balanced=cfg.model.router_force_balanced,
                           num_layers=cfg.model.num_layers_override)
 
 
@@ -37,6 +42,9 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
     under EP) or the seeded random init, whose every EP slice equals the single-process init."""
     qcfg = model_config(cfg)
     dims.check_experts(qcfg.num_experts)
+    if qcfg.router_force_balanced and env.is_main:
+        log.warning("model.router_force_balanced: every expert receives the same number of slots regardless of "
+                    "the router (benchmarks only: this changes the model)")
     model = build(qcfg, DTYPES[cfg.model.dtype], env.device, path=cfg.model.path, seed=cfg.train.seed,
                   ep_rank=dims.ep_rank(env.rank), ep=dims.ep, quant=cfg.quant.base_weights)
     if cfg.lora.enabled:

@@ -1,0 +1,57 @@
+"""The router's selection modes: forced balanced routing (benchmarks) against the plain top-k."""
+
+from __future__ import annotations
+
+import torch
+
+from moe.router import SoftmaxTopKRouter, balanced_ids
+
+
+def _router(E=8, k=2, norm=True, **kw):
+    torch.manual_seed(0)
+    return SoftmaxTopKRouter(16, E, k, norm, **kw)
+
+
+def test_balanced_ids_give_every_expert_the_same_count_and_distinct_ids_per_token():
+    for E, k, T in [(8, 2, 64), (8, 3, 40), (16, 4, 48), (6, 6, 12)]:
+        ids = balanced_ids(T, E, k)
+        assert ids.shape == (T, k)
+        assert all(len(set(row.tolist())) == k for row in ids)
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        assert (counts == T * k // E).all(), (E, k, counts)
+    counts = torch.bincount(balanced_ids(13, 8, 2).flatten(), minlength=8)  # T not a multiple of E
+    assert int(counts.max() - counts.min()) <= 2
+
+
+def test_balanced_ids_spread_a_token_over_the_ep_ranks():
+    # E=8, k=2: stride 4 puts a token's experts in both halves (ep=2 ranks) rather than on one.
+    ids = balanced_ids(8, 8, 2)
+    assert ((ids[:, 0] < 4) != (ids[:, 1] < 4)).all()
+
+
+def test_forced_balanced_weights_are_the_router_probs_at_the_ids_and_grads_reach_the_router():
+    for norm in (True, False):
+        router = _router(norm=norm, force_balanced=True)
+        x = torch.randn(32, 16)
+        out = router(x)
+        assert torch.equal(out.topk_ids_Tk, balanced_ids(32, 8, 2))
+        probs = torch.softmax(x @ router.weight.T, dim=-1)
+        expected = probs.gather(1, out.topk_ids_Tk)
+        if norm:
+            expected = expected / expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(out.topk_w_Tk, expected)
+        (out.topk_w_Tk * torch.randn_like(out.topk_w_Tk)).sum().backward()
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_forced_balanced_ignores_the_router_but_keeps_its_aux_loss():
+    router = _router(force_balanced=True, aux_loss_coef=0.01)
+    x = torch.randn(32, 16)
+    first = router(x)
+    with torch.no_grad():
+        router.weight.mul_(-3)
+    second = router(x)
+    assert torch.equal(first.topk_ids_Tk, second.topk_ids_Tk)
+    assert first.aux_loss is not None and first.aux_loss.requires_grad
+    plain = _router()(x).topk_ids_Tk
+    assert not torch.equal(plain, first.topk_ids_Tk)  # the pattern is not what the top-k picks
