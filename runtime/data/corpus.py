@@ -26,6 +26,7 @@ from runtime.data.formats import (
 log = logging.getLogger("runtime.data")
 
 
+@dataclass(frozen=True)
 class Corpus:
     """All documents' tokens back to back; document d is tokens[offsets[d]:offsets[d+1]]."""
 

@@ -31,7 +31,7 @@ def test_forced_balanced_routing_gives_every_ep_rank_the_same_slots(run_dist, tm
 
 
 def test_forced_balanced_routing_is_announced(tmp_path, caplog):
-    from runtime.train import build_model
+    from runtime.models.factory import build_model
 
     cfg = tiny_config(False, str(tmp_path))
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"router_force_balanced": True})})
