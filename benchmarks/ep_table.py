@@ -1,7 +1,7 @@
 """Issue 42's expert-parallel table from the run folders of `gpu_multi.sh epbench`: per mode, ep=1 against ep=N
 with forced-balanced and random-init routing, and per layer where the traced step's time went.
 
-    python -m benchmarks.ep_table OUT --layers 8 --ep 2
+    python -m benchmarks.ep_table OUT --layers 8 --eps 1 2 4
 
 Run folders are named `ep-<mode>-L<layers>-ep<E>-<balanced|random>`. Throughput is the median over steps 4..
 of metrics.jsonl (tok/s over the world, so tokens per second per GPU); the split reads rank 0's trace of step 6
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--ep", type=int, required=True)
+    parser.add_argument("--eps", type=int, nargs="+", required=True, help="EP sizes of the rows; 1 first")
     args = parser.parse_args(argv)
     runs = sorted(p for p in args.out.glob(f"ep-*-L{args.layers}-ep*-*") if p.is_dir())
     modes = sorted({re.sub(r"-ep\d+-(balanced|random)$", "", p.name) for p in runs})
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         for routing in ("balanced", "random"):
             base = steady(args.out / f"{mode}-ep1-{routing}", 1)
-            for ep in (1, args.ep):
+            for ep in args.eps:
                 run = args.out / f"{mode}-ep{ep}-{routing}"
                 row = steady(run, ep)
                 if row is None:

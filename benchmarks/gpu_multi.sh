@@ -246,13 +246,23 @@ if [[ $parts == *epbench* ]]; then
     balanced=(--set model.router_force_balanced=true)
     tag=ep-$mode-L$layers
     [[ $tag =~ ${ONLY:-.} ]] || continue
+    # the ep=1 rows side by side (one GPU each), with ep=2 balanced beside them where 4 GPUs allow
     CUDA_VISIBLE_DEVICES=0 launch_run "$tag-ep1-balanced" 1 "${flags[@]}" "${balanced[@]}" &
     CUDA_VISIBLE_DEVICES=1 launch_run "$tag-ep1-random" 1 "${flags[@]}" &
+    first=2
+    if [ "$N" -ge 4 ]; then
+      CUDA_VISIBLE_DEVICES=2,3 launch_run "$tag-ep2-balanced" 2 --ep 2 "${flags[@]}" "${balanced[@]}" &
+      first=4
+      wait
+      CUDA_VISIBLE_DEVICES=0,1 launch_run "$tag-ep2-random" 2 --ep 2 "${flags[@]}"
+    fi
     wait
-    launch_run "$tag-ep$N-balanced" "$N" --ep "$N" "${flags[@]}" "${balanced[@]}"
-    launch_run "$tag-ep$N-random" "$N" --ep "$N" "${flags[@]}"
+    for ((ep = first; ep <= N; ep *= 2)); do
+      launch_run "$tag-ep$ep-balanced" "$ep" --ep "$ep" "${flags[@]}" "${balanced[@]}"
+      launch_run "$tag-ep$ep-random" "$ep" --ep "$ep" "${flags[@]}"
+    done
   done
-  summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --ep "$N")")
+  summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --eps $(for ((ep = 1; ep <= N; ep *= 2)); do echo $ep; done))")
 fi
 if [[ $parts == *deepep* ]]; then
   # the 8-layer step at ep=N on DeepEP's dispatcher (its wheel: benchmarks/build_deepep.sh; carry .whl-deepep)
