@@ -233,8 +233,8 @@ def varlen_impl() -> VarlenImpl | None:
 
 def choose_dense_causal() -> bool:
     """Whether rows that hold one document each go to cuDNN's fused attention (SDPA's cuDNN kernel) rather
-    than the varlen kernel: on Hopper and newer, where it runs the same causal attention about 1.9x faster
-    than torch's FA2 (docs/benchmarks.md)."""
+    than the varlen kernel: on Hopper and newer, where it runs the same causal attention faster than torch's
+    FA2 (docs/benchmarks.md#attention)."""
     return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability() >= (9, 0))
 

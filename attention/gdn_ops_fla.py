@@ -22,13 +22,11 @@ output_final_state, gdr_bwd's dh0 without an initial state: tensors, not None, s
 
 Numerics are FLA's own: the delta rule here returns bit for bit what FLA's public
 fla.ops.gated_delta_rule.chunk_gated_delta_rule returns (o and every input gradient, fp32 and bf16;
-tests/gpu/test_precision_gpu.py). Upstream in FLA 0.6.0 on Hopper, fp32 inputs: its GEMMs take fp32
-operands as TF32 (o and input grads ~2e-3 from fp64), and the gradient of g degrades as the decay
-strengthens: norm-relative 2.6e-3 for g ~ U(-1, -0.05) per token, 1.3e-2 for U(-5, -1), 1.4 for
-U(-20, -5); at strongly decayed tokens it is rounding noise (~1e-4 where the exact value is < 1e-9),
-which A_log's gradient (sum of dg * g) multiplies by |g|. At HF's initial decays (A up to 16, g down to
--470) A_log's gradient is off by 1.5..5 norm-relative. bf16 inputs are unaffected (<= 5e-3 at every
-decay). For exact fp32 decay gradients use op set torch (docs/validation.md, 2026-11-23 FLA diagnosis).
+tests/gpu/test_precision_gpu.py). Upstream FLA on Hopper with fp32 inputs takes fp32 GEMM operands as TF32,
+so the gradient of g, formed from terms that cancel, degrades as the decay strengthens, down to rounding
+noise at strongly decayed tokens, which A_log's gradient (sum of dg * g) multiplies by |g|: at HF's initial
+decays A_log's gradient is wrong. bf16 inputs are unaffected. For exact fp32 decay gradients use op set torch
+(docs/benchmarks.md#precision).
 
 FLA internals used (their signatures changed between 0.4 and 0.6; tests/gpu/test_gdn_gpu.py guards them):
 l2norm_fwd/l2norm_bwd, chunk_gated_delta_rule_fwd/chunk_gated_delta_rule_bwd, causal_conv1d_fwd/

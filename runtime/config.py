@@ -49,25 +49,31 @@ def _registered(section: str, name: str, info: ValidationInfo) -> str:
 
 
 class ModelConfig(Section):
-    # A HF checkpoint folder (config.json + safetensors), or `config` for random init (tiny demos).
-    path: str | None = None
-    config: dict[str, Any] | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # Implementation names, checked against their registries (runtime/registry.py).
-    expert_backend: str = "auto"  # scattermoe on CUDA where Triton is installed, else grouped_mm
-    attn_backend: str = "auto"  # flash (varlen over cu_seqlens) on CUDA when installed, else sdpa
-    norm_rope_impl: str = "auto"
-    # lm_head + cross-entropy (runtime/loss.py): auto = a fused loss that never holds [tokens, vocab] logits.
-    loss_impl: str = "auto"
-    # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed and able to run its
-    # backward here (FLA on Hopper with Triton < 3.7.1 needs tilelang), else torch.
-    gdn_op_set: str = "auto"
-    router_aux_loss_coef: float = Field(0.0, ge=0.0)
-    # Benchmarks only: each token's k experts are chosen by a fixed pattern that gives every expert the
-    # same slot count (weights still the router's probabilities); it changes the model.
-    router_force_balanced: bool = False
-    # Fewer decoder layers than the checkpoint has (parity checks of big models).
-    num_layers_override: int | None = Field(None, ge=1)
+    """The model: where its weights come from and which implementation computes each part."""
+
+    path: str | None = Field(None, description="a HF checkpoint folder (config.json + safetensors); or set config")
+    config: dict[str, Any] | None = Field(None, description=(
+        "a HF-style config dict (model_type, sizes) for a randomly initialized model; or set path"))
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
+        "dtype the weights are kept in (float32: fp32 masters under bf16 autocast on CUDA)"))
+    # Implementation names are checked against their registries (runtime/registry.py).
+    expert_backend: str = Field("auto", description=(
+        "the expert computation (moe/backends); eager is the per-expert reference"))
+    attn_backend: str = Field("auto", description=(
+        "attention kernel: sdpa masks packed documents, flash runs varlen over cu_seqlens"))
+    norm_rope_impl: str = Field("auto", description=(
+        "fused q/k RMSNorm + RoPE (attention/norm_rope.py); torch is the reference"))
+    loss_impl: str = Field("auto", description=(
+        "lm_head + cross-entropy (runtime/loss.py); chunked never holds [tokens, vocab] logits"))
+    gdn_op_set: str = Field("auto", description=(
+        "Gated DeltaNet kernels of hybrid models; torch is the exact reference, fla flash-linear-attention"))
+    router_aux_loss_coef: float = Field(0.0, ge=0.0, description=(
+        "weight of the router's load-balancing loss, computed over the global batch (0: off)"))
+    router_force_balanced: bool = Field(False, description=(
+        "benchmarks only: each token's k experts follow a fixed pattern that gives every expert the same "
+        "slot count (weights still the router's probabilities); changes the model"))
+    num_layers_override: int | None = Field(None, ge=1, description=(
+        "build fewer decoder layers than the checkpoint has (parity checks of big models)"))
 
     @field_validator("expert_backend", "attn_backend", "norm_rope_impl", "gdn_op_set", "loss_impl")
     @classmethod
@@ -83,22 +89,25 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str
-    format: Literal["auto", "jsonl", "parquet", "arrow"] = "auto"
-    kind: Literal["auto", "text", "chat"] = "auto"
-    text_field: str = "text"
-    messages_field: str = "messages"
-    tokenizer: str | None = None  # defaults to model.path
-    seq_len: int = Field(2048, ge=8)
-    shuffle: bool = True
-    seed: int = 0
-    skip_bad_records: bool = False
-    # Chat records longer than seq_len: drop them (counted at load) or keep their first seq_len tokens.
-    overlong: Literal["drop", "truncate"] = "drop"
-    # Held-out documents for the eval loss: a file (same format rules as path), or this fraction of the
-    # training documents, chosen by `seed` and never trained on. Neither: no eval.
-    eval: str | None = None
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Training (and eval) documents, tokenized and packed into rows of seq_len tokens."""
+
+    path: str = Field(description="training data: a JSONL or Parquet file, or a datasets.save_to_disk folder")
+    format: Literal["auto", "jsonl", "parquet", "arrow"] = Field("auto", description=(
+        "file format of path (auto: from its suffix, or a folder's files)"))
+    kind: Literal["auto", "text", "chat"] = Field("auto", description=(
+        "text records, or chat records rendered by the chat template (auto: chat where a record has messages)"))
+    text_field: str = Field("text", description="the record field holding a text document")
+    messages_field: str = Field("messages", description="the record field holding a chat's messages")
+    tokenizer: str | None = Field(None, description="a tokenizer folder (defaults to model.path)")
+    seq_len: int = Field(2048, ge=8, description="tokens per packed row")
+    shuffle: bool = Field(True, description="shuffle documents (by seed) before packing")
+    seed: int = Field(0, description="seed of the document shuffle and of the eval_fraction split")
+    skip_bad_records: bool = Field(False, description="skip records that cannot be read (counted) instead of stopping")
+    overlong: Literal["drop", "truncate"] = Field("drop", description=(
+        "chat records longer than seq_len: drop them (counted at load) or keep their first seq_len tokens"))
+    eval: str | None = Field(None, description="a held-out file for the eval loss (same format rules as path)")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "this share of the training documents, chosen by seed and never trained on, is the eval set"))
 
     @model_validator(mode="after")
     def _one_eval_source(self):
@@ -112,36 +121,37 @@ class DataConfig(Section):
 
 
 class LoraConfig(Section):
-    enabled: bool = False
-    rank: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # GDN projections: in_proj_qkv/z/b/a (Qwen3.5), in_proj_qkvz/ba (Qwen3-Next), out_proj.
+    """LoRA adapters (PEFT format) on attention, GDN projections and experts."""
+
+    enabled: bool = Field(False, description="train LoRA adapters on a frozen base instead of every weight")
+    rank: int = Field(16, ge=1, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (the update is scaled by alpha / rank)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA branch's input")
     target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "experts", "in_proj_qkv", "in_proj_z",
                                  "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj"]] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"], description=(
+            "modules with adapters; GDN: in_proj_qkv/z/b/a (Qwen3.5), in_proj_qkvz/ba (Qwen3-Next), out_proj"))
 
 
 class ParallelismConfig(Section):
-    dp_replicate: int = Field(1, ge=1)
-    dp_shard: int = Field(-1, ge=-1)  # -1: whatever the world size leaves
-    cp: int = Field(1, ge=1)
-    # Attention under cp > 1 (attention/context_parallel.py): K/V all-gather, or Ulysses head exchange.
-    cp_attention: Literal["allgather", "ulysses"] = "allgather"
-    # GDN layers under cp > 1 (attention/gdn.py): head-parallel (linear_num_key_heads % cp == 0), or state
-    # passing between the zigzag pieces (any cp; needs model.gdn_op_set torch).
-    cp_gdn: Literal["heads", "state"] = "heads"
-    ep: int = Field(1, ge=1)
-    # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
-    dispatcher: str = "all_to_all"
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    # FSDP's parameter gathers under bf16 autocast (CUDA): bf16 rounds every parameter for compute, norms, router,
-    # embedding and GDN decay included; fp32 gathers the parameters in their own dtype and autocast casts only
-    # the matmul inputs: one GPU's precision, at twice the gather bytes of fp32 masters; auto: fp32 under EP
-    # (the experts keep their own bf16 units there), bf16 without (runtime/distributed/fsdp.py).
-    fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    # A collective that waits longer fails; the watchdog ends every rank once a peer stalls this long.
-    collective_timeout_s: int = Field(600, ge=5)
+    """The mesh (world = dp_replicate * dp_shard * cp; ep carved out of dp_shard * cp) and its options."""
+
+    dp_replicate: int = Field(1, ge=1, description="HSDP replicas (each holds a full FSDP-sharded copy)")
+    dp_shard: int = Field(-1, ge=-1, description="FSDP shards per replica (-1: whatever the world size leaves)")
+    cp: int = Field(1, ge=1, description="context parallelism: ranks that split every row along the sequence")
+    cp_attention: Literal["allgather", "ulysses"] = Field("allgather", description=(
+        "attention under cp > 1: all-gather K/V (any head count), or Ulysses all-to-all from sequence to heads"))
+    cp_gdn: Literal["heads", "state"] = Field("heads", description=(
+        "GDN layers under cp > 1: head-parallel (cp divides linear_num_key_heads), or state passing (any cp)"))
+    ep: int = Field(1, ge=1, description="expert parallelism: ranks the experts are split over (divides dp_shard*cp)")
+    dispatcher: str = Field("all_to_all", description=(
+        "the token exchange under ep > 1 (local: ep 1 only); every dispatcher is the identity at ep 1"))
+    activation_checkpoint: Literal["none", "full", "selective"] = Field("none", description=(
+        "recompute in backward: none, whole blocks (full), or all but matmul/attention outputs and EP exchanges"))
+    fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description=(
+        "dtype of FSDP's parameter gathers under CUDA autocast (fp32: one GPU's precision for norms, router)"))
+    collective_timeout_s: int = Field(600, ge=5, description=(
+        "a collective that waits longer fails; the watchdog ends every rank once a peer stalls this long"))
 
     @field_validator("dispatcher")
     @classmethod
@@ -156,13 +166,18 @@ class ParallelismConfig(Section):
 
 
 class QuantConfig(Section):
-    # Routed experts' frozen base weights packed in FP4 (quant/), read by the expert kernels; LoRA only.
-    base_weights: Literal["none", "mxfp4", "nvfp4"] = "none"
+    """Quantized expert weights."""
+
+    base_weights: Literal["none", "mxfp4", "nvfp4"] = Field("none", description=(
+        "routed experts' frozen base weights packed in FP4 (quant/), read by the expert kernels; LoRA only"))
 
 
 class CompileConfig(Section):
-    enabled: bool = False
-    inductor_options: dict[str, Any] = Field(default_factory=dict)
+    """torch.compile of the decoder blocks."""
+
+    enabled: bool = Field(False, description="torch.compile every decoder block (fullgraph: a graph break is an error)")
+    inductor_options: dict[str, Any] = Field(default_factory=dict, description=(
+        "an allowlist of torch._inductor.config keys, e.g. max_autotune, coordinate_descent_tuning"))
 
     @model_validator(mode="after")
     def _options(self):
@@ -180,66 +195,75 @@ class CompileConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
-    # What trainable parameters are kept in (runtime/optim.py): fp32 masters under bf16 autocast, or bf16
-    # parameters with a stochastic-rounding AdamW (half the memory of parameters, grads and states).
-    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = Field(2e-4, gt=0, description="peak learning rate of AdamW")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's beta1, beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps, then cosine decay to min_lr_ratio * lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the learning rate at the end of the cosine, over lr")
+    grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this (0: no clipping)")
+    master_dtype: Literal["fp32", "bf16"] = Field("fp32", description=(
+        "trainable parameters in fp32 (under bf16 autocast), or bf16 with a stochastic-rounding AdamW"))
 
 
 class TrainConfig(Section):
-    max_steps: int = Field(100, ge=1)
-    micro_batch_size: int = Field(1, ge=1)  # packed rows per rank per micro step
-    grad_accum_steps: int = Field(1, ge=1)
-    seed: int = 0
-    output_dir: str = "outputs/run"
-    # A non-finite loss or grad norm: stop (no update, clear error) or skip the update and go on,
-    # stopping once max_nan_skips steps in a row were skipped.
-    nan_policy: Literal["stop", "skip"] = "stop"
-    max_nan_skips: int = Field(3, ge=1)
-    # Eval loss every N optimizer steps (0: only at the end of the run), when data.eval / eval_fraction is set.
-    eval_every_n_steps: int = Field(0, ge=0)
-    # Python's garbage collection at every N-th step boundary, the same on every rank, instead of automatic
-    # collections that pause one rank mid-step while the others wait (runtime.observe.gc_schedule); 0: automatic.
-    gc_every_n_steps: int = Field(50, ge=0)
+    """The step loop."""
+
+    max_steps: int = Field(100, ge=1, description="optimizer steps of the run")
+    micro_batch_size: int = Field(1, ge=1, description="packed rows per rank per micro step")
+    grad_accum_steps: int = Field(1, ge=1, description="micro steps per optimizer step")
+    seed: int = Field(0, description="seed of the random init, the LoRA init and torch's RNG")
+    output_dir: str = Field("outputs/run", description="the run folder: config, metrics.jsonl, checkpoints, exports")
+    nan_policy: Literal["stop", "skip"] = Field("stop", description=(
+        "a non-finite loss or grad norm: stop with an error, or skip that update and go on"))
+    max_nan_skips: int = Field(3, ge=1, description="with nan_policy skip: stop after this many skipped steps in a row")
+    eval_every_n_steps: int = Field(0, ge=0, description=(
+        "eval loss every N optimizer steps when eval data is set (0: only at the end)"))
+    gc_every_n_steps: int = Field(50, ge=0, description=(
+        "Python's garbage collection at every N-th step boundary on every rank, never mid-step (0: automatic)"))
 
 
 class CheckpointConfig(Section):
-    every_n_steps: int = Field(0, ge=0)  # 0: only at the end
-    keep_last: int = Field(2, ge=1)
-    resume: bool = False
-    save_final: bool = True
-    export_hf: bool = False  # also write HF safetensors (full) or a PEFT adapter (LoRA) at the end
-    # LoRA runs: also write a HF checkpoint with the adapters merged into the base weights (experts too)
-    export_merged: bool = False
+    """DCP checkpoints and exports at the end of the run."""
+
+    every_n_steps: int = Field(0, ge=0, description="save a DCP checkpoint every N steps (0: only at the end)")
+    keep_last: int = Field(2, ge=1, description="checkpoints of this run kept; older ones are pruned")
+    resume: bool = Field(False, description="continue from the newest checkpoint in output_dir (also --resume)")
+    save_final: bool = Field(True, description="save a checkpoint at the end of the run")
+    export_hf: bool = Field(False, description=(
+        "at the end also write HF safetensors (full fine-tune, hf/) or a PEFT adapter (LoRA, adapter/)"))
+    export_merged: bool = Field(False, description=(
+        "LoRA runs: at the end also write a HF checkpoint with every adapter merged into its base weight"))
 
 
 class WandbConfig(Section):
-    project: str
-    name: str | None = None
-    mode: Literal["online", "offline", "disabled"] = "online"
+    """Weights & Biases tracker."""
+
+    project: str = Field(description="the Weights & Biases project")
+    name: str | None = Field(None, description="the run's name (default: W&B's)")
+    mode: Literal["online", "offline", "disabled"] = Field("online", description=(
+        "offline needs no network (wandb sync later)"))
 
 
 class LoggingConfig(Section):
-    every_n_steps: int = Field(1, ge=1)
-    progress_bar: bool = True
-    jsonl: bool = True
-    # Trackers (rank 0 only; optional packages: pip install 'moe-runtime[trackers]'): TensorBoard event files
-    # under <output_dir>/tensorboard, Weights & Biases runs (offline mode works without network).
-    tensorboard: bool = False
-    wandb: WandbConfig | None = None
+    """Metrics records and trackers."""
+
+    every_n_steps: int = Field(1, ge=1, description="log a metrics record every N steps")
+    progress_bar: bool = Field(True, description="a progress bar on rank 0")
+    jsonl: bool = Field(True, description="write <output_dir>/metrics.jsonl")
+    tensorboard: bool = Field(False, description=(
+        "TensorBoard event files under <output_dir>/tensorboard (rank 0; pip install 'moe-runtime[trackers]')"))
+    wandb: WandbConfig | None = Field(None, description="log to Weights & Biases (rank 0; moe-runtime[trackers])")
 
 
 class ProfilingConfig(Section):
-    # Optimizer steps traced by torch.profiler (runtime/observe/profiling.py): per rank a Chrome trace and the top ops
-    # under <output_dir>/profile/, and on rank 0 one line of wall time, device kernel time and host syncs.
-    steps: list[int] = Field(default_factory=list)
-    top: int = Field(25, ge=1)  # ops listed per rank and step
+    """torch.profiler traces of chosen steps."""
+
+    steps: list[int] = Field(default_factory=list, description=(
+        "steps traced by torch.profiler: a Chrome trace and the top ops per rank under <output_dir>/profile/"))
+    top: int = Field(25, ge=1, description="ops listed per rank and traced step")
 
 
 class Config(Section):

@@ -17,16 +17,16 @@ the autocast dtype (h and weight cast to it), outside autocast in the inputs' (c
 logsumexp / softmax always in fp32.
 
 Implementations:
-- "plain": materialized logits, the reference semantics (what the trainer did before this module).
+- "plain": materialized logits, the reference semantics.
 - "chunked": pure torch, CPU and CUDA. Walks the label tokens in chunks and computes, already in forward,
   the loss and the gradients wrt h and weight; only those are kept for backward, which scales them.
   Tokens without a label cost nothing (their loss and gradient are zero). One host sync per call.
 - "liger": Liger-Kernel's fused linear cross-entropy (Triton, CUDA), when liger-kernel is installed.
 - "cce": Apple's Cut Cross-Entropy (Triton, CUDA, bf16/fp16 only: under autocast), when installed; its
-  gradient filtering is off (filter_eps=None): with its default (softmax entries below bf16 resolution
-  skipped) grad h was 1.9e-2 off the reference at Qwen3 shapes. Even unfiltered it stays 1.2e-2 off (H200,
-  vocab 151936): CCE 25.1.1 sums grad h over the vocabulary blocks into a bf16 buffer, one rounding per
-  block, so it sits just past the 1e-2 the other implementations meet; an opt-in, never "auto".
+  gradient filtering is off (filter_eps=None: skipping softmax entries below bf16 resolution moves grad h
+  further off). It sums grad h over the vocabulary blocks into a bf16 buffer, one rounding per block, so it
+  sits just past the bf16 tolerance the other implementations meet: an opt-in, never "auto"
+  (docs/benchmarks.md#loss).
 "auto" is "chunked" (see `_auto`).
 """
 

@@ -15,9 +15,8 @@
 
 StochasticRoundingAdamW updates the parameters of a step in one torch.compile'd call per decoder layer on
 CUDA (build_optimizer chunks them by layer name). Identical layers share one compiled graph, so the compile
-cost is that of one layer; a single graph over every parameter compiled for minutes at 48 layers, and a
-compiled call per parameter, as torchao's, is host-bound (91 calls took ~70 ms of GPU span for 29 ms of
-kernels at 5.6 B parameters). Its states are
+cost is that of one layer; a single graph over every parameter compiles for minutes on deep models, and a
+compiled call per parameter, as torchao's, is host-bound (docs/benchmarks.md#end-to-end-one-gpu). Its states are
 bf16 tensors shaped and placed like their parameter (DTensor shards under FSDP2 / EP), saved and resumed
 by DCP like torch AdamW's; the update is elementwise, so it runs on the local shards. The rounding draws
 from the device's default generator, which checkpoints save and restore.

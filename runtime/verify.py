@@ -9,7 +9,7 @@ FSDP gathers parameters in parallelism.fsdp_param_dtype, the one-process referen
 parameters) loss 2e-2, grads
 5e-2 at step 1 and 1e-1 after the first update, router weights 1e-1: the rounding differs, and in the
 router it moves near-tie top-k choices; once the two runs' weights have drifted apart by one update,
-such a flip moves whole tokens between experts (measured on GPUs: docs/validation.md).
+such a flip moves whole tokens between experts (docs/validation.md#runtimeverify-on-nccl).
 
 In bf16 a third run calibrates those bounds: the same steps in one process in fp32 without autocast, on
 the plainest implementation of each kind (EXACT_MODEL). A value beyond its fixed bound still passes when

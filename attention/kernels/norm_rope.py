@@ -47,7 +47,7 @@ AVAILABLE = triton is not None
 class LaunchSettings:
     """How the kernels are launched. One fixed config, no autotune: the interpreter cannot autotune, and
     the backward's partial-sum buffer depends on the grid. The defaults are the best measured (see
-    docs/benchmarks.md, norm/RoPE; `python -m benchmarks.bench_norm_rope --sweep` times others)."""
+    docs/benchmarks.md#norm-and-rope; `python -m benchmarks.bench_norm_rope --sweep` times others)."""
     fwd_tile_elements: int = 1024  # elements per forward tile (rows per tile = this / padded row)
     fwd_num_warps: int = 4
     bwd_tile_elements: int = 2048

@@ -31,14 +31,14 @@ trace keeps whole.
 LoRA through the rank is split (`_split_lora`): the rank-sized intermediate is computed by its own
 grouped product and its product with B joins the base GEMM's accumulator after the K loop, so the
 base K loop runs with its own registers (the fused gate_up measured slower at Qwen3-30B-A3B shapes:
-docs/benchmarks.md, experts). Only small experts (out*in < 1M, where launches dominate) fuse it
+docs/benchmarks.md#expert-layer). Only small experts (out*in < 1M, where launches dominate) fuse it
 into the K loop. lora_dropout > 0 in training raises NotImplementedError (use the eager backend for it).
 fp32 operands: every Triton dot runs in IEEE fp32 unless torch allows TF32 for fp32 matmuls
 (moe/kernels/precision.py); torch._grouped_mm is used for bf16 only (cutlass_ok), never for fp32.
 FP4-packed base weights (quant.FP4Weight, frozen) enter as moe.kernels.fp4.PackedWeight views: every GEMM
 that reads them (gate_up, down, g, dx) decodes them tile by tile in its K loop (the backward reads the
 transposed view); nothing dequantized is ever materialized, and no dW is computed for them. (Dequantizing
-chunks of experts into a reused buffer for the dense kernels measured slower: docs/benchmarks.md, FP4.)
+chunks of experts into a reused buffer for the dense kernels measured slower: docs/benchmarks.md#fp4-experts.)
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder) -> to
     """[E, P, Q]: out[e] = sum over expert e's rows of L[p]^T R[p], both operands expert-sorted.
 
     On sm90+ bf16: torch._grouped_mm grouped along the rows (CUTLASS, faster than grouped_xty there:
-    docs/benchmarks.md, experts); groups end at the last valid row, so the -1 rows are
+    docs/benchmarks.md#expert-layer); groups end at the last valid row, so the -1 rows are
     not read, and experts without rows get zeros.
     """
     if cutlass_ok(L_SP, R_SQ):

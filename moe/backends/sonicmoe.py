@@ -39,10 +39,9 @@ The package is imported on the first call (`load_sonic`), never by this module: 
 runs without it. Without the package or without CUDA the backend is registered as unavailable, and asking
 for it raises the registry's error with the install hint.
 
-Checked on an H200 with nvidia-cutlass-dsl 4.8.1, quack-kernels 0.6.5 and sonic-moe 0.1.2.post1
-(tests/gpu/test_sonicmoe_gpu.py through benchmarks/gpu_sonicmoe.sh; docs/validation.md). Speed: scattermoe is
-faster at every measured shape and mode but Mixtral's full fine-tune (docs/benchmarks.md), so `auto` never
-picks this backend.
+Tested on GPUs by tests/gpu/test_sonicmoe_gpu.py through benchmarks/gpu_sonicmoe.sh (the wheel set it runs
+with: docs/validation.md). scattermoe is faster at every measured shape and mode but Mixtral's full fine-tune
+(docs/benchmarks.md#expert-layer), so `auto` never picks this backend.
 """
 
 from __future__ import annotations

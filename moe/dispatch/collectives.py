@@ -9,7 +9,7 @@ torch.compile traces, they are functional collectives: ops that return their out
 checkpoint policy can keep instead of exchanging again in backward, and which compile traces. Otherwise
 they are torch.distributed's synchronous collectives, which NCCL launches on the current stream; the
 functional ones run on the process group's own stream, joined back with events and stashed inputs,
-which doubled the exchange's time in the EP layer bench (docs/benchmarks.md, "bench_ep").
+which made the exchange slower in the EP layer bench (docs/benchmarks.md#expert-parallelism).
 """
 
 from __future__ import annotations

@@ -66,8 +66,7 @@ SUPPORTED_EP = (2, 4, 8)  # intranode kernels are instantiated for these group s
 MAX_TOPK = 32             # one warp lane per slot in the intranode kernels
 MAX_LOCAL_EXPERTS = 1024  # NUM_MAX_LOCAL_EXPERTS
 # deep_ep.Buffer.num_sms: SMs the exchange kernels take (even: send/recv pairs). Nothing computes while they
-# run (no overlap here). At 8192 tokens per rank on 4x H200, 48 beat 32 and 24 at ep 2 and 4 (on 4x H100 too at
-# ep 2; at ep 4 it was 5% behind 32 there): docs/benchmarks.md.
+# run (no overlap here), so more SMs pay (docs/benchmarks.md#expert-parallelism).
 DEFAULT_NUM_SMS = 48
 
 

@@ -176,7 +176,7 @@ def fp4_weight_tile(q_ptrs, s_ptrs, ts, mask, k0, K, s_q_o, s_s_o, FMT: tl.const
     from fp4_weight_ptrs' pointers and mask (ts: fp4_tensor_scale); 0 outside [K, N] (EVEN_K: K % BLOCK_K == 0,
     no K mask). The pairs are decoded [BLOCK / 2, ..] and interleaved by join + permute + reshape: Triton 3.6
     fails to compile (sm90, "Illegal shared layout") a dot operand made by join + reshape alone, or followed by
-    a transpose (docs/validation.md)."""
+    a transpose."""
     if TRANSPOSED:
         if not EVEN_K:
             mask = mask & (tl.arange(0, BLOCK_K) < K - k0)[None, :]

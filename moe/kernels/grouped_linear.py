@@ -58,7 +58,7 @@ from moe.kernels.tuning import ALL_GEMM_CONFIGS, INTERPRET, autotune, bench, fas
 _MIN_BLOCK_E = 256
 # (BLOCK_M, BLOCK_N, warps) of the memory-bound SwiGLU-backward pass (one program per row block, a
 # loop over the columns), without and with the gate_up LoRA's rank product; small under the
-# interpreter. The measured best at Qwen3-30B-A3B shapes (docs/benchmarks.md, experts).
+# interpreter. The measured best at Qwen3-30B-A3B shapes (docs/benchmarks.md#expert-layer).
 _SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (32, 128, 4)
 _SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
 
@@ -279,7 +279,7 @@ def _grouped_linear_kernel(
     # The exact tile count (the grid is sized from an upper bound: surplus programs run no tile), so the
     # loop body needs no validity branch and a persistent program's loop over its tiles can be flattened
     # into one pipeline: the next tile's first loads are issued under this tile's epilogue (faster down
-    # and dx GEMMs, docs/benchmarks.md).
+    # and dx GEMMs, docs/benchmarks.md#expert-layer).
     # Not with a split LoRA: Triton 3.6 miscompiles its rank tiles (loaded before the K loop) in the
     # flattened loop (the Qwen3.5-35B-A3B LoRA down gave 27% error; tests/gpu/test_grouped_gemm_paths_gpu.py).
     tiles = _num_row_blocks(offsets_ptr, E, BLOCK_M, BLOCK_E) * num_n

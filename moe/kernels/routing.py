@@ -59,7 +59,7 @@ class SlotOrder:
 # Slots per program of the sort: each block is ranked by one tl.sort, whose cost per slot grows with
 # the block (bitonic), while every block adds a fixed histogram cost (E+1 bins) and E+1 counts to
 # scan. Between the bounds, aim for about _TARGET_BLOCKS blocks; the bounds are the measured winners
-# (docs/benchmarks.md, routing): larger blocks lose on their sort, smaller ones on histograms.
+# (docs/benchmarks.md#expert-layer): larger blocks lose on their sort, smaller ones on histograms.
 # Tests shrink the bounds to get many blocks at tiny S.
 _MIN_BLOCK_S = 256
 _MAX_BLOCK_S = 512
@@ -75,7 +75,7 @@ def _block_s(num_slots: int) -> int:
 
 def _histogram_warps(block_s: int, bins: int) -> int:
     # Every warp keeps a whole histogram and merges it through shared-memory atomics, so with many
-    # bins few warps win (the atomics contend; docs/benchmarks.md, routing).
+    # bins few warps win (the atomics contend; docs/benchmarks.md#expert-layer).
     return min(4, max(1, 2 * block_s // bins))
 
 
@@ -268,8 +268,8 @@ def combine(z_SH: torch.Tensor, slots: SlotOrder, weights_Mk: torch.Tensor | Non
     return y_MH
 
 
-# Rows x columns of one gather program: the fastest shape measured (docs/benchmarks.md, routing: it
-# beats index_select, which also copies the -1 tail).
+# Rows x columns of one gather program: the fastest shape measured; it beats index_select, which also
+# copies the -1 tail (docs/benchmarks.md#expert-layer).
 _GATHER_ROWS = 32
 _GATHER_COLS = 256
 

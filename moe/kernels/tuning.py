@@ -76,7 +76,7 @@ if INTERPRET:
     FACTOR_GRAD_CONFIGS = [_factor_config(32, 16, 4, 1)]
 else:
     # Kept short on purpose: every config is compiled once per kernel variant on a cold cache. The set is
-    # the winners of a sweep at Qwen3-30B-A3B shapes (docs/benchmarks.md, experts: 128x256x64 for the
+    # the winners of a sweep at Qwen3-30B-A3B shapes (docs/benchmarks.md#expert-layer: 128x256x64 for the
     # forward and dx, 64x128 for the LoRA-in-loop variants, 64x16 for the rank products, 128x128 and
     # 256x128 for the split-LoRA GEMMs, whose LoRA tiles held across the K loop cost registers; the
     # persistent 128x256 ones with TMA operands).
@@ -87,14 +87,13 @@ else:
     XTY_CONFIGS = [_config(*c, _XTY_NAMES) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                                                      (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
                                                      (64, 16, 64, 4, 4), (128, 16, 64, 8, 3))]
-    # The best of an 18-config sweep at Qwen3-30B-A3B shapes, r=16, is in this set (docs/benchmarks.md).
+    # The best of a config sweep at Qwen3-30B-A3B shapes is in this set (docs/benchmarks.md#expert-layer).
     FACTOR_GRAD_CONFIGS = [_factor_config(*c) for c in ((128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                                                         (256, 64, 8, 3))]
 
-# Packed FP4 weights decoded in the K loop (integer and fp32 ALU work in the MMA warps). Taller row blocks
-# decode less per MMA (offline sm_90a SASS: 256x64x64 ~27% fewer instructions per K step than 128x128x64) but
-# measured 2x slower on an H200 (registers: one CTA per SM); 128x128x64 won, 128x256 and 256x128 came within
-# ~25% (gpu_fp4.sh sweep, docs/benchmarks.md), so only these three are tried.
+# Packed FP4 weights are decoded in the K loop (ALU work in the MMA warps). Taller row blocks decode less per
+# MMA but hold so many registers that one CTA fits an SM, which loses; only the three close configs are tried
+# (docs/benchmarks.md#fp4-experts).
 FP4_GEMM_CONFIGS = GEMM_CONFIGS if INTERPRET else [_gemm_config(*c) for c in (
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
 if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:

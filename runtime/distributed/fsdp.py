@@ -37,7 +37,7 @@ def _mp_policy(device_type: str, autocast: bool = True, param_dtype: str = "bf16
 def gather_dtype(setting: str, ep: int) -> str:
     """parallelism.fsdp_param_dtype resolved: auto is fp32 under EP, where the experts (the bulk of the bytes)
     gather in their own bf16 units and fp32 gathers of the rest cost nothing measurable, and bf16 without EP,
-    where the experts would gather in fp32 with their block (-14% measured: docs/benchmarks.md)."""
+    where the experts would gather in fp32 with their block (slower: docs/benchmarks.md#fsdp-gathers)."""
     if setting != "auto":
         return setting
     return "fp32" if ep > 1 else "bf16"

@@ -180,7 +180,7 @@ FLA_TOL = {torch.float32: 1e-2, torch.bfloat16: 2e-2}
 FLA_DECAY_PARAM_TOLS = dict.fromkeys(("dA_log", "dt_bias", "A_log", "in_proj_a.weight"), 2e-2)
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 DELTA_RULE_GRADS = ("dq", "dk", "dv", "dg", "dbeta")
-# Upstream, FLA 0.6.0 with fp32 inputs (docs/validation.md, 2026-11-23 issue-23 FLA diagnosis): where a
+# Upstream, FLA 0.6.0 with fp32 inputs (docs/history/validation-log-2026-11.md, 2026-11-23 FLA diagnosis): where a
 # token's log decay g is far below 0 (the HF initial decays, A up to 16: g down to -470 per token), the
 # exact gradient of g is ~exp(g) ~ 0 (<= 1e-10 here), but FLA returns ~1e-4: its dg sums q.dq - k.dk terms
 # of size ~1 that must cancel, and with fp32 operands its GEMMs round them to TF32, so they do not (bf16
