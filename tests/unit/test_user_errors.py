@@ -1,0 +1,64 @@
+"""User mistakes found by trying the runtime as a new user (issue 41): each ends in one `error:` line that
+names the file or key and the fix, through the same failure mapping runtime.launch uses (runtime.failures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from runtime.config import ConfigError, config_from_dict
+from runtime.failures import RunContext, describe
+from tests.conftest import write_hf_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+
+
+def user_line(err: BaseException, context: RunContext | None = None) -> str:
+    """The line a user sees for `err`; fails unless it is a user error (one line, no traceback)."""
+    failure = describe(err, context or RunContext())
+    assert failure.kind == "user", failure.line
+    assert "\n" not in failure.line
+    return failure.line
+
+
+def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path):
+    from runtime.distributed.mesh import ParallelDims
+    from runtime.distributed.process_group import DistEnv
+    from runtime.train import build_model
+
+    write_hf_checkpoint(tmp_path / "hf", "moe", vocab_size=520)
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # an interrupted download
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["model"].pop("config")
+    raw["model"]["path"] = str(tmp_path / "hf")
+    cfg = config_from_dict(raw, {"train.output_dir": str(tmp_path / "run")}, base_dir=EXAMPLE.parent)
+    with pytest.raises(Exception) as caught:
+        build_model(cfg, DistEnv(0, 1, 0, torch.device("cpu")), ParallelDims(1, 1, 1, 1, 1))
+    line = user_line(caught.value)
+    assert str(weights) in line and "truncated" in line, line
+    assert "download the checkpoint again or re-save it" in line, line
+
+
+def test_set_with_an_empty_value_is_an_error_naming_the_key():
+    from runtime.launch import prepare
+
+    for value in ("", "null"):
+        with pytest.raises(ConfigError) as caught:
+            prepare([str(EXAMPLE), "--set", f"train.micro_batch_size={value}"])
+        line = user_line(caught.value)
+        assert "no value for train.micro_batch_size" in line, line
+
+
+def test_verify_refuses_zero_steps():
+    from runtime.launch import UsageError
+    from runtime.verify import verify
+
+    for steps in ("0", "-1"):
+        with pytest.raises(UsageError) as caught:  # before any process group or model
+            verify(["--steps", steps, str(EXAMPLE)])
+        assert user_line(caught.value).startswith(f"error: --steps {steps}: verification needs at least one step")
