@@ -62,3 +62,23 @@ def test_verify_refuses_zero_steps():
         with pytest.raises(UsageError) as caught:  # before any process group or model
             verify(["--steps", steps, str(EXAMPLE)])
         assert user_line(caught.value).startswith(f"error: --steps {steps}: verification needs at least one step")
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_preflight_checks_the_tracker_folder(tmp_path, tracker):
+    """A file where a tracker writes its folder fails in preflight, before any model is built."""
+    from runtime.preflight import PreflightError, preflight
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / tracker).write_text("in the way")
+    asked = ({"logging.tensorboard": True} if tracker == "tensorboard"
+             else {"logging.wandb": {"project": "p", "mode": "offline"}})
+    cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {"train.output_dir": str(out), **asked},
+                           base_dir=EXAMPLE.parent)
+    with pytest.raises(PreflightError) as caught:
+        preflight(cfg, rank=0)
+    line = user_line(caught.value)
+    assert line == (f"error: the logging.{tracker} folder under train.output_dir cannot be created ({out / tracker}: "
+                    "a file is in the way); move that file away or set train.output_dir (or --output-dir) to a "
+                    "folder this user can write"), line
