@@ -3,6 +3,7 @@ names the file or key and the fix, through the same failure mapping runtime.laun
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,37 @@ def test_preflight_checks_the_tracker_folder(tmp_path, tracker):
     assert line == (f"error: the logging.{tracker} folder under train.output_dir cannot be created ({out / tracker}: "
                     "a file is in the way); move that file away or set train.output_dir (or --output-dir) to a "
                     "folder this user can write"), line
+
+
+def _lora_run(out: Path, steps: int = 2) -> None:
+    """A LoRA run in one process with a checkpoint at every step."""
+    from runtime.distributed.mesh import ParallelDims
+    from runtime.distributed.process_group import DistEnv
+    from runtime.train import train
+
+    cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {
+        "data.seq_len": 64, "train.micro_batch_size": 2, "optim.warmup_steps": 0, "train.max_steps": steps,
+        "train.output_dir": str(out), "logging.progress_bar": False, "lora.enabled": True, "lora.rank": 4,
+        "checkpoint.every_n_steps": 1}, base_dir=EXAMPLE.parent)
+    train(cfg, DistEnv(0, 1, 0, torch.device("cpu")), ParallelDims(1, 1, 1, 1, 1))
+
+
+def test_export_of_a_torn_checkpoint_is_one_error_line(tmp_path):
+    """`python -m runtime.export` reports through the failure mapping runtime.launch uses: a torn shard is one
+    line naming the checkpoint and the older one to export, exit 1, no traceback."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    _lora_run(run)
+    shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
+    proc = subprocess.run([sys.executable, "-m", "runtime.export", str(run), "--merged", str(tmp_path / "merged")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: checkpoint {shard.parent} is unreadable (EOFError: the data ends early, a truncated "
+                      "file); export the one before it with --step 1"], proc.stderr
+    assert not (tmp_path / "merged").exists()
