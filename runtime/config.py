@@ -210,6 +210,9 @@ class CheckpointConfig(Section):
     every_n_steps: int = Field(0, ge=0)  # 0: only at the end
     keep_last: int = Field(2, ge=1)
     resume: bool = False
+    # Resume although the model's definition (model.path/config/num_layers_override, lora, quant) differs from
+    # the run folder's config.yaml: off, so an edited config cannot silently train another model on.
+    resume_allow_model_change: bool = False
     save_final: bool = True
     export_hf: bool = False  # also write HF safetensors (full) or a PEFT adapter (LoRA) at the end
     # LoRA runs: also write a HF checkpoint with the adapters merged into the base weights (experts too)
