@@ -125,7 +125,7 @@ def check_same_model(run_root: Path, saved: dict | None, new: dict) -> None:
     only, so every rank refuses alike before any collective."""
     changes = model_changes(saved, new) if saved is not None else []
     if changes:
-        raise ResumeError(f"the config defines another model than the one {run_root} was trained with "
+        raise ResumeError(f"the config defines a different model than the one {run_root} was trained with "
                           f"({'; '.join(changes)}; saved in {run_root}/config.yaml); restore those keys, start a new "
                           "run with a new train.output_dir, or set checkpoint.resume_allow_model_change: true if "
                           "the change is intended")

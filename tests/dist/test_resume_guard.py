@@ -64,7 +64,7 @@ def test_resume_with_another_model_definition_is_refused(tmp_path, caplog):
     with pytest.raises(ResumeError) as caught:
         train(config(out, **changed), env, dims, resume=True)
     line = describe(caught.value, RunContext()).line
-    assert line == (f"error: the config defines another model than the one {out} was trained with "
+    assert line == (f"error: the config defines a different model than the one {out} was trained with "
                     f"(model.config.num_experts_per_tok: 2 -> 4; saved in {out}/config.yaml); restore those keys, "
                     "start a new run with a new train.output_dir, or set checkpoint.resume_allow_model_change: true "
                     "if the change is intended")
