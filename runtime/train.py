@@ -38,8 +38,16 @@ from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
 from runtime.profiling import StepProfiler
-from runtime.run_dir import (CONFIG_FILE, RunDir, RunDirError, claim_run_dir, finished_checkpoints, read_run_config,
-                             release_run_dir, write_run_config)
+from runtime.run_dir import (
+    CONFIG_FILE,
+    RunDir,
+    RunDirError,
+    claim_run_dir,
+    finished_checkpoints,
+    read_run_config,
+    release_run_dir,
+    write_run_config,
+)
 from runtime.slow_step import SlowStepNotice
 from runtime.trackers import Trackers
 

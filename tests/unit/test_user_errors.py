@@ -114,6 +114,6 @@ def test_export_of_a_torn_checkpoint_is_one_error_line(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: checkpoint {shard.parent} is unreadable (EOFError: the data ends early, a truncated "
-                      "file); export the one before it with --step 1"], proc.stderr
+    assert errors == [(f"error: checkpoint {shard.parent} is unreadable (EOFError: the data ends early, a truncated "
+                       "file); export the one before it with --step 1")], proc.stderr
     assert not (tmp_path / "merged").exists()
