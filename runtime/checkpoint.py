@@ -86,6 +86,51 @@ def _checkpoint_state(model, optimizer) -> tuple[dict, dict, dict]:
     return {"model": model_view, "optim": {**optim_sd, "state": state_view}}, model_sd, optim_sd
 
 
+# The config keys that define the model a checkpoint holds (implementation choices and training settings may
+# change on resume; these may not). lora.* counts only where either config enables LoRA.
+MODEL_DEFINITION = ("model.path", "model.config", "model.num_layers_override", "lora.enabled", "lora.rank",
+                    "lora.alpha", "lora.target_modules", "quant.base_weights")
+
+
+def _flat(value, key: str) -> dict:
+    if isinstance(value, dict):
+        return {k: v for sub, item in value.items() for k, v in _flat(item, f"{key}.{sub}").items()}
+    return {key: value}
+
+
+def _lookup(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def model_changes(saved: dict, new: dict) -> list[str]:
+    """`key: saved -> new` for every MODEL_DEFINITION key (model.config's entries one by one) that differs."""
+    lora = _lookup(saved, "lora.enabled") or _lookup(new, "lora.enabled")
+    changes = []
+    for key in MODEL_DEFINITION:
+        if key.startswith("lora.") and key != "lora.enabled" and not lora:
+            continue
+        old, now = _flat(_lookup(saved, key), key), _flat(_lookup(new, key), key)
+        for k in sorted(set(old) | set(now)):
+            if old.get(k) != now.get(k):
+                changes.append(f"{k}: {old.get(k, '(unset)')} -> {now.get(k, '(unset)')}")
+    return changes
+
+
+def check_same_model(run_root: Path, saved: dict | None, new: dict) -> None:
+    """ResumeError naming every changed MODEL_DEFINITION key when `new` (the resumed run's config) defines
+    another model than `saved` (the run folder's config.yaml; None for a folder without one). From files
+    only, so every rank refuses alike before any collective."""
+    changes = model_changes(saved, new) if saved is not None else []
+    if changes:
+        raise ResumeError(f"the config defines a different model than the one {run_root} was trained with "
+                          f"({'; '.join(changes)}; saved in {run_root}/config.yaml); restore those keys, start a new "
+                          "run with a new train.output_dir, or set checkpoint.resume_allow_model_change: true if "
+                          "the change is intended")
+
+
 def read_meta(path: Path) -> dict:
     """A checkpoint's meta.json; {} for checkpoints written before it existed."""
     meta = path / "meta.json"

@@ -231,6 +231,9 @@ class CheckpointConfig(Section):
     every_n_steps: int = Field(0, ge=0, description="save a DCP checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints of this run kept; older ones are pruned")
     resume: bool = Field(False, description="continue from the newest checkpoint in output_dir (also --resume)")
+    resume_allow_model_change: bool = Field(False, description=(
+        "resume although the model's definition (model.path/config/num_layers_override, lora, quant) differs "
+        "from the run folder's config.yaml"))
     save_final: bool = Field(True, description="save a checkpoint at the end of the run")
     export_hf: bool = Field(False, description=(
         "at the end also write HF safetensors (full fine-tune, hf/) or a PEFT adapter (LoRA, adapter/)"))

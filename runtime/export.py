@@ -15,7 +15,6 @@ config.yaml in one process and loads the LoRA factors of its newest (or --step) 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -128,21 +127,29 @@ def load_run_model(run_dir: Path, step: int | None = None):
     path = _checkpoint(run_dir, step)
     model = build_model(cfg, DistEnv(0, 1, 0, torch.device("cpu")), ParallelDims(1, 1, 1, 1, 1))
     factors = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-    dcp.load({"model": factors}, checkpoint_id=str(path))  # in place, global expert order = all experts here
+    dcp.load({"model": factors}, checkpoint_id=str(path), no_dist=True)  # in place, global expert order = all experts here
     return cfg, model, path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.export", description=__doc__.splitlines()[0])
+    """The CLI; failures end as in runtime.launch (one `error:` line, --debug for the traceback)."""
+    from runtime.failure_report import guarded_main
+    from runtime.failures import RunContext
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return guarded_main(lambda _context: export_cli(argv), RunContext(argv, module="runtime.export", resumable=False))
+
+
+def export_cli(argv: list[str]) -> int:
+    from runtime.launch import CliParser
+
+    parser = CliParser(prog="python -m runtime.export", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run folder (train.output_dir) of a LoRA run")
     parser.add_argument("--merged", type=Path, required=True, help="where to write the merged HF checkpoint")
     parser.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of user errors too")
     args = parser.parse_args(argv)
-    try:
-        _, model, path = load_run_model(args.run_dir, args.step)
-    except (ConfigError, RunDirError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    _, model, path = load_run_model(args.run_dir, args.step)
     save_pretrained(model, args.merged, state=merged_state_dict(model, {**model.state_dict(),
                                                                         **gather_packed_experts(model)}))
     print(f"{args.merged}: merged from {path}")
@@ -150,4 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The imported module's main, not this __main__ copy's (as runtime.launch does).
+    from runtime.export import main as _main
+
+    sys.exit(_main())

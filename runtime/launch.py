@@ -69,9 +69,13 @@ def parse_sets(sets: list[str]) -> dict:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted config key, e.g. "
                               "--set model.expert_backend=scattermoe")
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML") from None
+        if parsed is None:  # an override of None means "not given": the key would keep its YAML value unnoticed
+            raise ConfigError(f"--set {item!r}: no value for {key.strip()}; give one (--set {key.strip()}=VALUE) "
+                              "or leave the flag out to keep the config's value")
+        out[key.strip()] = parsed
     return out
 
 

@@ -47,14 +47,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from moe.experts import GroupedExperts
 from runtime.config import ConfigError, LoraConfig
 from runtime.distributed.state_dict import gather_full
-from runtime.models.hf import atomic_dir
+from runtime.models.hf import atomic_dir, open_safetensors
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",
                      # Gated DeltaNet projections (Qwen3.5 and Qwen3-Next layouts)
@@ -378,7 +377,7 @@ def load_peft(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     sites = _sites(model)
     if any(hasattr(s.param, "full_tensor") for s in sites):
         raise LoRAFormatError("load_peft fills plain tensors: call it before parallelize (FSDP/EP DTensors)")
-    with safe_open(weights, "pt") as handle:
+    with open_safetensors(weights, fix="export or download the adapter again") as handle:
         keys = set(handle.keys())
         found = {s.peft_key: tuple(handle.get_slice(s.peft_key).get_shape())
                  for s in sites if s.peft_key in keys}

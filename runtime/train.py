@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.dispatch import LoadReading
-from runtime.checkpoint import CheckpointManager, NonFiniteParameters
+from runtime.checkpoint import CheckpointManager, NonFiniteParameters, check_same_model, model_changes
 from runtime.config import Config
 from runtime.data.chat import load_tokenizer
 from runtime.data.loader import build_dataloader, eval_batches
@@ -32,7 +32,16 @@ from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
 from runtime.guard.failures import Progress
-from runtime.guard.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
+from runtime.guard.run_dir import (
+    CONFIG_FILE,
+    RunDir,
+    RunDirError,
+    claim_run_dir,
+    finished_checkpoints,
+    read_run_config,
+    release_run_dir,
+    write_run_config,
+)
 from runtime.models.factory import build_model
 from runtime.observe.gc_schedule import scheduled_gc
 from runtime.observe.metrics import (
@@ -151,6 +160,20 @@ def claim(cfg: Config, env: DistEnv, resume: bool) -> RunDir:
     return run_dir
 
 
+def check_resumed_model(cfg: Config, run_dir: RunDir) -> None:
+    """Every rank, before the run folder's config.yaml is rewritten: a resume whose config defines another
+    model than the one its checkpoints hold is refused (ResumeError), or with
+    checkpoint.resume_allow_model_change logged as intended."""
+    if not finished_checkpoints(run_dir.root) or not (run_dir.root / CONFIG_FILE).is_file():
+        return
+    saved, new = read_run_config(run_dir.root), cfg.model_dump(mode="json")
+    if not cfg.checkpoint.resume_allow_model_change:
+        check_same_model(run_dir.root, saved, new)
+    elif changes := model_changes(saved, new):
+        log.warning("resuming with another model definition (checkpoint.resume_allow_model_change): %s",
+                    "; ".join(changes))
+
+
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
           resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
@@ -169,6 +192,8 @@ def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None =
 def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
            resume: bool, on_grads, progress: Progress, autocast: bool) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
+    if resume:
+        check_resumed_model(cfg, run_dir)
     if env.is_main:
         write_run_config(run_dir.root, cfg.model_dump(mode="json"))
     model = build_model(cfg, env, dims)

@@ -194,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
 def verify(argv: list[str]) -> int:
     """Runs the comparison; 0 when every step is within tolerance, else 1."""
     from runtime.distributed.process_group import init_distributed
-    from runtime.launch import CliParser, prepare
+    from runtime.launch import CliParser, UsageError, prepare
 
     extra = CliParser(prog="python -m runtime.verify", add_help=False)
     extra.add_argument("--steps", type=int, default=3)
     extra.add_argument("--exact", action="store_true")
     known, rest = extra.parse_known_args(argv)
+    if known.steps < 1:  # zero steps compare nothing and would print PASS
+        raise UsageError(f"--steps {known.steps}: verification needs at least one step (command line); "
+                         "pass --steps 1 or more (default 3)")
     _, cfg, dims = prepare(rest)
     if known.exact:
         check_exact(cfg)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF checkpoints written by transformers' own save_pretrained."""
+"""Shared fixtures: tiny HF checkpoints written by transformers' own save_pretrained; every test runs in a
+temporary folder, not in the checkout."""
 
 from __future__ import annotations
 
@@ -110,6 +111,17 @@ def _build_hf_model(kind: str, overrides: dict):
                   "patch_size": 4, "temporal_patch_size": 1, "spatial_merge_size": 1}
         return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision))
     raise ValueError(kind)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _outside_the_checkout(tmp_path_factory):
+    """Every test (its fixtures, forked ranks and subprocesses without a cwd of their own) runs in a temporary
+    folder, so a relative path (the examples' default train.output_dir: outputs/...) never lands in, or reads
+    what the README's demo left in, the checkout. Session scope: set before any module fixture runs."""
+    home = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(home)
 
 
 @pytest.fixture(scope="session")

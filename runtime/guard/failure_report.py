@@ -48,6 +48,8 @@ class PeerBoard:
     0's and needs its own traceback): it prints its own. Not seen (rank 0 had already reported and left;
     this rank's error is the echo, e.g. a collective broken by rank 0's exit): silent. No verdict within
     VERDICT_S (rank 0 is fine, waiting in a collective for this rank): its error is its alone, it prints.
+    An interrupted rank posts and leaves without a verdict: rank 0 prints that interrupt in place of the
+    internal error of the collective its exit broke.
     Rank 0 waits up to GATHER_S for the others' posts, so errors that every rank raises alike (config,
     data, a corrupted checkpoint) are printed once. Callers bound every call with _bounded: a store call
     to a frozen store host never returns (runtime/distributed/watchdog.py measured it)."""
@@ -75,7 +77,8 @@ class PeerBoard:
         return cls(dist.PrefixStore(f"runtime/failures/{attempt}/", store), rank, world)
 
     def post(self, failure: Failure, printed: bool = False) -> None:
-        self.store.set(f"rank{self.rank}", json.dumps({"line": failure.line, "kind": failure.kind, "printed": printed}))
+        self.store.set(f"rank{self.rank}", json.dumps({"line": failure.line, "kind": failure.kind, "printed": printed,
+                                                       "exit_code": failure.exit_code}))
         if not printed:
             self.store.add("posted", 1)
 
@@ -132,6 +135,15 @@ def report_as_rank0(failure: Failure, board: PeerBoard | None, debug: bool) -> i
         wait = 0.0 if failure.kind == "interrupt" else board.GATHER_S  # peers get the same signal: no posts
         posts = _bounded(lambda: board.gather(wait), wait + 2.0, default={})
     echo = failure.kind != "user" and any(p["kind"] == "user" for p in posts.values())
+    # A peer interrupted alone (a SIGTERM to one rank, mid-save) breaks rank 0's collective: the interrupt is
+    # the story, and its line (step, last checkpoint, command) is the same on every rank.
+    interrupted = next((posts[r] for r in sorted(posts) if posts[r]["kind"] == "interrupt"), None)
+    if failure.kind == "internal" and not echo and interrupted is not None:
+        if debug:
+            sys.stderr.write(failure.detail)
+        sys.stderr.write(interrupted["line"] + "\n")
+        _bounded(lambda: board.conclude(set(posts), set(posts), interrupted["exit_code"]), 2.0)
+        return interrupted["exit_code"]
     if echo:
         if debug:
             sys.stderr.write(failure.detail)
@@ -153,9 +165,12 @@ def report_as_rank0(failure: Failure, board: PeerBoard | None, debug: bool) -> i
 
 
 def report_as_peer(failure: Failure, board: PeerBoard | None, debug: bool, rank: int) -> int:
-    """A rank other than 0: silent when rank 0 speaks for it (see PeerBoard); interrupts are rank 0's.
+    """A rank other than 0: silent when rank 0 speaks for it (see PeerBoard); interrupts are rank 0's to print
+    (posted, so that rank 0 names an interrupt of this rank alone rather than the collective it broke).
     Returns the exit code: rank 0's when this rank's error is covered by or an echo of rank 0's report."""
     if failure.kind == "interrupt":
+        if board is not None:
+            _bounded(lambda: board.post(failure), 2.0)
         return failure.exit_code
     if board is None:
         # Nobody to ask: config and mesh errors come from the same YAML and world size on every rank.

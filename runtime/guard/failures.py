@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.distributed.process_group import env_world
-from runtime.guard.run_dir import finished_checkpoints
+from runtime.guard.run_dir import STEP_DIR, finished_checkpoints
 
 EXIT_USER_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
@@ -194,6 +194,9 @@ def user_error_line(err: BaseException, context: RunContext) -> str | None:
     ckpt = _checkpoint_call(err)
     failures = _checkpoint_failures(err)
     causes = [e for _, e in failures] if failures else [err]
+    if ckpt and ckpt[0] == "load" and all(_missing_from(e, ckpt[1]) for e in causes):
+        # A file of the checkpoint itself is gone: the folder is incomplete, not the config's path wrong.
+        return unreadable_checkpoint_line(ckpt[1], failures or [(0, err)], context)
     if all(isinstance(e, OSError) and e.errno in _OS_ERRORS for e in causes):
         return os_error_line(causes[0], ckpt[1] if ckpt else None, context)
     corrupt = all(isinstance(e, _CORRUPT_DATA) or _is_torn_zip(e) for e in causes)
@@ -202,7 +205,7 @@ def user_error_line(err: BaseException, context: RunContext) -> str | None:
             return write_failure_line(ckpt[1], causes[0], context)
         return None  # anything else going wrong in a save is ours
     if (ckpt and (failures or corrupt)) or (failures and corrupt):
-        return unreadable_checkpoint_line(ckpt[1] if ckpt else None, failures or [(0, err)])
+        return unreadable_checkpoint_line(ckpt[1] if ckpt else None, failures or [(0, err)], context)
     return None
 
 
@@ -260,8 +263,13 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def unreadable_checkpoint_line(folder: Path | None, failures: list) -> str:
-    """The one line for a checkpoint that cannot be read back, with the older checkpoint to fall back to."""
+def _missing_from(err: BaseException, folder: Path) -> bool:
+    return isinstance(err, FileNotFoundError) and bool(err.filename) and _is_under(Path(err.filename), folder)
+
+
+def unreadable_checkpoint_line(folder: Path | None, failures: list, context: RunContext | None = None) -> str:
+    """The one line for a checkpoint that cannot be read back, with the older checkpoint to fall back to
+    (runtime.export: the older checkpoint to export with --step)."""
     by_cause: dict[str, set[int]] = {}
     for rank, e in failures:
         by_cause.setdefault(_cause(e), set()).add(rank)
@@ -271,8 +279,13 @@ def unreadable_checkpoint_line(folder: Path | None, failures: list) -> str:
         return (f"error: a checkpoint is unreadable ({'; '.join(causes)}); delete the newest one under "
                 "<train.output_dir>/checkpoints to resume from the one before it")
     older = [p.name for p in finished_checkpoints(folder.parent.parent) if p.name < folder.name]
-    fix = (f"delete it (or move it out of {folder.parent}) to resume from {older[-1]}" if older
-           else "delete it and start over without --resume (there is no older checkpoint)")
+    if context is not None and context.module == "runtime.export":
+        fix = (f"export the one before it with --step {int(STEP_DIR.match(older[-1])[1])}" if older
+               else "it is the run's only checkpoint: train again to export")
+    elif older:
+        fix = f"delete it (or move it out of {folder.parent}) to resume from {older[-1]}"
+    else:
+        fix = "delete it and start over without --resume (there is no older checkpoint)"
     return f"error: checkpoint {folder} is unreadable ({'; '.join(causes)}); {fix}"
 
 
@@ -280,6 +293,8 @@ def _cause(err: BaseException) -> str:
     """One short phrase for an exception: torch's own messages for torn files run to paragraphs."""
     if isinstance(err, EOFError):
         return "EOFError: the data ends early, a truncated file"
+    if isinstance(err, FileNotFoundError) and err.filename:
+        return f"{Path(err.filename).name} is missing"
     if isinstance(err, pickle.UnpicklingError):
         return "UnpicklingError: the data is not what was written"
     if _is_torn_zip(err):

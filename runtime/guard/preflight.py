@@ -5,7 +5,8 @@ Contract of `preflight(cfg, rank)`, called by runtime.launch on every rank after
 - raises PreflightError, one line `<what> (<key> = <path>: <reason>); <fix>`, when train.output_dir or
   its checkpoints folder cannot be created or written (probed by writing and removing a small file; the
   folders are left in place, the run would create them anyway), or when data.path, data.eval, the
-  tokenizer folder or model.path does not exist or cannot be read; raises ConfigError when a tracker
+  tokenizer folder or model.path does not exist or cannot be read, or a requested tracker's folder
+  (<output_dir>/tensorboard, <output_dir>/wandb) cannot be written; raises ConfigError when a tracker
   (logging.tensorboard / wandb) is asked for and its package is absent. Every rank checks its own view of the file system (nodes
   may mount differently); on one node all ranks fail alike and runtime.launch prints the error once;
 - on rank 0 only, logs one warning line (never an error: the estimate is rough and disks get freed) when
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from runtime.config import Config
 from runtime.guard.run_dir import CHECKPOINTS
-from runtime.observe.trackers import check_trackers
+from runtime.observe.trackers import check_trackers, tracker_dirs
 
 log = logging.getLogger("runtime")
 
@@ -50,6 +51,8 @@ def preflight(cfg: Config, rank: int) -> None:
     check_trackers(cfg)
     output = Path(cfg.train.output_dir)
     check_writable_dir(output, "train.output_dir")
+    for key, folder in tracker_dirs(cfg).items():
+        check_writable_dir(folder, f"the {key} folder under train.output_dir")
     if writes_checkpoints(cfg):
         check_writable_dir(output / CHECKPOINTS, "the checkpoint folder under train.output_dir")
         if rank == 0:
@@ -73,6 +76,9 @@ def check_writable_dir(path: Path, key: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
+        if path.is_file():
+            raise PreflightError(f"{key} cannot be created ({path}: a file is in the way); move that file away or "
+                                 f"{OUTPUT_FIX}") from None
         raise PreflightError(f"{key} cannot be created ({path}: {_reason(err)}); {OUTPUT_FIX}") from None
     probe = path / f".preflight-{socket.gethostname()}-{os.getpid()}"
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Self
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -42,7 +42,17 @@ _EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up|down)$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model; the message lists the offending keys."""
+    """A checkpoint that does not fit the model or cannot be read; the message names the keys or the file."""
+
+
+def open_safetensors(file: Path, fix: str = "download the checkpoint again or re-save it with save_pretrained"):
+    """safe_open(file), or CheckpointError naming the file and `fix` when its header cannot be read (a
+    truncated or overwritten file: safetensors checks the header against the file size when it opens)."""
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as err:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({err}: truncated or corrupted); "
+                              f"{fix}") from None
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -166,7 +176,7 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"no *.safetensors files in {self.path}")
             stored = {}
             for f in files:
-                with safe_open(f, "pt") as handle:
+                with open_safetensors(f) as handle:
                     stored.update(dict.fromkeys(handle.keys(), f))
         # our name -> (file, name in the file)
         self.files = {_text_name(k): (f, k) for k, f in stored.items() if not _FOREIGN.match(k)}
@@ -193,7 +203,7 @@ class SafetensorsCheckpoint:
             by_file[file].append((key, stored))
         for file, names in by_file.items():
             if file not in self._handles:
-                self._handles[file] = safe_open(file, "pt")
+                self._handles[file] = open_safetensors(file)
             yield self._handles[file], names
 
     def shapes(self, keys) -> dict[str, tuple[int, ...]]:

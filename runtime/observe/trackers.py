@@ -1,6 +1,7 @@
 """Experiment trackers on rank 0: TensorBoard event files and Weights & Biases runs.
 
     check_trackers(cfg)                        # every rank, before any collective: the packages are there
+    tracker_dirs(cfg)                          # {config key: folder it writes}: runtime.preflight checks them
     trackers = Trackers.start(cfg, run_id, mesh, enabled=rank == 0)
     trackers.log(record)                       # a metrics record (runtime.observe.metrics): its numbers, at its step
     trackers.close()
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from pathlib import Path
 
 from runtime.config import Config, ConfigError
 
@@ -33,6 +35,15 @@ def check_trackers(cfg: Config) -> None:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{key} needs the {package} package, which is not installed: {_INSTALL}, or unset "
                               f"{key}")
+
+
+def tracker_dirs(cfg: Config) -> dict[str, Path]:
+    """The folders the requested trackers write, by the config key that asks for them (preflight checks them)."""
+    out = Path(cfg.train.output_dir)
+    dirs = {"logging.tensorboard": out / "tensorboard"} if cfg.logging.tensorboard else {}
+    if cfg.logging.wandb is not None and cfg.logging.wandb.mode != "disabled":
+        dirs["logging.wandb"] = out / "wandb"  # wandb.init(dir=output_dir) writes its run there
+    return dirs
 
 
 def _numbers(record: dict, keys: tuple[str, ...]) -> dict[str, float]:
@@ -74,7 +85,7 @@ def _tensorboard(cfg: Config, mesh: dict):
     import yaml
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(log_dir=f"{cfg.train.output_dir}/tensorboard")
+    writer = SummaryWriter(log_dir=str(tracker_dirs(cfg)["logging.tensorboard"]))
     # fenced, so TensorBoard's markdown keeps the YAML's layout
     writer.add_text("config", "```\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False) + "```", 0)
     writer.add_text("mesh", "```\n" + yaml.safe_dump(mesh, sort_keys=False) + "```", 0)

@@ -21,10 +21,10 @@ from runtime.train import train
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
 
 
-def _layout(rank, world_size, ep):
+def _layout(rank, world_size, ep, out):
     cfg = load_config(EXAMPLE, {"data.seq_len": 32, "train.micro_batch_size": 1, "train.max_steps": 1,
                                 "optim.warmup_steps": 0, "logging.progress_bar": False, "parallelism.ep": ep,
-                                "checkpoint.save_final": False})
+                                "checkpoint.save_final": False, "train.output_dir": out})
     dims = ParallelDims.resolve(1, -1, 1, ep, world_size)
     seen = {}
 
@@ -40,13 +40,13 @@ def _layout(rank, world_size, ep):
     return seen
 
 
-def test_experts_alone_on_their_mesh_are_no_fsdp_unit(run_dist):
-    seen = run_dist(_layout, 2, 2, timeout_s=180)[0]
+def test_experts_alone_on_their_mesh_are_no_fsdp_unit(run_dist, tmp_path):
+    seen = run_dist(_layout, 2, 2, str(tmp_path / "run"), timeout_s=180)[0]
     assert seen == {"units": {False}, "layout": {(1, (Shard(0),))}, "grads": {"DTensor"}, "local": {True}}
 
 
-def test_experts_sharded_over_efsdp_stay_an_fsdp_unit(run_dist):
-    seen = run_dist(_layout, 4, 2, timeout_s=240)[0]
+def test_experts_sharded_over_efsdp_stay_an_fsdp_unit(run_dist, tmp_path):
+    seen = run_dist(_layout, 4, 2, str(tmp_path / "run"), timeout_s=240)[0]
     assert seen["units"] == {True} and seen["layout"] == {(2, (Shard(0),))}
 
 

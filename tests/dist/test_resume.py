@@ -63,8 +63,12 @@ def test_resume_from_another_model_fails_clearly(tmp_path):
     env = DistEnv(0, 1, 0, torch.device("cpu"))
     dims = ParallelDims(1, 1, 1, 1, 1)
     train(config(str(tmp_path), **{"train.max_steps": 3}), env, dims)
-    with pytest.raises(ResumeError, match=r"different model.*\n  missing \(\d+\): .*lora_A"):
+    with pytest.raises(ResumeError, match=r"a different model .*\(lora.enabled: False -> True; "):
         train(config(str(tmp_path), **{"train.max_steps": 4, "lora.enabled": True}), env, dims, resume=True)
+    # Said to be intended, the change still meets the checkpoint's keys and shapes.
+    with pytest.raises(ResumeError, match=r"different model.*\n  missing \(\d+\): .*lora_A"):
+        train(config(str(tmp_path), **{"train.max_steps": 4, "lora.enabled": True,
+                                       "checkpoint.resume_allow_model_change": True}), env, dims, resume=True)
 
 
 def _final_model(out: Path) -> dict[str, torch.Tensor]:

@@ -12,9 +12,10 @@ import yaml
 from runtime.config import LoraConfig, config_from_dict
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.export import main, merged_state_dict
+from runtime.export import export_cli, merged_state_dict
 from runtime.lora import apply_lora
 from runtime.models import build, from_pretrained, save_pretrained
+from runtime.run_dir import RunDirError
 from runtime.train import train
 from tests.conftest import write_hf_checkpoint
 from tests.dist.test_parity import EXAMPLE
@@ -81,7 +82,7 @@ def test_cli_merges_a_trained_run(tmp_path):
                                  "logging.progress_bar": False, "lora.enabled": True, "lora.rank": 4,
                                  "checkpoint.export_hf": True}, base_dir=EXAMPLE.parent)
     train(cfg, DistEnv(0, 1, 0, torch.device("cpu")), ParallelDims(1, 1, 1, 1, 1))
-    assert main([str(run), "--merged", str(tmp_path / "merged")]) == 0
+    assert export_cli([str(run), "--merged", str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = torch.randint(0, 520, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -91,6 +92,7 @@ def test_cli_merges_a_trained_run(tmp_path):
         assert (merged(ids).logits - base_logits).abs().max().item() > 1e-3  # training changed it
 
 
-def test_cli_names_what_is_wrong(tmp_path, capsys):
-    assert main([str(tmp_path), "--merged", str(tmp_path / "out")]) == 1
-    assert "config.yaml" in capsys.readouterr().err
+def test_cli_names_what_is_wrong(tmp_path):
+    # main() reports through runtime.failure_report (tests/unit/test_user_errors.py runs it as a user would)
+    with pytest.raises(RunDirError, match="config.yaml"):
+        export_cli([str(tmp_path), "--merged", str(tmp_path / "out")])
