@@ -5,7 +5,7 @@ with forced-balanced and random-init routing, and per layer where the traced ste
 
 Run folders are named `ep-<mode>-L<layers>-ep<E>-<balanced|random>`. Throughput is the median over steps 4..
 of metrics.jsonl (tok/s over the world, so tokens per second per GPU); the split reads rank 0's trace of step 6
-(runtime.profiling) with runtime.timeline and sorts the compute stream's kernels by name into experts (the
+(runtime.observe.profiling) with runtime.timeline and sorts the compute stream's kernels by name into experts (the
 grouped GEMMs and their LoRA products), routing (the dispatch's sort, gather and combine kernels) and the rest.
 """
 

@@ -133,15 +133,15 @@ def load_run_model(run_dir: Path, step: int | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI; failures end as in runtime.launch (one `error:` line, --debug for the traceback)."""
-    from runtime.failure_report import guarded_main
-    from runtime.failures import RunContext
+    from runtime.guard.failure_report import guarded_main
+    from runtime.guard.failures import RunContext
 
     argv = list(sys.argv[1:] if argv is None else argv)
     return guarded_main(lambda _context: export_cli(argv), RunContext(argv, module="runtime.export", resumable=False))
 
 
 def export_cli(argv: list[str]) -> int:
-    from runtime.launch import CliParser
+    from runtime.cli import CliParser
 
     parser = CliParser(prog="python -m runtime.export", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run folder (train.output_dir) of a LoRA run")

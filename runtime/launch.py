@@ -21,21 +21,10 @@ import yaml
 from runtime.config import ConfigError, load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import env_world
+from runtime.cli import CliParser, UsageError
 from runtime.guard.failures import RunContext
 
 log = logging.getLogger("runtime")
-
-
-class UsageError(ValueError):
-    """A command-line mistake: an unknown flag, a missing config path, a value of the wrong type."""
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing the usage and exiting, so a typo in a torchrun
-    command is reported once, by rank 0, like every other user error."""
-
-    def error(self, message: str):
-        raise UsageError(f"{message} (command line); see {self.prog} --help")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

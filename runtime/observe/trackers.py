@@ -1,7 +1,7 @@
 """Experiment trackers on rank 0: TensorBoard event files and Weights & Biases runs.
 
     check_trackers(cfg)                        # every rank, before any collective: the packages are there
-    tracker_dirs(cfg)                          # {config key: folder it writes}: runtime.preflight checks them
+    tracker_dirs(cfg)                          # {config key: folder it writes}: runtime.guard.preflight checks them
     trackers = Trackers.start(cfg, run_id, mesh, enabled=rank == 0)
     trackers.log(record)                       # a metrics record (runtime.observe.metrics): its numbers, at its step
     trackers.close()

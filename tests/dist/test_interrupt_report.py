@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK = r'''
 import datetime, os, sys, time
 import torch.distributed as dist
-from runtime.failure_report import guarded_main
-from runtime.failures import RunContext
+from runtime.guard.failure_report import guarded_main
+from runtime.guard.failures import RunContext
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

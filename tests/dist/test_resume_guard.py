@@ -13,7 +13,7 @@ from runtime.checkpoint import ResumeError, model_changes
 from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.failures import RunContext, describe
+from runtime.guard.failures import RunContext, describe
 from runtime.train import train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from runtime.distributed.process_group import DistEnv
 from runtime.export import export_cli, merged_state_dict
 from runtime.lora import apply_lora
 from runtime.models import build, from_pretrained, save_pretrained
-from runtime.run_dir import RunDirError
+from runtime.guard.run_dir import RunDirError
 from runtime.train import train
 from tests.conftest import write_hf_checkpoint
 from tests.dist.test_parity import EXAMPLE
@@ -93,6 +93,6 @@ def test_cli_merges_a_trained_run(tmp_path):
 
 
 def test_cli_names_what_is_wrong(tmp_path):
-    # main() reports through runtime.failure_report (tests/unit/test_user_errors.py runs it as a user would)
+    # main() reports through runtime.guard.failure_report (tests/unit/test_user_errors.py runs it as a user would)
     with pytest.raises(RunDirError, match="config.yaml"):
         export_cli([str(tmp_path), "--merged", str(tmp_path / "out")])

@@ -1,5 +1,5 @@
 """User mistakes found by trying the runtime as a new user (issue 41): each ends in one `error:` line that
-names the file or key and the fix, through the same failure mapping runtime.launch uses (runtime.failures)."""
+names the file or key and the fix, through the same failure mapping runtime.launch uses (runtime.guard.failures)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from runtime.config import ConfigError, config_from_dict
-from runtime.failures import RunContext, describe
+from runtime.guard.failures import RunContext, describe
 from tests.conftest import write_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def user_line(err: BaseException, context: RunContext | None = None) -> str:
 def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path):
     from runtime.distributed.mesh import ParallelDims
     from runtime.distributed.process_group import DistEnv
-    from runtime.train import build_model
+    from runtime.models.factory import build_model
 
     write_hf_checkpoint(tmp_path / "hf", "moe", vocab_size=520)
     weights = tmp_path / "hf" / "model.safetensors"
@@ -68,7 +68,7 @@ def test_verify_refuses_zero_steps():
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
 def test_preflight_checks_the_tracker_folder(tmp_path, tracker):
     """A file where a tracker writes its folder fails in preflight, before any model is built."""
-    from runtime.preflight import PreflightError, preflight
+    from runtime.guard.preflight import PreflightError, preflight
 
     out = tmp_path / "run"
     out.mkdir()
