@@ -32,7 +32,7 @@ def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def _not_verbatim(i: int) -> BadRecord:
     return BadRecord(f"messages[{i}]: the chat template does not render this content verbatim, so its "
-                      "tokens cannot be located; use a chat template with {% generation %} markers")
+                     "tokens cannot be located; use a chat template with {% generation %} markers")
 
 
 def _end_marker(tokenizer, messages: list[dict]) -> str:

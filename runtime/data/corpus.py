@@ -86,7 +86,7 @@ def _tokenize_chat_record(tokenizer, messages: list[dict]) -> Document:
     ids, trained = tokenize_chat(tokenizer, messages)
     if not _has_labels(trained):
         raise BadRecord("the chat template marks none of this conversation's tokens as assistant tokens, so "
-                         "nothing would be trained; check the template's {% generation %} blocks")
+                        "nothing would be trained; check the template's {% generation %} blocks")
     return ids, trained
 
 

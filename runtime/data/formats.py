@@ -88,8 +88,8 @@ def _parse_json_line(line: str) -> Any:
             json.dumps(record, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise BadRecord("a string holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is "
-                             "no Unicode character; write the character itself or a complete surrogate pair"
-                             ) from None
+                            "no Unicode character; write the character itself or a complete surrogate pair"
+                            ) from None
     return record
 
 
@@ -173,7 +173,7 @@ def _parse_text(record: dict, field: str) -> str:
     text = record.get(field)
     if text is None:
         raise BadRecord(f"missing field '{field}' (the record has {sorted(record)}); set data.text_field "
-                         "or data.messages_field if your field is named differently")
+                        "or data.messages_field if your field is named differently")
     if not isinstance(text, str):
         raise BadRecord(f"field '{field}' must be a string, got {type(text).__name__}")
     if not text.strip():
@@ -187,11 +187,11 @@ def _parse_message(i: int, message: Any) -> dict:
     for key in ("role", "content"):
         if message.get(key) is None:
             raise BadRecord(f"messages[{i}] has no '{key}' (it has {sorted(message)}); each message needs "
-                             "'role' and 'content'")
+                            "'role' and 'content'")
     role, content = message["role"], message["content"]
     if role not in ROLES:
         raise BadRecord(f"messages[{i}] has unknown role {role!r} (expected one of {', '.join(ROLES)}; map "
-                         "ShareGPT-style 'human'/'gpt' to 'user'/'assistant')")
+                        "ShareGPT-style 'human'/'gpt' to 'user'/'assistant')")
     if not isinstance(content, str):
         raise BadRecord(f"messages[{i}]['content'] must be a string, got {type(content).__name__}")
     if role == "assistant" and not content.strip():
@@ -204,7 +204,7 @@ def _parse_messages(record: dict, field: str) -> list[dict]:
     messages = record.get(field)
     if messages is None:
         raise BadRecord(f"missing field '{field}' (the record has {sorted(record)}); set data.messages_field "
-                         "if your field is named differently")
+                        "if your field is named differently")
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise BadRecord(f"field '{field}' must be a non-empty list of {{role, content}} objects, got {got}")
@@ -217,7 +217,7 @@ def _parse_messages(record: dict, field: str) -> list[dict]:
 def parse_record(record: Any, cfg: DataConfig) -> tuple[str, Any]:
     if not isinstance(record, dict):
         raise BadRecord(f"expected an object with a '{cfg.text_field}' or '{cfg.messages_field}' field, "
-                         f"got {type(record).__name__}")
+                        f"got {type(record).__name__}")
     kind = cfg.kind
     if kind == "auto":
         kind = "chat" if record.get(cfg.messages_field) is not None else "text"
