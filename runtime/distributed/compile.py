@@ -28,7 +28,6 @@ import torch
 from torch.fx.experimental.sym_node import DynamicInt
 
 from attention.attention import AttnMeta
-
 from moe.backends import resolve_expert_backend
 from moe.experts import GroupedExperts
 from moe.layer import MoEBlock
