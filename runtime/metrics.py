@@ -132,10 +132,12 @@ class RecompileCounter:
 
 
 def last_recompile_reason() -> str:
-    """Dynamo's reason for the latest recompile it recorded, with the function, or a note that it has none."""
+    """The function and the failed guard of the latest recompile dynamo recorded (the guard's first line, without
+    the source comment and stack dynamo appends), or a note that it has none."""
     for m in reversed(torch._dynamo.utils.get_compilation_metrics()):
         if m.recompile_reason:
-            return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno}): {m.recompile_reason.strip()}"
+            guard = m.recompile_reason.strip().splitlines()[0].split("  #")[0].strip()
+            return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno}) failed guard {guard}"
     return "no reason recorded"
 
 
