@@ -75,7 +75,7 @@ def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inducto
         if isinstance(block.mlp, MoEBlock) and not block.mlp.dispatcher.traceable:
             _compile_around_exchange(block, backend)
         else:
-            block.forward = _dynamic_packing(_compile(block.forward, backend))
+            block.forward = _with_dynamic_packing(_compile(block.forward, backend))
 
 
 def compile_experts(experts: GroupedExperts, backend: str = "inductor") -> None:
@@ -93,7 +93,7 @@ def compile_experts(experts: GroupedExperts, backend: str = "inductor") -> None:
     experts.forward = forward
 
 
-def dynamic_packing(meta: AttnMeta) -> AttnMeta:
+def mark_packing_dynamic(meta: AttnMeta) -> AttnMeta:
     """meta with the sizes that follow the packing marked dynamic for dynamo: the document count
     (cu_seqlens' length; maybe_: a region that branches on it specializes instead of failing) and
     max_seqlen (a DynamicInt: an int to every other reader)."""
@@ -104,11 +104,11 @@ def dynamic_packing(meta: AttnMeta) -> AttnMeta:
     return meta
 
 
-def _dynamic_packing(compiled):
-    """A compiled region of signature (h, cos, sin, meta) whose meta gets dynamic_packing on every call
+def _with_dynamic_packing(compiled):
+    """A compiled region of signature (h, cos, sin, meta) whose meta gets mark_packing_dynamic on every call
     (each batch brings new tensors to mark)."""
     def region(h_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta):
-        return compiled(h_BSH, cos, sin, dynamic_packing(meta))
+        return compiled(h_BSH, cos, sin, mark_packing_dynamic(meta))
     return region
 
 
@@ -118,7 +118,7 @@ def _compile(fn, backend: str):
 
 def _compile_around_exchange(block: DecoderBlock, backend: str) -> None:
     moe = block.mlp
-    block.mix = _dynamic_packing(_compile(block.mix, backend))
+    block.mix = _with_dynamic_packing(_compile(block.mix, backend))
     moe.gate.forward = _compile(moe.gate.forward, backend)
     compile_experts(moe.experts, backend)
     moe.add_shared = _compile(moe.add_shared, backend)
