@@ -284,12 +284,12 @@ def _varlen_kernel() -> VarlenImpl:
 def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
     """Causal attention within the documents of meta.cu_seqlens (over the flattened B*S tokens; None:
     every row is one document). Returns [B, S, Hq, D] in the compute dtype. Rows of one document each go
-    to cuDNN where it is faster (dense_causal); the count of boundaries decides, a shape, so no sync."""
+    to cuDNN where it is faster (dense_causal); the count of boundaries decides, a shape, so no sync
+    (dense_causal asked first: elsewhere a compiled region does not branch, so guard, on that count)."""
     B, S = q_BSHD.shape[:2]
     dtype = compute_dtype(q_BSHD)
     _check_varlen_inputs(q_BSHD, dtype)
-    one_document_per_row = meta.cu_seqlens is None or meta.cu_seqlens.numel() == B + 1
-    if one_document_per_row and dense_causal():
+    if dense_causal() and (meta.cu_seqlens is None or meta.cu_seqlens.numel() == B + 1):
         return cudnn_causal_attention(*(t.to(dtype) for t in (q_BSHD, k_BSKD, v_BSKD)), scale)
     impl = _varlen_kernel()
     cu_seqlens, max_seqlen = meta.cu_seqlens, meta.max_seqlen

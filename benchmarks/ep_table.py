@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     runs = sorted(p for p in args.out.glob(f"ep-*-L{args.layers}-ep*-*") if p.is_dir())
     modes = sorted({re.sub(r"-ep\d+-(balanced|random)$", "", p.name) for p in runs})
-    print(f"| run | tok/s/GPU | of ep1 | MFU | step ms | peak GiB | ep_imbalance | per layer ms: experts | routing "
-          f"| attention | nccl | other | wait exchange | wait host | traced window |")
+    print("| run | tok/s/GPU | of ep1 | MFU | step ms | peak GiB | ep_imbalance | per layer ms: experts | routing "
+          "| attention | nccl | other | wait exchange | wait host | traced window |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         for routing in ("balanced", "random"):

@@ -7,8 +7,13 @@
 #         its top CUDA kernels; COMPILE=1 compiles ours (compile.enabled)
 #   step1 time to step 1 of the 12-layer LoRA model: one run fills the caches, a second measures it with
 #         warm caches (the target's measure)
+#   recompiles  the training loop (runtime.launch), 8-layer full fine-tune, compile.enabled, 12 steps on the
+#         bundled chat data packed into 8192-token rows (the document count and the longest document change
+#         every step): per step its seconds, documents and the recompile count of metrics.jsonl, dynamo's
+#         reasons (TORCH_LOGS=recompiles), and PASS when the run recompiled at most twice
 # One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
-# (~1 min per side: imports, build, 7 steps). Parts: `bash benchmarks/gpu_e2e.sh [lora] [full]`.
+# (~1 min per side: imports, build, 7 steps).
+# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles]`.
 # Memory: 8 full layers are 5.6 G parameters; fp32 masters + grads + AdamW states take 16 B each, ~90 GB:
 # over an 80 GB H100 (that row then reads OutOfMemoryError), within an H200. FULL_LAYERS=4 fits either.
 # Logs per run in $OUT/e2e_<tag>.log, rows in $OUT/bench_e2e_<tag>.json; the summary table comes last.
@@ -36,6 +41,16 @@ fi
 if [[ $parts == *step1* ]]; then
   e2e lora_cold --mode lora --layers 12 --no-baseline
   e2e lora_warm --mode lora --layers 12 --no-baseline
+fi
+if [[ $parts == *recompiles* ]]; then
+  run_dir=$OUT/recompiles_run
+  config=benchmarks/configs/qwen3-30b-a3b-random.yaml
+  echo "== recompiles: $config, ${FULL_LAYERS} layers, full fine-tune, compile.enabled, 12 steps"
+  TORCH_LOGS=recompiles torchrun --standalone --nproc_per_node 1 -m runtime.launch "$config" --max-steps 12 \
+    --output-dir "$run_dir" --set model.num_layers_override="$FULL_LAYERS" --set compile.enabled=true \
+    > "$OUT/e2e_recompiles.log" 2>&1 || { echo "run failed:"; tail -n 20 "$OUT/e2e_recompiles.log"; }
+  grep -E "Recompiling function|guard failure|^.*- [0-9]+/[0-9]+: " "$OUT/e2e_recompiles.log" | sed "s/^.*__recompiles\] */  /"
+  python -m benchmarks.recompiles "$config" "$run_dir/metrics.jsonl"
 fi
 echo "== summary (tag: side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
 for tag in "${tags[@]}"; do

@@ -18,10 +18,10 @@ import sys
 import torch.distributed as dist
 import yaml
 
+from runtime.cli import CliParser
 from runtime.config import ConfigError, load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import env_world
-from runtime.cli import CliParser, UsageError
 from runtime.guard.failures import RunContext
 
 log = logging.getLogger("runtime")

@@ -46,6 +46,7 @@ from runtime.models.factory import build_model
 from runtime.observe.gc_schedule import scheduled_gc
 from runtime.observe.metrics import (
     MetricsLogger,
+    RecompileCounter,
     StepTimer,
     device_peak_flops,
     flops_per_token,
@@ -224,7 +225,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                             trackers=trackers)
     guard = StepGuard(cfg.train.nan_policy, cfg.train.max_nan_skips)
     profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, cfg.train.output_dir, env.rank, env.device)
-    records, timer = [], StepTimer()
+    records, timer, recompiles = [], StepTimer(), RecompileCounter()
     try:
         with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage, SlowStepNotice() as notice:
             for step in range(start + 1, cfg.train.max_steps + 1):
@@ -237,6 +238,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
+                record["recompiles"] = recompiles.after_step(step, warn=env.is_main)
                 records.append(record)
                 metrics.log(record)
                 if eval_data is not None and (step == cfg.train.max_steps or step % (cfg.train.eval_every_n_steps or
@@ -262,6 +264,7 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
                      guard.counts["non_finite"])
     finally:
         metrics.close()
+        recompiles.close()
     return records
 
 

@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def verify(argv: list[str]) -> int:
     """Runs the comparison; 0 when every step is within tolerance, else 1."""
-    from runtime.distributed.process_group import init_distributed
     from runtime.cli import CliParser, UsageError
+    from runtime.distributed.process_group import init_distributed
     from runtime.launch import prepare
 
     extra = CliParser(prog="python -m runtime.verify", add_help=False)

@@ -12,12 +12,22 @@ Every region compiles `forward` or a method, never a module's call: FSDP's hooks
 the experts' own unit under EP) and an eager activation checkpoint around the block stay outside the
 graphs. The experts region takes M rows that change with the routing every step: their dimension is
 marked dynamic, so new routings reuse one graph instead of recompiling.
+
+The regions that take the batch's AttnMeta (a whole block, or `mix`) see the packing change every step:
+the document count (the length of cu_seqlens) and the longest document (max_seqlen, a python int).
+Both are marked dynamic from the first step: left to dynamo, each would cost a recompile the first
+time it changes. What stays is one recompile where a region branches on them (the varlen backend sends
+rows of one document each to cuDNN: the first batch with more documents takes the other branch).
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
+import torch
+from torch.fx.experimental.sym_node import DynamicInt
+
+from attention.attention import AttnMeta
 from moe.backends import resolve_expert_backend
 from moe.experts import GroupedExperts
 from moe.layer import MoEBlock
@@ -65,7 +75,7 @@ def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inducto
         if isinstance(block.mlp, MoEBlock) and not block.mlp.dispatcher.traceable:
             _compile_around_exchange(block, backend)
         else:
-            block.forward = _compile(block.forward, backend)
+            block.forward = _with_dynamic_packing(_compile(block.forward, backend))
 
 
 def compile_experts(experts: GroupedExperts, backend: str = "inductor") -> None:
@@ -83,13 +93,32 @@ def compile_experts(experts: GroupedExperts, backend: str = "inductor") -> None:
     experts.forward = forward
 
 
+def mark_packing_dynamic(meta: AttnMeta) -> AttnMeta:
+    """meta with the sizes that follow the packing marked dynamic for dynamo: the document count
+    (cu_seqlens' length; maybe_: a region that branches on it specializes instead of failing) and
+    max_seqlen (a DynamicInt: an int to every other reader)."""
+    if meta.cu_seqlens is not None:
+        torch._dynamo.maybe_mark_dynamic(meta.cu_seqlens, 0)
+    if meta.max_seqlen is not None and not isinstance(meta.max_seqlen, DynamicInt):
+        meta = replace(meta, max_seqlen=DynamicInt(int(meta.max_seqlen)))
+    return meta
+
+
+def _with_dynamic_packing(compiled):
+    """A compiled region of signature (h, cos, sin, meta) whose meta gets mark_packing_dynamic on every call
+    (each batch brings new tensors to mark)."""
+    def region(h_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta):
+        return compiled(h_BSH, cos, sin, mark_packing_dynamic(meta))
+    return region
+
+
 def _compile(fn, backend: str):
     return torch.compile(fn, backend=backend, fullgraph=True)
 
 
 def _compile_around_exchange(block: DecoderBlock, backend: str) -> None:
     moe = block.mlp
-    block.mix = _compile(block.mix, backend)
+    block.mix = _with_dynamic_packing(_compile(block.mix, backend))
     moe.gate.forward = _compile(moe.gate.forward, backend)
     compile_experts(moe.experts, backend)
     moe.add_shared = _compile(moe.add_shared, backend)

@@ -6,6 +6,9 @@ run moves an earlier run's file aside rather than appending to it.
 
 MFU counts model FLOPs per trained token as 6 * active matmul parameters (forward + backward) plus
 the causal attention score/value products, against the device's dense bf16 peak.
+
+`recompiles` counts torch.compile recompiles (dynamo compiling a function again because a guard of each
+graph it holds failed) since training started; past the first steps none should happen.
 """
 
 from __future__ import annotations
@@ -85,6 +88,57 @@ class StepTimer:
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
         return elapsed
+
+
+class RecompileCounter:
+    """Counts dynamo recompiles from construction to close(): a compile-start callback sees every compile,
+    and a frame's compile number above 0 is a recompile. Reading the count costs nothing.
+    `after_step` warns when a step past the first WARMUP_STEPS recompiled, with dynamo's reason."""
+
+    WARMUP_STEPS = 3  # the first step compiles, the next ones may meet a second branch (e.g. more documents)
+
+    def __init__(self):
+        from torch._dynamo.callback import callback_handler  # imported here: torch._dynamo is slow to import
+
+        self.count = 0
+        self._seen = 0
+        self._handler = callback_handler
+        callback_handler.register_start_callback(self._on_compile_start)
+
+    def _on_compile_start(self, args) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+        from torch._guards import CompileId
+
+        if args.callback_trigger != CallbackTrigger.DYNAMO:
+            return
+        compile_id = CompileId.from_string(args.compile_id)
+        if compile_id is not None and compile_id.frame_compile_id:
+            self.count += 1
+
+    def after_step(self, step: int, warn: bool = True) -> int:
+        """The count so far; a warning naming the last recompile's reason when `step` is past the warm-up
+        and recompiled."""
+        if warn and self.count > self._seen and step > self.WARMUP_STEPS:
+            log.warning("step %d recompiled torch.compile'd code %d time(s) (%d since the start): %s. Each "
+                        "recompile stalls a step, and past torch._dynamo.config.recompile_limit (%d) a fullgraph "
+                        "region fails; TORCH_LOGS=recompiles prints every reason", step, self.count - self._seen,
+                        self.count, last_recompile_reason(), torch._dynamo.config.recompile_limit)
+        self._seen = self.count
+        return self.count
+
+    def close(self) -> None:
+        if self._on_compile_start in self._handler.start_callbacks:  # torch._dynamo.reset() drops them
+            self._handler.remove_start_callback(self._on_compile_start)
+
+
+def last_recompile_reason() -> str:
+    """The function and the failed guard of the latest recompile dynamo recorded (the guard's first line, without
+    the source comment and stack dynamo appends), or a note that it has none."""
+    for m in reversed(torch._dynamo.utils.get_compilation_metrics()):
+        if m.recompile_reason:
+            guard = m.recompile_reason.strip().splitlines()[0].split("  #")[0].strip()
+            return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno}) failed guard {guard}"
+    return "no reason recorded"
 
 
 # The record's keys the console line shows, in record order.

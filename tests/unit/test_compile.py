@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import attention.attention as attention_module
 from moe.dispatch import Dispatcher, Routed
 from runtime.config import ConfigError, config_from_dict
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
@@ -215,3 +217,117 @@ def test_first_expert_backend_lookup_inside_fullgraph_compile():
     done = subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], cwd=repo, capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# --- packing that changes every step -------------------------------------------------------------------------
+# Rows of 64 tokens; each step packs other documents: their count (cu_seqlens' length) and the longest
+# (max_seqlen) change. The first batch holds one document per row.
+PACKINGS = [[[64], [64]], [[40, 24], [64]], [[20, 20, 24], [30, 34]], [[10] * 6 + [4], [64]],
+            [[64], [32, 32]], [[8] * 8, [16] * 4], [[50, 14], [60, 4]]]
+
+
+def _packed_batches():
+    from runtime.data.corpus import Corpus
+    from runtime.data.packing import collate
+
+    g = torch.Generator().manual_seed(0)
+    for rows in PACKINGS:
+        lengths = [n for row in rows for n in row]
+        corpus = Corpus.from_documents([(torch.randint(0, 320, (n,), generator=g).tolist(), [True] * n)
+                                        for n in lengths])
+        starts = [sum(len(r) for r in rows[:b]) for b in range(len(rows))]
+        yield collate([[(starts[b] + i, 0, n) for i, n in enumerate(row)] for b, row in enumerate(rows)], corpus,
+                      64, 0)
+
+
+def _graphs_per_step(model) -> list[int]:
+    """Compiles the model's blocks (aot_eager) and trains one forward + backward per packing: the
+    compiled graphs after each step (a recompile adds one)."""
+    torch._dynamo.reset()
+    counters.clear()
+    apply_compile(model, {}, backend="aot_eager")
+    graphs = []
+    for batch in _packed_batches():
+        model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+              max_seqlen=batch.max_seqlen, labels=batch.labels).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return graphs
+
+
+def test_changing_packing_does_not_recompile_gdn_blocks(tmp_path):
+    """GDN blocks read cu_seqlens inside the compiled block: a new document count every step reuses the
+    first step's graphs (one per block kind) instead of recompiling."""
+    write_hf_checkpoint(tmp_path, "qwen3_5_moe")
+    model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch")
+    graphs = _graphs_per_step(model)
+    assert graphs == [2] * len(PACKINGS), graphs
+
+
+@torch.library.custom_op("test_compile::varlen_attention", mutates_args=())
+def _cpu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                scale: float) -> torch.Tensor:
+    """A CPU stand-in of the varlen kernels: an opaque op over [T, H, D] taking cu_seqlens and an int
+    max_seqlen, as flash_attn_varlen_func and torch's varlen_attn do (max_seqlen is only checked here)."""
+    out, _ = _cpu_varlen_math(q, k, v, cu_seqlens, scale)
+    assert max_seqlen == int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return out.transpose(0, 1).to(q.dtype).contiguous()
+
+
+def _cpu_varlen_math(q, k, v, cu_seqlens, scale):
+    T, n_rep = q.shape[0], q.shape[1] // k.shape[1]
+    doc_T = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(T), right=True)
+    mask_TT = (doc_T[:, None] == doc_T[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    q, k, v = (t.float().repeat_interleave(r, 1).transpose(0, 1) for t, r in ((q, 1), (k, n_rep), (v, n_rep)))
+    p = torch.softmax((q @ k.transpose(1, 2) * scale).masked_fill(~mask_TT, float("-inf")), -1)
+    return p @ v, (q, k, v, p)
+
+
+@_cpu_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+def _cpu_varlen_backward(ctx, grad):
+    q, k, v, cu_seqlens = ctx.saved_tensors
+    _, (q32, k32, v32, p) = _cpu_varlen_math(q, k, v, cu_seqlens, ctx.scale)
+    g = grad.float().transpose(0, 1)
+    dp = g @ v32.transpose(1, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
+    kv_heads = k.shape[1]
+    dq = (ds @ k32).transpose(0, 1).to(q.dtype)
+    dk = (ds.transpose(1, 2) @ q32).unflatten(0, (kv_heads, -1)).sum(1).transpose(0, 1).to(k.dtype)
+    dv = (p.transpose(1, 2) @ g).unflatten(0, (kv_heads, -1)).sum(1).transpose(0, 1).to(v.dtype)
+    return dq, dk, dv, None, None, None
+
+
+def _save_for_varlen_backward(ctx, inputs, output):
+    q, k, v, cu_seqlens, _, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens)
+
+
+_cpu_varlen.register_autograd(_cpu_varlen_backward, setup_context=_save_for_varlen_backward)
+
+
+def _dense_causal_stand_in(q_BSHD, k_BSKD, v_BSKD, scale):
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dense_causal", [False, True])
+def test_changing_packing_recompiles_varlen_attention_at_most_once(tmp_path, monkeypatch, dense_causal):
+    """The varlen attention path (the default on CUDA) takes cu_seqlens and max_seqlen, an int, into the
+    compiled block: with new values every step it recompiles nothing (dense_causal False), or once where
+    the first row holding several documents leaves the one-document-per-row branch (cuDNN on Hopper).
+    The CUDA-only kernels are replaced by CPU stand-ins of the same contract."""
+    monkeypatch.setattr(attention_module, "_varlen_choice",
+                        attention_module.VarlenImpl("cpu", lambda q, k, v, cu, m, scale: _cpu_varlen(q, k, v, cu, m,
+                                                                                                     scale)))
+    monkeypatch.setattr(attention_module, "_dense_causal_choice", dense_causal)
+    monkeypatch.setattr(attention_module, "_check_varlen_inputs", lambda q, dtype: None)
+    monkeypatch.setattr(attention_module, "cudnn_causal_attention", _dense_causal_stand_in)
+    write_hf_checkpoint(tmp_path, "moe")
+    model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
+                            attn_backend="flash")
+    graphs = _graphs_per_step(model)
+    assert graphs == ([1, 2] if dense_causal else [1, 1]) + [graphs[1]] * (len(PACKINGS) - 2), graphs

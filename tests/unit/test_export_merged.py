@@ -13,9 +13,9 @@ from runtime.config import LoraConfig, config_from_dict
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.export import export_cli, merged_state_dict
+from runtime.guard.run_dir import RunDirError
 from runtime.lora import apply_lora
 from runtime.models import build, from_pretrained, save_pretrained
-from runtime.guard.run_dir import RunDirError
 from runtime.train import train
 from tests.conftest import write_hf_checkpoint
 from tests.dist.test_parity import EXAMPLE
