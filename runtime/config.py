@@ -1,4 +1,5 @@
-"""The YAML schema of a training run. Every check happens here, before any process group or model.
+"""The YAML schema of a training run: names and values of every key. Checks of combinations against what the
+implementations can do (capabilities, model shapes, the mesh) are runtime.plan's, also before any process group.
 
 `load_config(path, overrides)` -> Config, or ConfigError whose message names the key and the fix.
 """
@@ -21,7 +22,6 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from moe.dispatch.deepep import deepep_unavailable_reason
 from runtime.model_config_check import model_config_problems
 from runtime.registry import check_choice
 
@@ -53,10 +53,11 @@ class ModelConfig(Section):
     path: str | None = None
     config: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # Implementation names, checked against their registries (runtime/registry.py).
+    # Implementation names, checked against their registries (runtime/registry.py); runtime.plan resolves
+    # "auto" from the capabilities they declare and records the choice in the run folder's resolved.yaml.
     expert_backend: str = "auto"  # scattermoe on CUDA where Triton is installed, else grouped_mm
     attn_backend: str = "auto"  # flash (varlen over cu_seqlens) on CUDA when installed, else sdpa
-    norm_rope_impl: str = "auto"
+    norm_rope_impl: str = "auto"  # triton on CUDA where installed, else torch
     # lm_head + cross-entropy (runtime/loss.py): auto = a fused loss that never holds [tokens, vocab] logits.
     loss_impl: str = "auto"
     # Gated DeltaNet kernels of hybrid models: auto = fla on CUDA when installed and able to run its
@@ -129,7 +130,8 @@ class ParallelismConfig(Section):
     # passing between the zigzag pieces (any cp; needs model.gdn_op_set torch).
     cp_gdn: Literal["heads", "state"] = "heads"
     ep: int = Field(1, ge=1)
-    # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity.
+    # The EP dispatcher (runtime/registry.py); with ep 1 every dispatcher is the local identity. local and
+    # deepep are checked by runtime.plan (ep > 1; the deep_ep package).
     dispatcher: str = "all_to_all"
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     # FSDP's parameter gathers under bf16 autocast (CUDA): bf16 rounds every parameter for compute, norms, router,
@@ -264,11 +266,6 @@ class Config(Section):
         if p.cp > 1 and self.data.seq_len % (2 * p.cp):
             raise ValueError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
                              f"data.seq_len (now {self.data.seq_len}) to a multiple of {2 * p.cp}")
-        if p.dispatcher == "deepep" and (missing := deepep_unavailable_reason()):
-            raise ValueError(f"parallelism.dispatcher: deepep cannot run here: {missing}; or use all_to_all")
-        if p.dispatcher == "local" and p.ep > 1:
-            raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
-                             f"parallelism.ep is {p.ep}; use all_to_all")
         if self.checkpoint.export_merged and not self.lora.enabled:
             raise ValueError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
                              "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")
