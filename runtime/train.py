@@ -34,9 +34,11 @@ from runtime.gc_schedule import scheduled_gc
 from runtime.lora import seed_lora_A
 from runtime.metrics import MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_gib
 from runtime.models.build import build
-from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenForCausalLM
 from runtime.optim import apply_master_dtype, build_optimizer, optimizer_step
+from runtime.plan import Plan
+from runtime.plan import model_config as plan_model_config
+from runtime.plan import plan as make_plan
 from runtime.profiling import StepProfiler
 from runtime.run_dir import RunDir, RunDirError, claim_run_dir, release_run_dir, write_run_config
 from runtime.slow_step import SlowStepNotice
@@ -52,12 +54,8 @@ class TrainingDiverged(RuntimeError):
 
 
 def model_config(cfg: Config):
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
-    return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
-                          norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
-                          loss_impl=cfg.model.loss_impl,
-                          router_aux_loss_coef=cfg.model.router_aux_loss_coef,
-                          num_layers=cfg.model.num_layers_override)
+    """The model's config with cfg's implementation names (concrete in a Plan's config)."""
+    return plan_model_config(cfg)
 
 
 def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalLM:
@@ -174,25 +172,31 @@ def claim(cfg: Config, env: DistEnv, resume: bool) -> RunDir:
 
 
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
-          resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True) -> list[dict]:
+          resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True,
+          plan: Plan | None = None) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
+    `plan`: runtime.plan's for cfg (launch makes it before any process group), made here when not given;
+    everything is built from plan.config, whose implementation names are concrete.
     `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
     `autocast=False` computes in the parameters' dtype on CUDA too (verify's fp32 reference);
     `progress` is kept up to date with the step, for the failure report (runtime.failures)."""
     progress = progress or Progress()
+    plan = plan or make_plan(cfg, env.world_size, env.device)
     resume = resume or cfg.checkpoint.resume
     run_dir = claim(cfg, env, resume)
     try:
-        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads, progress, autocast)
+        return _train(plan, env, dims, meshes, run_dir, resume, on_grads, progress, autocast)
     finally:
         release_run_dir(run_dir)
 
 
-def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
+def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
            resume: bool, on_grads, progress: Progress, autocast: bool) -> list[dict]:
+    cfg = plan.config
     torch.manual_seed(cfg.train.seed)
-    if env.is_main:
-        write_run_config(run_dir.root, cfg.model_dump(mode="json"))
+    if env.is_main:  # what the user wrote, and beside it what the plan resolved
+        write_run_config(run_dir.root, plan.user_config.model_dump(mode="json"))
+        plan.write(run_dir.root)
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg, autocast)
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
