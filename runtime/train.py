@@ -19,7 +19,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from moe.backends import kernel_warm_up
 from moe.dispatch import LoadReading
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters
 from runtime.config import Config
@@ -226,13 +228,19 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
     guard = StepGuard(cfg.train.nan_policy, cfg.train.max_nan_skips)
     profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, cfg.train.output_dir, env.rank, env.device)
     records, timer = [], StepTimer()
+    world_group = dist.group.WORLD if env.world_size > 1 else None
+
+    def warm_up(first: bool):
+        """The first step makes the kernels' timed choices, agreed over every rank (moe.backends.kernel_warm_up)."""
+        return kernel_warm_up(world_group) if first else nullcontext()
+
     try:
         with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage, SlowStepNotice() as notice:
             for step in range(start + 1, cfg.train.max_steps + 1):
                 progress.step, progress.training = step, True
                 with notice.step(step):
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-                    with profiler.step(step):
+                    with profiler.step(step), warm_up(step == start + 1):
                         result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
                 guard.check(step, result, last_good)
                 lr = scheduler.get_last_lr()[0]

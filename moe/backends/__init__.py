@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -76,3 +78,16 @@ def expert_backend(name: str) -> ExpertBackend:
     """The backend registered as `name` (a concrete name: runtime.plan resolves "auto"). Its module is
     imported on the first call, so call it once outside any compiled region (MoEBlock does, when built)."""
     return EXPERT_BACKENDS.get(name)
+
+
+@contextmanager
+def kernel_warm_up(group) -> Iterator[None]:
+    """Kernel choices that the loaded backends time (moe.kernels.tuning.faster) are made inside, agreed over
+    `group` (a torch.distributed ProcessGroup, None: this process alone). The runtime wraps its first step in it,
+    once, after parallelize; no forward outside it communicates for tuning."""
+    tuning = sys.modules.get("moe.kernels.tuning")  # loaded only with a Triton backend
+    if tuning is None:
+        yield
+        return
+    with tuning.warm_up(group):
+        yield
