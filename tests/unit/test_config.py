@@ -98,7 +98,7 @@ def test_ep_must_divide_experts():
 
 
 def test_set_overrides_any_key_with_yaml_typed_values():
-    _, cfg, _ = prepare([str(EXAMPLE), "--set", "model.expert_backend=eager", "--set", "lora.enabled=true",
+    _, cfg, _, _ = prepare([str(EXAMPLE), "--set", "model.expert_backend=eager", "--set", "lora.enabled=true",
                          "--set", "lora.target_modules=[q_proj, experts]", "--set", "optim.lr=1e-4",
                          "--max-steps", "10", "--set", "train.max_steps=12"])
     assert cfg.model.expert_backend == "eager" and cfg.lora.enabled is True
