@@ -5,7 +5,8 @@ Packed rows hold several documents; `AttnMeta` (built once per batch) carries wh
 need so that no document attends to another: a block-diagonal causal mask for SDPA, cu_seqlens and
 max_seqlen for the varlen flash backend.
 
-Backends (`ATTN_BACKENDS`, config key model.attn_backend; "auto" = flash on CUDA, else sdpa), one contract:
+Backends (`ATTN_BACKENDS`, config key model.attn_backend; runtime.plan resolves "auto": flash on CUDA where a
+varlen kernel is installed, else sdpa), one contract:
     out_BSHD = ATTN_BACKENDS.get(name)(q_BSHD, k_BSKD, v_BSKD, meta, scale)
 """
 
@@ -30,9 +31,9 @@ from attention.context_parallel import (
     seq_to_heads,
 )
 from attention.norm import RMSNorm
-from attention.norm_rope import qk_norm_rope
+from attention.norm_rope import NORM_ROPE_IMPLS, qk_norm_rope
 from gpu.device import compute_dtype
-from gpu.registry import Registry
+from gpu.registry import Capabilities, Registry
 
 
 @dataclass
@@ -94,22 +95,10 @@ def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tens
 AttnBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnMeta, float], torch.Tensor]
 
 
-def _auto_backend() -> str:
-    return resolve_attn_backend("auto", "cuda" if torch.cuda.is_available() else "cpu")
+ATTN_BACKENDS: Registry[AttnBackend] = Registry("attention backend", "model.attn_backend", auto=True)
 
 
-ATTN_BACKENDS: Registry[AttnBackend] = Registry("attention backend", "model.attn_backend", auto=_auto_backend)
-
-
-def resolve_attn_backend(name: str, device: torch.device | str) -> str:
-    """"auto" is the varlen kernel over cu_seqlens on CUDA when one is installed (no [B,1,S,S] mask and
-    no attention over padding or across documents), else SDPA with the packed mask; other names as given."""
-    if name != "auto":
-        return name
-    return "flash" if torch.device(device).type == "cuda" and varlen_impl() is not None else "sdpa"
-
-
-@ATTN_BACKENDS.register("sdpa")
+@ATTN_BACKENDS.register("sdpa", Capabilities(auto_on=("cpu", "cuda"), reference=True))
 def sdpa_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     mask = meta.sdpa_mask_B1SS
@@ -271,16 +260,25 @@ def _check_varlen_inputs(q_BSHD: torch.Tensor, dtype: torch.dtype) -> None:
                          "use model.dtype: bfloat16 or bf16 autocast, or set model.attn_backend: sdpa")
 
 
+def _varlen_missing() -> str | None:
+    """Why the flash backend cannot run on this install, None when it can."""
+    if varlen_impl() is None:
+        return ("it needs flash-attn installed or a torch with torch.nn.attention.varlen.varlen_attn (>= 2.10); "
+                "pip install flash-attn")
+    return None
+
+
 def _varlen_kernel() -> VarlenImpl:
-    """The varlen implementation; construction checked it exists, this guards layers built before the
-    packages changed."""
+    """The varlen implementation; runtime.plan checked it exists, this guards direct callers."""
     impl = varlen_impl()
     if impl is None:
-        check_attn_backend("flash")
+        raise ValueError(f"attention backend 'flash' {_varlen_missing()}; or set model.attn_backend: sdpa")
     return impl
 
 
-@ATTN_BACKENDS.register("flash")
+# No [B,1,S,S] mask and no attention over padding or across documents: the default where it runs.
+@ATTN_BACKENDS.register("flash", Capabilities(devices=("cuda",), unavailable=_varlen_missing, auto_on=("cuda",),
+                                              priority=1))
 def flash_varlen_attention(q_BSHD, k_BSKD, v_BSKD, meta: AttnMeta, scale: float) -> torch.Tensor:
     """Causal attention within the documents of meta.cu_seqlens (over the flattened B*S tokens; None:
     every row is one document). Returns [B, S, Hq, D] in the compute dtype. Rows of one document each go
@@ -328,28 +326,20 @@ def cp_varlen_attention(q_BsHD, k_BSKD, v_BSKD, segments: VarlenSegments, scale:
     return out_THD.unflatten(0, (B, s))
 
 
-def check_attn_backend(name: str) -> None:
-    """Raises ValueError naming the fix when `name` is unknown or cannot run on this install. Whether
-    flash can run is decided by the varlen implementation found on first use, not at import."""
-    ATTN_BACKENDS.resolve(name)
-    if name in ("flash", "auto"):
-        dense_causal()  # decided now, outside any compiled region
-    if name == "flash" and varlen_impl() is None:
-        raise ValueError("attention backend 'flash' needs flash-attn installed or a torch with "
-                         "torch.nn.attention.varlen.varlen_attn (>= 2.10); "
-                         "set model.attn_backend: sdpa or pip install flash-attn")
-
-
 class Qwen3Attention(nn.Module):
     """Qwen3 attention. `gated=True` is the Qwen3.5 / Qwen3-Next form: q_proj yields a query and a
     gate per head ([q | gate] per head), the output is multiplied by sigmoid(gate) before o_proj, the
     q/k norms use (1 + w), and RoPE may cover only the first `rotary_dim` dims."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 bias: bool = False, backend: str = "sdpa", norm_rope_impl: str = "auto", gated: bool = False,
+                 bias: bool = False, backend: str = "sdpa", norm_rope_impl: str = "torch", gated: bool = False,
                  rotary_dim: int | None = None, o_bias: bool = False, device=None, dtype=None):
         super().__init__()
-        check_attn_backend(backend)
+        # Concrete names (runtime.plan resolved "auto"); fetched now, outside any compiled region.
+        ATTN_BACKENDS.get(backend)
+        NORM_ROPE_IMPLS.get(norm_rope_impl)
+        if backend == "flash":
+            dense_causal()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.backend, self.norm_rope_impl = eps, backend, norm_rope_impl
         self.gated, self.rotary_dim = gated, rotary_dim
@@ -376,8 +366,7 @@ class Qwen3Attention(nn.Module):
         if meta.cp is not None:
             out_BSHD = self._context_parallel(q_BSHD, k_BSKD, v_BSKD, meta.cp)
         else:
-            backend = resolve_attn_backend(self.backend, q_BSHD.device)
-            out_BSHD = ATTN_BACKENDS.get(backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
+            out_BSHD = ATTN_BACKENDS.get(self.backend)(q_BSHD, k_BSKD, v_BSKD, meta, self.scale)
         if self.gated:
             out_BSHD = out_BSHD * torch.sigmoid(gate_BSHD)
         return self.o_proj(out_BSHD.reshape(B, S, -1))
@@ -387,8 +376,7 @@ class Qwen3Attention(nn.Module):
         if cp.mode == "ulysses":
             k_BsKD, v_BsKD = (repeat_kv_for_cp(t, self.num_heads, cp.size) for t in (k_BsKD, v_BsKD))
             q_BShD, k_BSkD, v_BSkD = (seq_to_heads(t, cp) for t in (q_BsHD, k_BsKD, v_BsKD))
-            backend = resolve_attn_backend(self.backend, q_BsHD.device)
-            return heads_to_seq(ATTN_BACKENDS.get(backend)(q_BShD, k_BSkD, v_BSkD, cp.meta, self.scale), cp)
+            return heads_to_seq(ATTN_BACKENDS.get(self.backend)(q_BShD, k_BSkD, v_BSkD, cp.meta, self.scale), cp)
         k_BSKD, v_BSKD = gather_sequence(k_BsKD, cp), gather_sequence(v_BsKD, cp)
         if cp.segments is not None:
             return cp_varlen_attention(q_BsHD, k_BSKD, v_BSKD, cp.segments, self.scale)

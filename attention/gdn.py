@@ -1,7 +1,7 @@
 """Gated DeltaNet (the linear-attention layer of Qwen3.5 / Qwen3-Next) over packed sequences.
 
     gdn = GatedDeltaNet(hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, eps,
-                        layout="qwen3_5" | "qwen3_next", op_set="torch" | "fla" | "auto", device=None, dtype=None)
+                        layout="qwen3_5" | "qwen3_next", op_set="torch" | "fla", device=None, dtype=None)
     y_BSH = gdn(x_BSH, meta)      # meta: attention.attention.AttnMeta or None
 
 Computation (per token t, value head h, key head h * num_k_heads // num_v_heads):
@@ -30,8 +30,9 @@ Context parallelism (meta.cp, zigzag pieces: attention/context_parallel.py), exa
   about (V+K)/V of a delta-rule pass; either op set (the pieces' document tables come from the CPShard).
 
 Op sets (attention/gdn_ops_torch.py, attention/gdn_ops_fla.py) in `GDN_OP_SETS` (config key
-model.gdn_op_set; "auto" = fla on CUDA when installed and its backward can run here, else torch, with a
-warning naming the fix), chosen at build time, one contract:
+model.gdn_op_set; runtime.plan resolves "auto": fla on CUDA when installed and its backward can run here, else
+torch, with a warning naming the fix; runtime.plan also holds the cp checks), given to the layer by name, one
+contract:
     docs = ops.prepare_docs(cu_seqlens, B, S, device)
     y_BSD = ops.causal_conv1d_silu(x_BSD, weight_DW, docs)
     o_BSHV = ops.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, docs)
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -63,51 +63,28 @@ from torch import nn
 
 from attention.attention import AttnMeta
 from attention.context_parallel import CPShard, gather_pieces, heads_to_seq, seq_to_heads
-from gpu.registry import Registry
+from gpu.registry import Capabilities, Registry
 
 GDN_LAYOUTS = ("qwen3_5", "qwen3_next")
-_FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 
 
-def _fla_refusal() -> str | None:
-    """Why op set fla cannot train on this CUDA device (attention/gdn_ops_fla.py), None when it can."""
+def _fla_missing() -> str | None:
+    """Why op set fla cannot train here (not installed, or its backward refused on this CUDA device:
+    attention/gdn_ops_fla.py), None when it can."""
+    if importlib.util.find_spec("fla") is None:
+        return "it needs flash-linear-attention==0.6.0 (pip install 'moe-runtime[gdn]'); or use op set 'torch'"
     return importlib.import_module("attention.gdn_ops_fla").backward_refusal()
 
 
-def _auto_op_set() -> str:
-    if not (_FLA_INSTALLED and torch.cuda.is_available()):
-        return "torch"
-    refusal = _fla_refusal()
-    if refusal:
-        warnings.warn(f"model.gdn_op_set auto: using op set 'torch', because {refusal}", stacklevel=2)
-        return "torch"
-    return "fla"
+def _op_set(module: str):
+    return lambda: importlib.import_module(module)
 
 
-# name -> the op-set module's import path: importing `fla` only when chosen keeps it off CPU-only runs.
-GDN_OP_SETS: Registry[str] = Registry("GDN op set", "model.gdn_op_set", auto=_auto_op_set)
-GDN_OP_SETS.register("torch")("attention.gdn_ops_torch")
-if _FLA_INSTALLED:
-    GDN_OP_SETS.register("fla")("attention.gdn_ops_fla")
-else:
-    GDN_OP_SETS.unavailable("fla", "it needs flash-linear-attention==0.6.0 (pip install 'moe-runtime[gdn]'); "
-                                   "or use op set 'torch'")
-
-
-def check_gdn_op_set(name: str) -> str:
-    """The op set `name` stands for ("auto" resolved); raises naming the fix when it cannot run here."""
-    if name == "fla" and not torch.cuda.is_available():
-        raise ValueError("GDN op set 'fla' needs a CUDA device; use op set 'torch' on CPU")
-    resolved = GDN_OP_SETS.resolve(name)  # first: names a missing fla package before its flags are read
-    if name == "fla" and (refusal := _fla_refusal()):  # auto has passed over fla already where it is refused
-        raise ValueError(f"GDN op set 'fla' cannot train here: {refusal} (config key model.gdn_op_set)")
-    return resolved
-
-
-def load_op_set(name: str):
-    """(resolved name, op-set module)."""
-    resolved = check_gdn_op_set(name)
-    return resolved, importlib.import_module(GDN_OP_SETS.get(resolved))
+# name -> the op-set module, imported when a layer is built: `fla` stays off CPU-only runs.
+GDN_OP_SETS: Registry = Registry("GDN op set", "model.gdn_op_set", auto=True)
+GDN_OP_SETS.declare("torch", Capabilities(auto_on=("cpu", "cuda"), reference=True), _op_set("attention.gdn_ops_torch"))
+GDN_OP_SETS.declare("fla", Capabilities(devices=("cuda",), unavailable=_fla_missing, auto_on=("cuda",), priority=1),
+                    _op_set("attention.gdn_ops_fla"))
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"unknown GDN layout {layout!r}; choose one of {list(GDN_LAYOUTS)}")
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-        self.op_set, self.ops = load_op_set(op_set)
+        self.op_set, self.ops = op_set, GDN_OP_SETS.get(op_set)  # a concrete name: runtime.plan resolved "auto"
         self.layout = layout
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
@@ -236,9 +213,6 @@ class GatedDeltaNet(nn.Module):
     def _mix_head_parallel(self, qkv_BsD, b_BsH, a_BsH, cp: CPShard) -> torch.Tensor:
         """_mix on whole rows for this cp rank's key heads: one exchange of every key head's q, k, its
         value heads' v, b and a (sequence -> heads), one of the output back (heads -> sequence)."""
-        if self.num_k_heads % cp.size:
-            raise ValueError(f"parallelism.cp_gdn: heads runs GDN layers head-parallel: cp={cp.size} must divide "
-                             f"linear_num_key_heads={self.num_k_heads}; or set parallelism.cp_gdn: state")
         B, s, _ = qkv_BsD.shape
         Hk, group = self.num_k_heads, self.num_v_heads // self.num_k_heads
         q, k, v = qkv_BsD.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -276,10 +250,6 @@ class GatedDeltaNet(nn.Module):
         starts (cp.conv_cu_seqlens: the documents of the extended pieces)."""
         n, P = x_nPD.shape[:2]
         W = self.conv1d.kernel_size[0]
-        if P < W - 1:
-            raise ValueError(f"parallelism.cp_gdn: state reads a conv tail of conv_kernel-1 = {W - 1} tokens from "
-                             f"the previous zigzag piece, but pieces hold seq_len/(2*cp) = {P}; use a longer "
-                             "data.seq_len, a smaller cp or parallelism.cp_gdn: heads")
         if cp.gdn_conv_tail != W - 1:
             raise ValueError(f"the CPShard's document tables are for a conv tail of {cp.gdn_conv_tail} tokens, this "
                              f"GDN layer's conv window reads {W - 1}: build the CPShard with gdn_conv_tail={W - 1}")

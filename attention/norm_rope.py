@@ -3,8 +3,8 @@
 Contract::
 
     qk_norm_rope(q_BSHD, k_BSKD, q_weight_D, k_weight_D, cos_BSR, sin_BSR, eps,
-                 unit_offset=False, rotary_dim=None, impl="auto",
-                 launch_settings=DEFAULT_LAUNCH_SETTINGS) -> (q_out_BSHD, k_out_BSKD)
+                 unit_offset=False, rotary_dim=None, impl="torch",
+                 launch_settings=None) -> (q_out_BSHD, k_out_BSKD)
 
 B batch, S sequence, H query heads, K key/value heads, D head_dim, R rotary_dim (<= D, even).
 q/k may be non-contiguous views (e.g. slices of a fused qkv projection); the last dim must be dense.
@@ -20,35 +20,32 @@ impl (the names of NORM_ROPE_IMPLS, config key model.norm_rope_impl):
 multiplies by (1 + w) in fp32 and casts after; RoPE then runs in the input dtype).
 "triton" is the fused kernel of attention/kernels/norm_rope.py (forward and backward are
 `torch.library.triton_op`s, so torch.compile traces them without a graph break); it keeps the whole row
-in fp32 and rounds once at the store. `launch_settings` tunes its launches and nothing else.
-"auto" is the reference for tensors off CUDA, else triton where the triton package is installed.
+in fp32 and rounds once at the store. `launch_settings` (attention.kernels.norm_rope.LaunchSettings, None:
+its defaults) tunes its launches and nothing else; the kernel module is imported when triton is first used.
+"auto" (config only) is resolved by runtime.plan: triton on CUDA where the triton package is installed.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import os
 
 import torch
 
-from attention.kernels.norm_rope import AVAILABLE as TRITON_AVAILABLE
-from attention.kernels.norm_rope import DEFAULT_LAUNCH_SETTINGS, LaunchSettings, qk_norm_rope_triton
-from gpu.registry import Registry
-
-
-def _auto() -> str:
-    return "triton" if TRITON_AVAILABLE and torch.cuda.is_available() else "torch"
-
+from gpu.registry import Capabilities, Registry
 
 # name -> fn(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, launch_settings) -> (q, k)
-NORM_ROPE_IMPLS = Registry("norm/RoPE impl", "model.norm_rope_impl", auto=_auto)
+NORM_ROPE_IMPLS = Registry("norm/RoPE impl", "model.norm_rope_impl", auto=True)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float, unit_offset: bool = False,
-                 rotary_dim: int | None = None, impl: str = "auto",
-                 launch_settings: LaunchSettings = DEFAULT_LAUNCH_SETTINGS) -> tuple[torch.Tensor, torch.Tensor]:
+                 rotary_dim: int | None = None, impl: str = "torch",
+                 launch_settings=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalize each q/k head over D and rotate its first `rotary_dim` dims; see the module docstring."""
-    fn = NORM_ROPE_IMPLS.get("torch" if impl == "auto" and not q.is_cuda else impl)
+    fn = NORM_ROPE_IMPLS.get(impl)
     if torch.compiler.is_compiling():  # shapes may be symbolic (unhashable): check them uncached
         _check_inputs(q, k, q_weight, k_weight, cos, sin, rotary_dim)
     else:
@@ -117,12 +114,25 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float,
     return q_out, k_out
 
 
-@NORM_ROPE_IMPLS.register("torch")
+@NORM_ROPE_IMPLS.register("torch", Capabilities(auto_on=("cpu", "cuda"), reference=True))
 def _torch_impl(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, launch_settings):
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
 
 
-if TRITON_AVAILABLE:
-    NORM_ROPE_IMPLS.register("triton")(qk_norm_rope_triton)
-else:
-    NORM_ROPE_IMPLS.unavailable("triton", "the triton package is not installed (pip install triton)")
+def _triton_missing() -> str | None:
+    return None if importlib.util.find_spec("triton") else "the triton package is not installed (pip install triton)"
+
+
+def _load_triton():
+    kernels = importlib.import_module("attention.kernels.norm_rope")
+
+    def triton_impl(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, launch_settings):
+        settings = kernels.DEFAULT_LAUNCH_SETTINGS if launch_settings is None else launch_settings
+        return kernels.qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, settings)
+    return triton_impl
+
+
+# TRITON_INTERPRET=1 runs the kernel on the CPU (tests, fp32).
+_TRITON_DEVICES = ("cpu", "cuda") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+NORM_ROPE_IMPLS.declare("triton", Capabilities(devices=_TRITON_DEVICES, unavailable=_triton_missing, auto_on=("cuda",),
+                                               priority=1), _load_triton)

@@ -47,17 +47,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from attention.attention import resolve_attn_backend
 from attention.gdn import GatedDeltaNet
 from benchmarks.baselines.transformers_model import transformers_model
 from benchmarks.harness import SHAPES, Column, Report, event_times_ms, wall_times_ms
-from moe.backends import resolve_expert_backend
 from runtime.config import config_from_dict
 from runtime.data.packing import Batch
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
-from runtime.loss import LOSS_IMPLS
 from runtime.models.factory import build_model
 from runtime.models.hf import config_from_hf
 from runtime.observe.metrics import device_peak_flops, flops_per_token
@@ -252,13 +249,12 @@ def build_ours(args, hf: dict, device: torch.device) -> Setup:
 
 
 def implementations(cfg, model: torch.nn.Module, device: torch.device) -> str:
-    """What our side runs, "auto" resolved as the layers resolve it on `device`."""
-    m = cfg.model
+    """What our side runs: the model's implementation names (runtime.plan resolved "auto" before the build)."""
+    m = model.config
     gdn = next((f", gdn {layer.op_set}" for layer in model.modules() if isinstance(layer, GatedDeltaNet)), "")
     packed = f" on {cfg.quant.base_weights}" if cfg.quant.base_weights != "none" else ""
-    return (f"experts {resolve_expert_backend(m.expert_backend, device)}{packed}, "
-            f"attn {resolve_attn_backend(m.attn_backend, device)}{gdn}, "
-            f"loss {LOSS_IMPLS.resolve(m.loss_impl)}" + (", compiled" if cfg.compile.enabled else ""))
+    return (f"experts {m.expert_backend}{packed}, attn {m.attn_backend}{gdn}, loss {m.loss_impl}"
+            + (", compiled" if cfg.compile.enabled else ""))
 
 
 def build_baseline(args, hf: dict, device: torch.device) -> Setup:

@@ -18,7 +18,7 @@
 #   sweep  one call (< 9 min) after a decode or tuning change: the decode of every code under every scale
 #          byte compiled for the GPU and the dequantize kernel bit for bit, scattermoe on packed experts vs eager
 #          at the Qwen3-30B-A3B shape (both formats, LoRA and frozen); the expert layer (bf16 / MXFP4 / NVFP4,
-#          LoRA r=16, autotuned); then each FP4 GEMM config forced on every packed GEMM (MOE_FP4_GEMM_CONFIG),
+#          LoRA r=16, autotuned); then each FP4 GEMM config forced on every packed GEMM (tuning.force_fp4_gemm_config),
 #          ep1 fwd+bwd ms per format, one line per config (the autotuner may mix configs across the 4 GEMMs)
 #   gemms  each GEMM reading a packed weight in a LoRA step, bf16 vs MXFP4 vs NVFP4 (bench_experts --gemms)
 #   fit    the whole Qwen3-30B-A3B (48 layers) LoRA on MXFP4 experts, rows of 8192, no checkpointing: peak
@@ -54,9 +54,12 @@ if [[ $parts == *sweep* ]]; then
   # 256,64,64,8,4 256,64,128,8,2"). The timeouts keep the whole part under 9 minutes.
   # shellcheck disable=SC2086
   for cfg in 128,128,64,8,3 128,256,64,8,3 256,128,64,8,3 ${SWEEP_MORE:-}; do
-    MOE_FP4_GEMM_CONFIG=$cfg timeout 40 python - "$cfg" >> "$OUT/fp4_sweep.log" 2>&1 <<'PY'
+    timeout 40 python - "$cfg" >> "$OUT/fp4_sweep.log" 2>&1 <<'PY'
 import sys
 from benchmarks.bench_experts import Row, bench_row
+from moe.kernels.tuning import force_fp4_gemm_config
+bm, bn, bk, warps, stages, *persistent = (int(v) for v in sys.argv[1].split(","))
+force_fp4_gemm_config(bm, bn, bk, warps, stages, bool(persistent and persistent[0]))
 cells = []
 for mode in ("lora16-mxfp4", "lora16-nvfp4"):
     row = bench_row(Row("qwen3-30b-a3b", 8192, mode, 1, "scattermoe"), iters=10, warmup=3, matmul=None)
@@ -94,7 +97,7 @@ echo "== summary"
 [[ -f $OUT/bench_quant.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_quant.log" | tail -n 5
 [[ -f $OUT/bench_experts_fp4.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp4.log" | tail -n 24
 [[ -f $OUT/fp4_gemms.log ]] && grep -E "packed GEMMs|^GEMM|x$|Error" "$OUT/fp4_gemms.log"
-[[ -f $OUT/fp4_sweep.log ]] && echo "config (MOE_FP4_GEMM_CONFIG)  fmt fwd fwd+bwd steady ms (ep1)" \
+[[ -f $OUT/fp4_sweep.log ]] && echo "config (force_fp4_gemm_config)  fmt fwd fwd+bwd steady ms (ep1)" \
   && grep -E "^sweep|Error" "$OUT/fp4_sweep.log"
 for tag in "${tags[@]}"; do
   grep -E "^(ours|baseline) +lora |^ratio|failed:" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"

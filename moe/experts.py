@@ -151,10 +151,11 @@ class GroupedExperts(nn.Module):
             nn.init.zeros_(self.down_lora_B)
 
     def forward(self, x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                backend: str = "auto", valid_slots: int | None = None) -> torch.Tensor:
-        """Runs an expert backend on these weights (valid_slots: see moe.backends). Calling the module
-        (rather than the backend directly) lets wrappers such as FSDP gather the weights first."""
-        return expert_backend(backend, x_MH.device)(x_MH, expert_ids_Mk, weights_Mk, self, valid_slots=valid_slots)
+                backend: str = "grouped_mm", valid_slots: int | None = None) -> torch.Tensor:
+        """Runs the expert backend `backend` (a concrete name) on these weights (valid_slots: see moe.backends).
+        Calling the module (rather than the backend directly) lets wrappers such as FSDP gather the weights
+        first."""
+        return expert_backend(backend)(x_MH, expert_ids_Mk, weights_Mk, self, valid_slots=valid_slots)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "

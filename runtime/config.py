@@ -1,4 +1,5 @@
-"""The YAML schema of a training run. Every check happens here, before any process group or model.
+"""The YAML schema of a training run: names and values of every key. Checks of combinations against what the
+implementations can do (capabilities, model shapes, the mesh) are runtime.plan's, also before any process group.
 
 `load_config(path, overrides)` -> Config, or ConfigError whose message names the key and the fix.
 """
@@ -21,7 +22,6 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from moe.dispatch.deepep import deepep_unavailable_reason
 from runtime.models.config_check import model_config_problems
 from runtime.registry import check_choice
 
@@ -56,7 +56,8 @@ class ModelConfig(Section):
         "a HF-style config dict (model_type, sizes) for a randomly initialized model; or set path"))
     dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
         "dtype the weights are kept in (float32: fp32 masters under bf16 autocast on CUDA)"))
-    # Implementation names are checked against their registries (runtime/registry.py).
+    # Implementation names are checked against their registries (runtime/registry.py); runtime.plan resolves
+    # "auto" from the capabilities they declare and records the choice in the run folder's resolved.yaml.
     expert_backend: str = Field("auto", description=(
         "the expert computation (moe/backends); eager is the per-expert reference"))
     attn_backend: str = Field("auto", description=(
@@ -294,11 +295,6 @@ class Config(Section):
         if p.cp > 1 and self.data.seq_len % (2 * p.cp):
             raise ValueError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
                              f"data.seq_len (now {self.data.seq_len}) to a multiple of {2 * p.cp}")
-        if p.dispatcher == "deepep" and (missing := deepep_unavailable_reason()):
-            raise ValueError(f"parallelism.dispatcher: deepep cannot run here: {missing}; or use all_to_all")
-        if p.dispatcher == "local" and p.ep > 1:
-            raise ValueError(f"parallelism.dispatcher: local keeps every expert on every rank, but "
-                             f"parallelism.ep is {p.ep}; use all_to_all")
         if self.checkpoint.export_merged and not self.lora.enabled:
             raise ValueError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
                              "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")

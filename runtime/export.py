@@ -119,8 +119,15 @@ def load_run_model(run_dir: Path, step: int | None = None):
     from runtime.distributed.mesh import ParallelDims
     from runtime.distributed.process_group import DistEnv
     from runtime.models.factory import build_model
+    from runtime.plan import MODEL_CHOICES, plan
 
     cfg = config_from_dict(read_run_config(run_dir))
+    # One CPU process that only loads weights: the run's kernels and mesh do not matter here.
+    cfg = plan(cfg.model_copy(update={
+        "model": cfg.model.model_copy(update=dict.fromkeys(MODEL_CHOICES, "auto")),
+        "compile": cfg.compile.model_copy(update={"enabled": False, "inductor_options": {}}),
+        "parallelism": cfg.parallelism.model_copy(update={"dp_replicate": 1, "dp_shard": 1, "cp": 1, "ep": 1,
+                                                          "dispatcher": "all_to_all"})}), 1, "cpu").config
     if not cfg.lora.enabled:
         raise ConfigError(f"{run_dir} is a full fine-tune (lora.enabled: false): its HF checkpoint is what "
                           "checkpoint.export_hf writes; there is no adapter to merge")

@@ -2,8 +2,9 @@
 [--max-steps N] [--output-dir D] [--resume] [--debug] [--set KEY=VALUE ...] cfg.yaml`, under torchrun or
 as a plain process.
 
-Flags override the YAML; `--set` overrides any key. Config and mesh errors are raised before any process
-group exists, then runtime.guard.preflight checks the file system (output dir writable, inputs readable, disk).
+Flags override the YAML; `--set` overrides any key. Config and mesh errors, and every choice this machine
+cannot run (runtime.plan), are raised before any process group exists, then runtime.guard.preflight checks the file
+system (output dir writable, inputs readable, disk).
 `--estimate [--world-size N]` prints the memory one rank would hold (runtime.estimate) and exits there,
 before any weight, process group or preflight.
 A failure ends as runtime.guard.failure_report says: one `error:` line from rank 0, exit code != 0.
@@ -20,9 +21,9 @@ import yaml
 
 from runtime.cli import CliParser
 from runtime.config import ConfigError, load_config
-from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import env_world
 from runtime.guard.failures import RunContext
+from runtime.plan import plan
 
 log = logging.getLogger("runtime")
 
@@ -82,15 +83,15 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def prepare(argv: list[str] | None = None):
-    """Config and ParallelDims from argv; validates everything before any process group exists."""
+def prepare(argv: list[str] | None = None, device=None):
+    """(args, the config as written, ParallelDims, runtime.plan's Plan) from argv: every key validated, every
+    `auto` resolved and every combination checked before any process group exists. `device`: the device type
+    the run will use (None: this machine's)."""
     args = parse_args(argv)
     cfg = load_config(args.config, config_overrides(args))
     _, world, _ = env_world()
-    world = args.world_size or world
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    return args, cfg, dims
+    run_plan = plan(cfg, args.world_size or world, device)
+    return args, cfg, run_plan.dims, run_plan
 
 
 def run(argv: list[str] | None = None, context: RunContext | None = None) -> list[dict]:
@@ -99,17 +100,19 @@ def run(argv: list[str] | None = None, context: RunContext | None = None) -> lis
     from runtime.train import train
 
     context = context or RunContext()
-    args, cfg, dims = prepare(argv)
+    estimating = "--estimate" in (argv if argv is not None else sys.argv[1:])
+    # an estimate is for the GPU run (bf16 autocast), wherever it is asked
+    args, cfg, dims, run_plan = prepare(argv, "cuda" if estimating else None)
     if args.estimate:
         from runtime.estimate import report
 
-        print(report(cfg, dims))  # for the GPU run (bf16 autocast), wherever it is asked
+        print(report(run_plan.config, dims))
         return []
     context.output_dir = cfg.train.output_dir
-    preflight(cfg, env_world()[0])
+    preflight(run_plan.config, env_world()[0])
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
     meshes = dims.build_meshes(env.device.type) if env.world_size > 1 else None
-    return train(cfg, env, dims, meshes, resume=args.resume, progress=context.progress)
+    return train(cfg, env, dims, meshes, resume=args.resume, progress=context.progress, plan=run_plan)
 
 
 def main(argv: list[str] | None = None) -> int:

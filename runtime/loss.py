@@ -27,31 +27,29 @@ Implementations:
   further off). It sums grad h over the vocabulary blocks into a bf16 buffer, one rounding per block, so it
   sits just past the bf16 tolerance the other implementations meet: an opt-in, never "auto"
   (docs/benchmarks.md#loss).
-"auto" is "chunked" (see `_auto`).
+"auto" is "chunked" (runtime.plan, from the capabilities declared here).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from gpu.device import compute_dtype
-from gpu.registry import Registry
+from gpu.registry import Capabilities, Registry
 
 IGNORE_INDEX = -100  # the label of a token without loss (runtime.data.packing writes it)
 LOGITS_CHUNK_BYTES = 1 << 30  # "chunked": one chunk's fp32 logits take about this much memory
 
 
-def _auto() -> str:
-    return "chunked"
-
-
-LOSS_IMPLS: Registry = Registry("loss implementation", "model.loss_impl", auto=_auto)
+LOSS_IMPLS: Registry = Registry("loss implementation", "model.loss_impl", auto=True)
 
 
 def linear_cross_entropy_sum(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
-                             impl: str = "auto") -> torch.Tensor:
+                             impl: str = "chunked") -> torch.Tensor:
     """Summed cross-entropy of `h_TH @ weight_VH.T` against `labels_T`; see the module docstring."""
     _check_inputs(h_TH, weight_VH, labels_T)
     return LOSS_IMPLS.get(impl)(h_TH, weight_VH, labels_T)
@@ -70,14 +68,14 @@ def _check_inputs(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.T
         raise ValueError(f"h ({h_TH.dtype}) and weight ({weight_VH.dtype}) dtypes differ outside autocast")
 
 
-@LOSS_IMPLS.register("plain")
+@LOSS_IMPLS.register("plain", Capabilities(reference=True))
 def plain(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
     """Materialized [T, V] logits (upcast to fp32 for the loss): the reference."""
     logits_TV = F.linear(h_TH, weight_VH)
     return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-@LOSS_IMPLS.register("chunked")
+@LOSS_IMPLS.register("chunked", Capabilities(auto_on=("cpu", "cuda"), priority=1))
 def chunked(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
             chunk_size: int | None = None) -> torch.Tensor:
     """Label tokens in chunks of `chunk_size` (default: ~LOGITS_CHUNK_BYTES of fp32 logits per chunk)."""
@@ -153,16 +151,15 @@ def _chunk_loss_and_grad_logits(h_CH, w_VH, labels_C, with_grad: bool):
     return loss, probs_CV.to(h_CH.dtype)
 
 
-def _register_liger() -> None:
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    except ModuleNotFoundError as err:
-        if err.name is None or err.name.split(".")[0] not in ("liger_kernel", "triton"):
-            raise
-        LOSS_IMPLS.unavailable("liger", f"{err} (pip install liger-kernel)")
-        return
+def _missing(module: str, pip: str):
+    def reason() -> str | None:
+        return None if importlib.util.find_spec(module) else f"the {module} package is not installed (pip install {pip})"
+    return reason
 
-    @LOSS_IMPLS.register("liger")
+
+def _load_liger():
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
     def liger(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
         """Liger's chunked Triton loss. We cast to the matmul dtype ourselves and turn autocast off so it
         takes its same-dtype path; grad_weight accumulates in fp32 (accum_dtype) before its cast back."""
@@ -171,26 +168,23 @@ def _register_liger() -> None:
             return liger_fused_linear_cross_entropy(h_TH.to(dtype), weight_VH.to(dtype), labels_T,
                                                     ignore_index=IGNORE_INDEX, reduction="sum",
                                                     accum_dtype=torch.float32)
+    return liger
 
 
-def _register_cce() -> None:
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ModuleNotFoundError as err:
-        if err.name is None or err.name.split(".")[0] not in ("cut_cross_entropy", "triton"):
-            raise
-        LOSS_IMPLS.unavailable("cce", f"{err} (pip install cut-cross-entropy)")
-        return
+def _load_cce():
+    from cut_cross_entropy import linear_cross_entropy
 
-    @LOSS_IMPLS.register("cce")
     def cce(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
         """Cut Cross-Entropy: its Triton kernels see no autocast, so h and weight are cast here (its
         backward takes bf16/fp16 h only)."""
         dtype = compute_dtype(h_TH)
         return linear_cross_entropy(h_TH.to(dtype), weight_VH.to(dtype), labels_T, ignore_index=IGNORE_INDEX,
                                     reduction="sum", impl="cce", filter_eps=None)
+    return cce
 
 
-# Imported now, not lazily: an import inside a compiled region breaks the graph.
-_register_liger()
-_register_cce()
+# Imported when a layer is built (never inside a compiled region), so the config never loads Triton.
+LOSS_IMPLS.declare("liger", Capabilities(devices=("cuda",), unavailable=_missing("liger_kernel", "liger-kernel")),
+                   _load_liger)
+LOSS_IMPLS.declare("cce", Capabilities(devices=("cuda",), unavailable=_missing("cut_cross_entropy",
+                                                                               "cut-cross-entropy")), _load_cce)

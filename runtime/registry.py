@@ -1,6 +1,7 @@
 """The registries a config chooses from, by config key. Each is owned by its package (a
-gpu.registry.Registry filled where the implementations live), so the names are never repeated here
-and every package resolves its own "auto".
+gpu.registry.Registry filled where the implementations live), so the names are never repeated here.
+Importing them imports no implementation (no Triton, no kernel module): runtime.plan resolves "auto" and
+checks the choices against their declared capabilities.
 
     check_choice("model.expert_backend", "scattermoe")   # None, or the message naming the choices
 """

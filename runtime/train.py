@@ -19,7 +19,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from moe.backends import kernel_warm_up
 from moe.dispatch import LoadReading
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters, check_same_model, model_changes
 from runtime.config import Config
@@ -56,6 +58,8 @@ from runtime.observe.profiling import StepProfiler
 from runtime.observe.slow_step import SlowStepNotice
 from runtime.observe.trackers import Trackers
 from runtime.optim import build_optimizer, optimizer_step
+from runtime.plan import Plan
+from runtime.plan import plan as make_plan
 
 log = logging.getLogger("runtime")
 
@@ -176,27 +180,33 @@ def check_resumed_model(cfg: Config, run_dir: RunDir) -> None:
 
 
 def train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None = None,
-          resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True) -> list[dict]:
+          resume: bool = False, on_grads=None, progress: Progress | None = None, autocast: bool = True,
+          plan: Plan | None = None) -> list[dict]:
     """Runs cfg.train.max_steps optimizer steps; returns the per-step metric records (every rank).
+    `plan`: runtime.plan's for cfg (launch makes it before any process group), made here when not given;
+    everything is built from plan.config, whose implementation names are concrete.
     `on_grads(model)` runs after each step's backward, before clipping (runtime.verify uses it);
     `autocast=False` computes in the parameters' dtype on CUDA too (verify's fp32 reference);
     `progress` is kept up to date with the step, for the failure report (runtime.guard.failures)."""
     progress = progress or Progress()
+    plan = plan or make_plan(cfg, env.world_size, env.device)
     resume = resume or cfg.checkpoint.resume
     run_dir = claim(cfg, env, resume)
     try:
-        return _train(cfg, env, dims, meshes, run_dir, resume, on_grads, progress, autocast)
+        return _train(plan, env, dims, meshes, run_dir, resume, on_grads, progress, autocast)
     finally:
         release_run_dir(run_dir)
 
 
-def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
+def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, run_dir: RunDir,
            resume: bool, on_grads, progress: Progress, autocast: bool) -> list[dict]:
+    cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     if resume:
         check_resumed_model(cfg, run_dir)
-    if env.is_main:
-        write_run_config(run_dir.root, cfg.model_dump(mode="json"))
+    if env.is_main:  # what the user wrote, and beside it what the plan resolved
+        write_run_config(run_dir.root, plan.user_config.model_dump(mode="json"))
+        plan.write(run_dir.root)
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg, autocast)
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
@@ -226,13 +236,19 @@ def _train(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | None,
     guard = StepGuard(cfg.train.nan_policy, cfg.train.max_nan_skips)
     profiler = StepProfiler(cfg.profiling.steps, cfg.profiling.top, cfg.train.output_dir, env.rank, env.device)
     records, timer, recompiles = [], StepTimer(), RecompileCounter()
+    world_group = dist.group.WORLD if env.world_size > 1 else None
+
+    def warm_up(first: bool):
+        """The first step makes the kernels' timed choices, agreed over every rank (moe.backends.kernel_warm_up)."""
+        return kernel_warm_up(world_group) if first else nullcontext()
+
     try:
         with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage, SlowStepNotice() as notice:
             for step in range(start + 1, cfg.train.max_steps + 1):
                 progress.step, progress.training = step, True
                 with notice.step(step):
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-                    with profiler.step(step):
+                    with profiler.step(step), warm_up(step == start + 1):
                         result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
                 guard.check(step, result, last_good)
                 lr = scheduler.get_last_lr()[0]

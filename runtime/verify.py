@@ -33,16 +33,15 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import Config, ConfigError
-from runtime.distributed.fsdp import gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv
+from runtime.plan import MODEL_CHOICES, registry
 
 TOLERANCES = {"float32": {"loss": 1e-5, "grad": 1e-4, "grad_after_update": 1e-4, "router_grad": 1e-4},
               "bfloat16": {"loss": 2e-2, "grad": 5e-2, "grad_after_update": 1e-1, "router_grad": 1e-1}}
-# The fp32 reference: parameters and compute in fp32, each kernel choice the plainest (sharing no kernel with
-# the runs it judges where the model allows).
-EXACT_MODEL = {"dtype": "float32", "expert_backend": "eager", "attn_backend": "sdpa", "norm_rope_impl": "torch",
-               "gdn_op_set": "torch", "loss_impl": "plain"}
+# The fp32 reference: parameters and compute in fp32, each kernel choice the plainest (Capabilities.reference:
+# sharing no kernel with the runs it judges where the model allows).
+EXACT_MODEL = {"dtype": "float32", **{field: registry(f"model.{field}").reference() for field in MODEL_CHOICES}}
 NOISE_FACTOR = 2.0  # how much further from fp32 than the bf16 reference a distributed value may be
 
 
@@ -204,7 +203,8 @@ def verify(argv: list[str]) -> int:
     if known.steps < 1:  # zero steps compare nothing and would print PASS
         raise UsageError(f"--steps {known.steps}: verification needs at least one step (command line); "
                          "pass --steps 1 or more (default 3)")
-    _, cfg, dims = prepare(rest)
+    _, cfg, dims, run_plan = prepare(rest)
+    cfg = run_plan.config  # every auto resolved; --exact replaces the names by each registry's reference
     if known.exact:
         check_exact(cfg)
         cfg = exact_config(cfg)
@@ -229,7 +229,7 @@ def verify(argv: list[str]) -> int:
         if not ok and dtype == "bfloat16":
             print("bf16 rounding moves near-tie routing choices between runs: `--exact` runs both sides in fp32 on the "
                   "plain kernels and checks the parallelism alone at fp32 bounds")
-            if gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep) == "bf16" and dims.dp_shard * dims.cp > 1:
+            if cfg.parallelism.fsdp_param_dtype == "bf16" and dims.dp_shard * dims.cp > 1:
                 print("FSDP gathered the parameters in bf16 (parallelism.fsdp_param_dtype: bf16), rounding norms, router, "
                       "embedding and GDN decay parameters the one-process reference computes in fp32: "
                       "--set parallelism.fsdp_param_dtype=fp32 verifies at one GPU's precision")

@@ -13,11 +13,16 @@ Backends read weights only through `experts.base_weight(name)` and `experts.lora
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
-from gpu.registry import Registry
+from gpu.registry import Capabilities, Registry
 
 
 class ExpertBackend(Protocol):
@@ -25,43 +30,56 @@ class ExpertBackend(Protocol):
                  experts, valid_slots: int | None = None) -> torch.Tensor: ...
 
 
-def resolve_expert_backend(name: str, device: torch.device | str) -> str:
-    """"auto" is scattermoe (fused Triton kernels, LoRA included) on CUDA where Triton is installed, else
-    grouped_mm; other names as given."""
-    if name != "auto":
-        return name
-    on_cuda = torch.device(device).type == "cuda"
-    return "scattermoe" if on_cuda and EXPERT_BACKENDS.is_available("scattermoe") else "grouped_mm"
+def _module(name: str, module: str) -> Callable[[], ExpertBackend]:
+    """Imports `module`, which registers the backend `name`, on first use (never inside a compiled region:
+    layers fetch their backend when they are built)."""
+    def load() -> ExpertBackend:
+        importlib.import_module(module)  # registers `name`
+        return EXPERT_BACKENDS.get(name)
+    return load
 
 
-def _auto_backend() -> str:
-    return resolve_expert_backend("auto", "cuda" if torch.cuda.is_available() else "cpu")
+def _triton_missing() -> str | None:
+    return None if importlib.util.find_spec("triton") else "the triton package is not installed (pip install triton)"
 
 
-EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=_auto_backend)
-# Backends live in their own modules and register when imported (at the end of this module).
-# sonicmoe registers itself as unavailable without the sonic-moe package or CUDA ("auto" never picks it).
-_MODULES = {"eager": "moe.backends.eager", "grouped_mm": "moe.backends.grouped_mm",
-            "scattermoe": "moe.backends.scattermoe", "sonicmoe": "moe.backends.sonicmoe"}
+def _sonicmoe_missing() -> str | None:
+    return importlib.import_module("moe.backends.sonicmoe").unavailable_reason()
 
 
-def expert_backend(name: str, device: torch.device | str = "cpu") -> ExpertBackend:
-    """The backend registered as `name` ("auto" resolved for `device`). A plain dict lookup (every backend
-    is imported with this module), so a first call inside a torch.compile(fullgraph=True) region traces
-    without a break."""
-    return EXPERT_BACKENDS.get(resolve_expert_backend(name, device))
+# TRITON_INTERPRET=1 runs the Triton kernels on the CPU (tests, at tiny shapes, fp32).
+_TRITON_DEVICES = ("cpu", "cuda") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+
+EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=True)
+# The per-expert loop: the numerical reference (its FP4 path dequantizes by the eager valid count).
+EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=False), _module("eager", "moe.backends.eager"))
+# torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count.
+EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=False,
+                                                   compile_cpu_dtypes=("bfloat16",)),
+                        _module("grouped_mm", "moe.backends.grouped_mm"))
+# Fused Triton kernels, LoRA and FP4 dequant included: the fastest where CUDA and Triton are.
+EXPERT_BACKENDS.declare("scattermoe", Capabilities(devices=_TRITON_DEVICES, unavailable=_triton_missing,
+                                                   auto_on=("cuda",), priority=2),
+                        _module("scattermoe", "moe.backends.scattermoe"))
+# Eager only (SonicMoE asserts it is not compiling); slower than scattermoe, so never "auto".
+EXPERT_BACKENDS.declare("sonicmoe", Capabilities(devices=("cuda",), unavailable=_sonicmoe_missing, compile=False),
+                        _module("sonicmoe", "moe.backends.sonicmoe"))
 
 
-def _import_backends() -> None:
-    """Import every backend now, not lazily: an import inside a compiled region breaks the graph.
-    One whose optional dependency is missing is registered as unavailable (Triton stays optional)."""
-    for name, module in _MODULES.items():
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name is None or err.name.split(".")[0] != "triton":
-                raise
-            EXPERT_BACKENDS.unavailable(name, f"{err} (install triton)")
+def expert_backend(name: str) -> ExpertBackend:
+    """The backend registered as `name` (a concrete name: runtime.plan resolves "auto"). Its module is
+    imported on the first call, so call it once outside any compiled region (MoEBlock does, when built)."""
+    return EXPERT_BACKENDS.get(name)
 
 
-_import_backends()
+@contextmanager
+def kernel_warm_up(group) -> Iterator[None]:
+    """Kernel choices that the loaded backends time (moe.kernels.tuning.faster) are made inside, agreed over
+    `group` (a torch.distributed ProcessGroup, None: this process alone). The runtime wraps its first step in it,
+    once, after parallelize; no forward outside it communicates for tuning."""
+    tuning = sys.modules.get("moe.kernels.tuning")  # loaded only with a Triton backend
+    if tuning is None:
+        yield
+        return
+    with tuning.warm_up(group):
+        yield

@@ -5,9 +5,9 @@
 
 `local` keeps every expert on this rank (the identity); `all_to_all` exchanges tokens over the EP
 group, and is the identity too when that group has one rank (nothing to exchange, no collective).
-`deepep` exchanges them with DeepEP's NVLink kernels (moe/dispatch/deepep.py); it is registered only
-where the deep_ep package is installed (benchmarks/build_deepep.sh builds it), which is imported on
-first use, and is the identity too with one rank.
+`deepep` exchanges them with DeepEP's NVLink kernels (moe/dispatch/deepep.py); runtime.plan refuses it
+where the deep_ep package is not installed (benchmarks/build_deepep.sh builds it), which is imported on
+first use, and it is the identity too with one rank.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from gpu.registry import Registry
+from gpu.registry import Capabilities, Registry
 from moe.dispatch.all_to_all import AllToAllDispatcher
 from moe.dispatch.base import Dispatcher, Routed
 from moe.dispatch.deepep import deepep_unavailable_reason
@@ -35,33 +35,31 @@ def _ep_size(ep_group: dist.ProcessGroup | None) -> int:
     return 1 if ep_group is None else dist.get_world_size(ep_group)
 
 
-@DISPATCHERS.register("local")
+# Every expert on every rank: ep 1 only (runtime.plan refuses it under ep > 1).
+@DISPATCHERS.register("local", Capabilities(ep=False))
 def _local(ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:
-    if _ep_size(ep_group) > 1:
-        raise ValueError(f"dispatcher 'local' keeps every expert on this rank, but the EP group has "
-                         f"{_ep_size(ep_group)} ranks; use all_to_all (config key parallelism.dispatcher)")
     return LocalDispatcher()
 
 
-@DISPATCHERS.register("all_to_all")
+@DISPATCHERS.register("all_to_all", Capabilities())
 def _all_to_all(ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:
     if _ep_size(ep_group) == 1:
         return LocalDispatcher()
     return AllToAllDispatcher(ep_group, num_experts)
 
 
+def _deepep_missing() -> str | None:
+    missing = deepep_unavailable_reason()
+    return None if missing is None else f"{missing}; or use all_to_all"
+
+
+@DISPATCHERS.register("deepep", Capabilities(devices=("cuda",), unavailable=_deepep_missing))
 def _deepep(ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:
     if _ep_size(ep_group) == 1:
         return LocalDispatcher()
     from moe.dispatch.deepep import DeepEPDispatcher  # imports deep_ep (and CUDA) only now
 
     return DeepEPDispatcher(ep_group, num_experts)
-
-
-if (_deepep_missing := deepep_unavailable_reason()) is None:
-    DISPATCHERS.register("deepep")(_deepep)
-else:
-    DISPATCHERS.unavailable("deepep", f"{_deepep_missing}; or use all_to_all")
 
 
 def build_dispatcher(name: str, ep_group: dist.ProcessGroup | None, num_experts: int) -> Dispatcher:

@@ -5,8 +5,10 @@ Contract:
                                  candidate triton.Configs (one fixed small config under TRITON_INTERPRET=1,
                                  where autotuning over several configs does not work)
     FP4_GEMM_CONFIGS             the grouped GEMM's candidates when its weight is FP4-packed (prune_gemm keeps
-                                 each family to its own launches); MOE_FP4_GEMM_CONFIG="BM,BN,BK,warps,stages[,1]"
-                                 (1: persistent) replaces them by that one config (benchmarks/gpu_fp4.sh sweep)
+                                 each family to its own launches)
+    force_fp4_gemm_config(bm, bn, bk, warps, stages, persistent=False)
+                                 replaces them by that one config, before the first launch (a benchmark's
+                                 sweep: benchmarks/gpu_fp4.sh)
     prune_gemm / prune_xty / prune_factor_grads
                                  `early_config_prune` hooks: clamp blocks to the problem, drop configs whose
                                  pipelined tiles exceed the device's shared memory or whose live fp32 tiles
@@ -17,9 +19,11 @@ Contract:
     bench                        a shorter do_bench for the autotuner (the kernels are short: the default over-samples)
     autotune(**kwargs)           triton.autotune, its results cached on disk where this Triton can, so a
                                  second run does not re-tune
+    warm_up(group)               the window (the runtime's first step, after parallelize) in which `faster`
+                                 times its choices: rank 0 of `group` times and broadcasts them over `group`
     faster(key, candidates)      which of several implementations of one operation is faster here,
-                                 timed once per key, the same on every rank (rank 0 times and
-                                 broadcasts), remembered and logged
+                                 timed once per key, the same on every rank of the warm-up group,
+                                 remembered and logged
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -96,9 +101,6 @@ else:
 # (docs/benchmarks.md#fp4-experts).
 FP4_GEMM_CONFIGS = GEMM_CONFIGS if INTERPRET else [_gemm_config(*c) for c in (
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
-if os.environ.get("MOE_FP4_GEMM_CONFIG") and not INTERPRET:
-    _bm, _bn, _bk, _warps, _stages, *_persistent = (int(v) for v in os.environ["MOE_FP4_GEMM_CONFIG"].split(","))
-    FP4_GEMM_CONFIGS = [_gemm_config(_bm, _bn, _bk, _warps, _stages, bool(_persistent and _persistent[0]))]
 
 
 def _gemm_key(c: triton.Config) -> tuple:
@@ -109,6 +111,19 @@ _DENSE_KEYS = {_gemm_key(c) for c in GEMM_CONFIGS}
 _FP4_KEYS = {_gemm_key(c) for c in FP4_GEMM_CONFIGS}
 # The grouped GEMM's config list: both families, each config once.
 ALL_GEMM_CONFIGS = GEMM_CONFIGS + [c for c in FP4_GEMM_CONFIGS if _gemm_key(c) not in _DENSE_KEYS]
+
+
+def force_fp4_gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False) -> None:
+    """Packed-weight GEMMs launch this one config instead of FP4_GEMM_CONFIGS (a benchmark's sweep). Call it
+    before the first launch: the autotuner holds ALL_GEMM_CONFIGS (changed in place) and caches its choice."""
+    if INTERPRET:
+        return
+    config = _gemm_config(bm, bn, bk, warps, stages, persistent)
+    FP4_GEMM_CONFIGS[:] = [config]
+    _FP4_KEYS.clear()
+    _FP4_KEYS.add(_gemm_key(config))
+    if _gemm_key(config) not in {_gemm_key(c) for c in ALL_GEMM_CONFIGS}:
+        ALL_GEMM_CONFIGS.append(config)
 
 
 def _family(configs: list[triton.Config], names: tuple[str, ...], dims: tuple[int, ...]) -> list[triton.Config]:
@@ -230,10 +245,24 @@ def autotune(**kwargs):
 
 # Explicit registry: (operation, shape key) -> the name of its faster implementation on this device.
 _FASTER: dict[tuple, str] = {}
+# The open warm-up windows' groups (None: this process alone), innermost last.
+_WARM_UP: list[dist.ProcessGroup | None] = []
 
 
-def _shared() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+@contextmanager
+def warm_up(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Inside, `faster` times the choices it meets, on the first rank of `group` alone, and broadcasts them over
+    `group` (None or one rank: no collective), so every rank of it runs the same kernels. The runtime opens it
+    once, around its first step after parallelize; every rank of `group` must run the same forward inside."""
+    _WARM_UP.append(group)
+    try:
+        yield
+    finally:
+        _WARM_UP.pop()
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def faster(key: tuple, candidates: Callable[[], dict[str, Callable[[], object]]]) -> str | None:
@@ -241,29 +270,36 @@ def faster(key: tuple, candidates: Callable[[], dict[str, Callable[[], object]]]
     timed on the first call and remembered for the process; None while undecided (`candidates()` was
     empty: nothing could be timed on this call), and then the next call tries again.
 
-    Which one wins differs between machines of one kind, so it is measured, not assumed; and so that
-    every rank runs the same kernel, with a process group up rank 0 alone times and broadcasts its
-    winner. Every rank must then call this for the same keys in the same order: callers keep sizes
-    that differ between ranks (row counts) out of both the key and the decision to call. During
-    CUDA-graph capture nothing can be timed or broadcast: the first candidate, unless a winner is known.
+    Which one wins differs between machines of one kind, so it is measured, not assumed. Timing happens inside
+    `warm_up(group)`, where the group's first rank alone times and broadcasts its winner: every rank of the group
+    must then call this for the same keys in the same order (callers keep sizes that differ between ranks, row
+    counts, out of both the key and the decision to call). Outside a warm-up window a process with a process
+    group up never communicates here: an undecided key takes the first candidate, untimed (a single process
+    times it). During CUDA-graph capture nothing can be timed or broadcast: the first candidate, unless a winner
+    is known.
     """
     winner = _FASTER.get(key)
     if winner is not None:
         return winner
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return next(iter(candidates()), None)
-    shared = _shared()
+    if _WARM_UP:
+        group = _WARM_UP[-1]
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return next(iter(candidates()), None)  # no group to agree over: the same untimed choice on every rank
+    else:
+        group = None
+    shared = _group_size(group) > 1
     times = {}
-    if not shared or dist.get_rank() == 0:
+    if not shared or dist.get_rank(group) == 0:
         times = {name: bench(call, None) for name, call in candidates().items()}
         winner = min(times, key=times.get) if times else None
     if shared:
         verdict = [winner]
-        dist.broadcast_object_list(verdict, src=0)
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
         winner = verdict[0]
     if winner is not None:
         _FASTER[key] = winner
         log.info("kernel choice for %s: %s%s", key, winner,
                  f" (ms: {', '.join(f'{n} {t:.3f}' for n, t in times.items())})" if times else " (rank 0's)")
     return winner
-

@@ -28,10 +28,8 @@ import torch
 from torch.fx.experimental.sym_node import DynamicInt
 
 from attention.attention import AttnMeta
-from moe.backends import resolve_expert_backend
 from moe.experts import GroupedExperts
 from moe.layer import MoEBlock
-from runtime.config import ConfigError
 from runtime.models.qwen import DecoderBlock, QwenForCausalLM
 
 
@@ -47,29 +45,11 @@ def apply_inductor_options(options: dict) -> None:
         setattr(target, leaf, value)
 
 
-def check_compilable(model: QwenForCausalLM) -> None:
-    """torch._grouped_mm traces only in bf16: fp32 experts on the CPU (no autocast) cannot compile. FP4-packed
-    experts compile only on scattermoe (the reference backends dequantize by the eager valid count). SonicMoE
-    runs eager only (it asserts so)."""
-    param = model.model.embed_tokens.weight
-    backend = resolve_expert_backend(model.config.expert_backend, param.device)
-    blocks = model.moe_blocks()
-    if backend == "grouped_mm" and blocks and param.device.type == "cpu" and param.dtype != torch.bfloat16:
-        raise ConfigError("compile.enabled with model.expert_backend: grouped_mm on the CPU needs model.dtype: "
-                          "bfloat16 (torch._grouped_mm compiles for bf16 only); or disable compile")
-    if backend == "sonicmoe" and blocks:
-        raise ConfigError("compile.enabled with model.expert_backend: sonicmoe: SonicMoE runs eager only; use "
-                          "model.expert_backend: scattermoe with compile, or disable compile")
-    if backend != "scattermoe" and any(block.experts.is_quantized for block in blocks):
-        raise ConfigError(f"compile.enabled with quant.base_weights set needs model.expert_backend: scattermoe "
-                          f"(CUDA; {backend} dequantizes FP4 experts in eager mode only); or disable compile")
-
-
 def apply_compile(model: QwenForCausalLM, options: dict, backend: str = "inductor") -> None:
     """Compiles every decoder block in place (FQNs unchanged), fullgraph=True: whole, or around an
     untraceable token exchange (see the module docstring). Call it after the MoE blocks are wired
-    (the dispatcher decides the split) and before FSDP. Blocks of one kind share their graphs."""
-    check_compilable(model)
+    (the dispatcher decides the split) and before FSDP. Blocks of one kind share their graphs. runtime.plan
+    checked that the chosen implementations compile (Capabilities.compile...)."""
     apply_inductor_options(options)
     for block in model.model.layers.values():
         if isinstance(block.mlp, MoEBlock) and not block.mlp.dispatcher.traceable:

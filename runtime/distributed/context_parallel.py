@@ -1,6 +1,6 @@
-"""Context parallelism in the runtime: the cp group of each rank, the checks a config must pass before any
-collective, and the one place a batch is split along the sequence (ContextParallel.shard, called by
-runtime.train.train_step once per micro-batch; a split batch cannot be split again).
+"""Context parallelism in the runtime: the cp group of each rank, and the one place a batch is split along the
+sequence (ContextParallel.shard, called by runtime.train.train_step once per micro-batch; a split batch cannot
+be split again). What cp needs of the config and the model is checked by runtime.plan, before any process group.
 
     cp = ContextParallel.build(meshes, dims, rank, cfg)     # None with cp 1
     local = cp.shard(batch)      # a CPBatch: this rank's tokens of every row + the CPShard the mixers read
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from attention.attention import build_attn_meta, resolve_attn_backend
-from attention.context_parallel import CPShard, zigzag_index
-from runtime.config import Config, ConfigError
+from attention.attention import build_attn_meta
+from attention.context_parallel import CPShard
+from runtime.config import Config
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.loss import IGNORE_INDEX
-from runtime.models.qwen import GDNConfig, QwenConfig
+from runtime.models.qwen import QwenConfig
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ContextParallel:
               model_cfg: QwenConfig) -> ContextParallel | None:
         if dims.cp == 1:
             return None
-        check_context_parallel(cfg, model_cfg)
+        # runtime.plan checked cp against the data and the model; model_cfg.attn_backend is a concrete name
         conv_tail = model_cfg.gdn.conv_kernel - 1 if model_cfg.gdn is not None else 0
         return cls(meshes.world.get_group("cp"), rank % dims.cp, dims.cp, cfg.parallelism.cp_attention,
                    model_cfg.attn_backend, cfg.parallelism.cp_gdn, conv_tail)
@@ -63,49 +63,10 @@ class ContextParallel:
         if isinstance(batch, CPBatch):
             raise TypeError("this batch is already split along the sequence (context parallelism shards a "
                             "batch once, in runtime.train.train_step)")
-        device = batch.input_ids.device
-        backend = resolve_attn_backend(self.attn_backend, device)
-        meta = build_attn_meta(batch.position_ids, batch.cu_seqlens, batch.max_seqlen, backend)
+        meta = build_attn_meta(batch.position_ids, batch.cu_seqlens, batch.max_seqlen, self.attn_backend)
         shard = CPShard(self.group, self.rank, self.size, meta, batch.position_ids, self.mode, self.gdn_mode,
                         self.gdn_conv_tail)
         labels = shard.take(batch.labels)
         return CPBatch(input_ids=shard.take(batch.input_ids), labels=labels,
                        position_ids=shard.take(batch.position_ids),
                        num_label_tokens=int((labels != IGNORE_INDEX).sum()), cp=shard)
-
-
-def check_context_parallel(cfg: Config, model_cfg: QwenConfig) -> None:
-    """What cp > 1 needs of the data and the model, as ConfigErrors (every rank raises alike, before any
-    collective): rows cut into 2*cp equal pieces, heads that split for Ulysses and for head-parallel GDN layers,
-    GDN state passing with pieces no shorter than the conv tail."""
-    cp, mode = cfg.parallelism.cp, cfg.parallelism.cp_attention
-    try:
-        zigzag_index(cfg.data.seq_len, cp, 0)
-    except ValueError as err:
-        raise ConfigError(f"data.seq_len: {err}") from None
-    if mode == "ulysses":
-        if model_cfg.num_heads % cp:
-            raise ConfigError(f"parallelism.cp_attention: ulysses splits the {model_cfg.num_heads} query heads over "
-                              f"cp={cp}, which does not divide them; use cp_attention: allgather or another cp")
-        kv = model_cfg.num_kv_heads
-        if kv % cp and cp % kv:
-            raise ConfigError(f"parallelism.cp_attention: ulysses needs the {kv} kv heads to divide cp={cp} or be "
-                              "divisible by it; use cp_attention: allgather or another cp")
-    if any(model_cfg.is_linear_attention(i) for i in range(model_cfg.num_layers)):
-        _check_gdn(cfg, model_cfg.gdn)
-
-
-def _check_gdn(cfg: Config, gdn: GDNConfig) -> None:
-    """GDN layers under parallelism.cp_gdn: heads need cp | num_k_heads; state needs pieces of at least
-    conv_kernel-1 tokens (either op set)."""
-    cp, piece = cfg.parallelism.cp, cfg.data.seq_len // (2 * cfg.parallelism.cp)
-    if cfg.parallelism.cp_gdn == "heads":
-        if gdn.num_k_heads % cp:
-            raise ConfigError(f"parallelism.cp={cp}: Gated DeltaNet layers run head-parallel (parallelism.cp_gdn: "
-                              f"heads) and need cp to divide linear_num_key_heads={gdn.num_k_heads}; or set "
-                              "parallelism.cp_gdn: state")
-        return
-    if piece < gdn.conv_kernel - 1:
-        raise ConfigError(f"parallelism.cp_gdn: state reads conv tails of linear_conv_kernel_dim-1 = "
-                          f"{gdn.conv_kernel - 1} tokens from the previous zigzag piece, but pieces hold "
-                          f"data.seq_len/(2*cp) = {piece}; use a longer data.seq_len or a smaller cp")

@@ -30,7 +30,10 @@ from runtime.models.qwen import QwenConfig, QwenForCausalLM, init_weights
 def build(cfg: QwenConfig, dtype: torch.dtype, device: torch.device | str, *, path: str | Path | None = None,
           seed: int = 0, ep_rank: int = 0, ep: int = 1, quant: str = "none") -> QwenForCausalLM:
     """This rank's model on `device`: the checkpoint's weights from `path`, else the init seeded by `seed`;
-    routed experts FP4-packed unless quant is "none"."""
+    routed experts FP4-packed unless quant is "none". "auto" names in cfg are resolved for `device`."""
+    from runtime.plan import resolve_model_choices
+
+    cfg = resolve_model_choices(cfg, device)
     with torch.device("meta"):
         model = QwenForCausalLM(cfg, dtype=dtype)
     keep_local_experts(model, ep_rank, ep)

@@ -18,23 +18,13 @@ from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.lora import apply_lora, seed_lora_A
 from runtime.models.build import build
-from runtime.models.hf import config_from_hf, read_hf_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
 from runtime.optim import apply_master_dtype
+from runtime.plan import model_config
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def model_config(cfg: Config) -> QwenConfig:
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
-    return config_from_hf(hf, expert_backend=cfg.model.expert_backend, attn_backend=cfg.model.attn_backend,
-                          norm_rope_impl=cfg.model.norm_rope_impl, gdn_op_set=cfg.model.gdn_op_set,
-                          loss_impl=cfg.model.loss_impl,
-                          router_aux_loss_coef=cfg.model.router_aux_loss_coef,
-                          router_force_balanced=cfg.model.router_force_balanced,
-                          num_layers=cfg.model.num_layers_override)
 
 
 def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalLM:

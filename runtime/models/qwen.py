@@ -25,7 +25,6 @@ from attention.attention import (
     Qwen3Attention,
     build_attn_meta,
     cu_seqlens_from_position_ids,
-    resolve_attn_backend,
 )
 from attention.context_parallel import CPShard
 from attention.gdn import GatedDeltaNet, GatedRMSNorm
@@ -35,7 +34,7 @@ from moe.dispatch import build_dispatcher
 from moe.experts import PROJECTIONS, GroupedExperts
 from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
-from runtime.loss import linear_cross_entropy_sum
+from runtime.loss import LOSS_IMPLS, linear_cross_entropy_sum
 
 
 @dataclass(frozen=True)
@@ -75,12 +74,13 @@ class QwenConfig:
     norm_unit_offset: bool = False
     shared_expert_intermediate_size: int = 0
     gdn: GDNConfig | None = None
-    # Runtime choices, not part of the HF config
-    expert_backend: str = "auto"  # moe.backends.resolve_expert_backend: scattermoe on CUDA, else grouped_mm
-    attn_backend: str = "auto"  # attention.attention.resolve_attn_backend: flash on CUDA, else sdpa
+    # Runtime choices, not part of the HF config: "auto" is resolved once (runtime.plan) before the layers are
+    # built, which receive concrete names
+    expert_backend: str = "auto"
+    attn_backend: str = "auto"
     norm_rope_impl: str = "auto"
     loss_impl: str = "auto"  # runtime.loss: the fused lm_head + cross-entropy used when labels are given
-    gdn_op_set: str = "torch"
+    gdn_op_set: str = "auto"
     router_aux_loss_coef: float = 0.0
     router_force_balanced: bool = False  # benchmarks: every expert gets the same slot count (moe.router)
     # The HF config.json this came from, written back by save_pretrained.
@@ -175,6 +175,11 @@ class QwenModel(nn.Module):
 class QwenForCausalLM(nn.Module):
     def __init__(self, cfg: QwenConfig, device=None, dtype=None):
         super().__init__()
+        from runtime.plan import resolve_model_choices  # runtime.plan imports this module's package
+
+        # "auto" left in cfg (a model built without a plan) is resolved once, here, for `device`
+        cfg = resolve_model_choices(cfg, device)
+        LOSS_IMPLS.get(cfg.loss_impl)  # imported now, outside any compiled region
         self.config = cfg
         self.model = QwenModel(cfg, device, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
@@ -195,8 +200,7 @@ class QwenForCausalLM(nn.Module):
             if position_ids_BS is not None and cu_seqlens is None and self.config.layer_types:
                 # GDN layers need document boundaries; the collator passes them, direct calls may not.
                 cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
-            backend = resolve_attn_backend(self.config.attn_backend, input_ids_BS.device)
-            meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, backend)
+            meta = build_attn_meta(position_ids_BS, cu_seqlens, max_seqlen, self.config.attn_backend)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         cos, sin = self.model.rotary_emb(position_ids_BS, h_BSH.dtype)

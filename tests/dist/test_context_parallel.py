@@ -129,7 +129,7 @@ def _cfg(**parallelism):
 ], ids=["q heads", "kv heads", "gdn heads"])
 def test_context_parallel_refuses_heads_that_do_not_split(parallelism, model, match):
     from runtime.config import ConfigError
-    from runtime.distributed.context_parallel import check_context_parallel
+    from runtime.plan import check_context_parallel
     from runtime.models.hf import config_from_hf
     from tests.conftest import TINY_HYBRID, TINY_MOE
 

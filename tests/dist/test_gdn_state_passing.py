@@ -112,7 +112,7 @@ def test_initial_and_final_state_continue_a_row():
 def _hybrid_check(**overrides):
     """check_context_parallel on the tiny Qwen3.5-MoE hybrid (2 key heads, conv window 4)."""
     from runtime.config import load_config
-    from runtime.distributed.context_parallel import check_context_parallel
+    from runtime.plan import check_context_parallel
     from runtime.models.hf import config_from_hf
     from tests.conftest import TINY_HYBRID
     from tests.dist.test_parity import EXAMPLE
@@ -138,10 +138,7 @@ def test_state_passing_refuses_pieces_shorter_than_the_conv_tail():
 
 def test_state_passing_accepts_auto_resolved_to_fla(monkeypatch):
     """model.gdn_op_set auto on a CUDA machine with fla installed: state passing runs on either op set."""
-    from attention.gdn import GDN_OP_SETS
-
-    monkeypatch.setattr(GDN_OP_SETS, "resolve", lambda name: "fla")
-    _hybrid_check(**{"parallelism.cp": 2, "parallelism.cp_gdn": "state"})
+    _hybrid_check(**{"parallelism.cp": 2, "parallelism.cp_gdn": "state", "model.gdn_op_set": "fla"})
 
 
 def test_one_rank_runs_both_pieces():

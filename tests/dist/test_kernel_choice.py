@@ -1,5 +1,6 @@
-"""tuning.faster: a kernel choice is timed once, by rank 0 alone when a process group is up, and every
-rank adopts it (two ranks timing on their own could pick different kernels); it is logged. And the
+"""tuning.faster: a kernel choice is timed once, inside the warm-up window by rank 0 of its group alone, and
+every rank adopts it (two ranks timing on their own could pick different kernels); it is logged. Outside the
+window a process with a process group up never communicates: the first candidate, untimed. And the
 Triton autotuners cache their results on disk where this Triton can."""
 
 from __future__ import annotations
@@ -45,20 +46,24 @@ def test_nothing_to_time_is_undecided(monkeypatch):
 
 
 def _agree(rank: int, world_size: int):
+    import torch.distributed as dist
+
     tuning.bench = _timed_by_rank(rank)
     timed = []
-    first = tuning.faster(("op", 3), _candidates(timed))
-    # rank 0 finds nothing to time on this call: every rank stays undecided, then decides on the next
-    undecided = tuning.faster(("op", 4), dict if rank == 0 else _candidates(timed))
-    second = tuning.faster(("op", 4), _candidates(timed))
-    return first, undecided, second, len(timed)
+    outside = tuning.faster(("op", 5), _candidates(timed))  # no warm-up: untimed, no collective
+    with tuning.warm_up(dist.group.WORLD):
+        first = tuning.faster(("op", 3), _candidates(timed))
+        # rank 0 finds nothing to time on this call: every rank stays undecided, then decides on the next
+        undecided = tuning.faster(("op", 4), dict if rank == 0 else _candidates(timed))
+        second = tuning.faster(("op", 4), _candidates(timed))
+    return first, undecided, second, len(timed) - 1, outside
 
 
 @pytest.mark.dist
 def test_every_rank_adopts_rank_0s_choice(run_dist):
     results = run_dist(_agree, 2)
-    assert results[0] == ("a", None, "a", 2)  # rank 0 timed twice
-    assert results[1] == ("a", None, "a", 0)  # rank 1 never timed, and would have picked "b"
+    assert results[0] == ("a", None, "a", 2, "a")  # rank 0 timed twice (in the window)
+    assert results[1] == ("a", None, "a", 0, "a")  # rank 1 never timed, and would have picked "b"
 
 
 def test_autotuners_cache_results_where_triton_can():

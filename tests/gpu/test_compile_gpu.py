@@ -9,7 +9,6 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from attention.gdn import check_gdn_op_set
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile
 from runtime.models import from_pretrained
@@ -20,7 +19,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_inductor_compiled_hybrid_no_graph_breaks(tmp_path, ac):
-    op_set = check_gdn_op_set("auto")  # fla where it can train here, else torch
+    from runtime.plan import Needs, choose
+
+    op_set = choose("model.gdn_op_set", "auto", Needs("cuda"))[0]  # fla where it can train here, else torch
     write_hf_checkpoint(tmp_path, "qwen3_5_moe")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 320, (2, 128), generator=g).cuda()

@@ -13,15 +13,15 @@ import torch
 
 from attention import attention as attn_mod
 from attention.attention import (
+    ATTN_BACKENDS,
     AttnMeta,
     Qwen3Attention,
     build_attn_meta,
-    check_attn_backend,
     repeat_kv_heads,
-    resolve_attn_backend,
     sdpa_attention,
 )
 from attention.rope import RopeConfig, RotaryEmbedding
+from runtime.config import ConfigError
 from tests.conftest import perturb_
 
 
@@ -143,25 +143,26 @@ def choose(monkeypatch):
 def test_varlen_choice_prefers_flash_attn(choose):
     impl = choose(_fake_flash_attn, _stand_in("window_gqa", []))
     assert impl.name == "flash_attn"
-    check_attn_backend("flash")
+    assert ATTN_BACKENDS.unavailable_reason("flash", "cuda") is None
 
 
 @pytest.mark.parametrize("signature", ["is_causal_v210", "is_causal_no_scale", "window", "window_gqa"])
 def test_varlen_choice_falls_back_to_torch(choose, signature):
     impl = choose(None, _stand_in(signature, []))
     assert impl.name == "torch"
-    check_attn_backend("flash")
+    assert ATTN_BACKENDS.unavailable_reason("flash", "cuda") is None
     Qwen3Attention(64, 4, 2, 16, 1e-6, backend="flash")
 
 
 @pytest.mark.parametrize("torch_fn", [None, _no_causal], ids=["no_varlen", "varlen_without_causal"])
 def test_flash_backend_unavailable_is_a_clear_error(choose, torch_fn):
     assert choose(None, torch_fn) is None
-    with pytest.raises(ValueError, match="model.attn_backend: sdpa"):
-        check_attn_backend("flash")
-    with pytest.raises(ValueError, match="needs flash-attn installed"):
-        Qwen3Attention(64, 4, 2, 16, 1e-6, backend="flash")
-    check_attn_backend("sdpa")
+    from runtime.plan import Needs
+    from runtime.plan import choose as plan_choose
+
+    with pytest.raises(ConfigError, match="model.attn_backend: flash cannot run here: it needs flash-attn installed"):
+        plan_choose("model.attn_backend", "flash", Needs("cuda"))
+    assert plan_choose("model.attn_backend", "auto", Needs("cuda"))[0] == "sdpa"  # no varlen kernel: the mask path
 
 
 def test_unknown_backend_names_the_config_key():
@@ -287,9 +288,13 @@ def test_flash_backend_with_the_installed_torch_on_cpu_names_the_fix(monkeypatch
 
 
 def test_auto_backend_is_the_mask_path_off_cuda_and_varlen_on_cuda(choose):
-    assert resolve_attn_backend("auto", "cpu") == "sdpa"
-    assert resolve_attn_backend("sdpa", "cuda") == "sdpa"
+    from runtime.plan import Needs
+    from runtime.plan import choose as plan_choose
+
+    def auto(device):
+        return plan_choose("model.attn_backend", "auto", Needs(device))[0]
+    assert auto("cpu") == "sdpa"
     choose(None, None)
-    assert resolve_attn_backend("auto", "cuda") == "sdpa"  # no varlen kernel installed: the mask path
+    assert auto("cuda") == "sdpa"  # no varlen kernel installed: the mask path
     choose(_fake_flash_attn, None)
-    assert resolve_attn_backend("auto", "cuda") == "flash"
+    assert auto("cuda") == "flash"

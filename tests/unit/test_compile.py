@@ -9,6 +9,7 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,19 +189,30 @@ def test_compiled_grouped_mm_skips_sentinels_without_sync():
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "auto"])  # auto is grouped_mm on the CPU
-def test_fp32_grouped_mm_compile_on_cpu_is_refused_clearly(tiny_moe_ckpt, backend):
-    model = from_pretrained(tiny_moe_ckpt, expert_backend=backend)
-    with pytest.raises(ValueError, match="needs model.dtype: bfloat16"):
-        apply_compile(model, {})
+def test_fp32_grouped_mm_compile_on_cpu_is_refused_clearly(backend):
+    """runtime.plan refuses it, before anything is built: grouped_mm declares it compiles on the CPU in bf16 only."""
+    import yaml
+
+    from runtime.plan import plan
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
+    raw = yaml.safe_load(example.read_text())
+    raw["model"]["expert_backend"] = backend
+    raw["compile"] = {"enabled": True}
+    with pytest.raises(ConfigError, match=r"grouped_mm compiles on the CPU only in model.dtype bfloat16"):
+        plan(config_from_dict(raw, base_dir=example.parent), 1, "cpu")
 
 
 _FIRST_LOOKUP_COMPILED = """
 import torch
 from moe.backends import expert_backend
 
+names = ("eager", "grouped_mm", "scattermoe")
+loaded = [expert_backend(name) for name in names]  # at build time, as MoEBlock does: imports the modules
+
 @torch.compile(backend="eager", fullgraph=True)
 def step(x):
-    backends = [expert_backend(name) for name in ("eager", "grouped_mm", "scattermoe")]
+    backends = [expert_backend(name) for name in names]
     return x * len(backends), backends
 
 y, backends = step(torch.ones(3))
@@ -210,9 +222,9 @@ assert [b.__name__ for b in backends] == ["eager_backend", "grouped_mm_backend",
 
 
 def test_first_expert_backend_lookup_inside_fullgraph_compile():
-    """The registry's first lookup happens inside torch.compile(fullgraph=True), in a fresh process
-    (nothing imported a backend before): no graph break (fullgraph raises on one), and the lookups
-    return the registered backends."""
+    """After the build-time lookup (which imports the backend modules), lookups inside
+    torch.compile(fullgraph=True) are dict reads: no graph break (fullgraph raises on one), and they return the
+    registered backends."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], cwd=repo, capture_output=True,
                           text=True, timeout=300, check=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from moe.dispatch import DISPATCHERS, build_dispatcher
+from moe.dispatch import DISPATCHERS
 from moe.dispatch import deepep as dd
 
 HAVE_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
@@ -200,23 +201,23 @@ def test_shape_checks_name_the_limit():
 
 @pytest.mark.skipif(HAVE_DEEP_EP, reason="deep_ep is installed here")
 def test_registry_refuses_deepep_without_the_package():
-    assert "deepep" in DISPATCHERS.names() and not DISPATCHERS.is_available("deepep")
-    with pytest.raises(RuntimeError, match=r"dispatcher 'deepep' cannot be used here: the deep_ep package is "
-                                           r"not installed.*benchmarks/build_deepep.sh.*use all_to_all"):
-        build_dispatcher("deepep", None, 8)
+    assert "deepep" in DISPATCHERS.names()
+    assert re.search(r"the deep_ep package is not installed.*benchmarks/build_deepep.sh.*use all_to_all",
+                     DISPATCHERS.unavailable_reason("deepep", "cuda"))
     assert dd.deepep_unavailable_reason() is not None
     with pytest.raises(ImportError, match="benchmarks/build_deepep.sh"):
         dd.import_deep_ep()
 
 
 @pytest.mark.skipif(HAVE_DEEP_EP, reason="deep_ep is installed here")
-def test_config_refuses_deepep_naming_the_build_script():
+def test_plan_refuses_deepep_naming_the_build_script():
     from runtime.config import ConfigError, config_from_dict
+    from runtime.plan import plan
 
     raw = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     raw["parallelism"] = {"dispatcher": "deepep"}
     with pytest.raises(ConfigError) as err:
-        config_from_dict(raw)
+        plan(config_from_dict(raw, base_dir=EXAMPLE.parent), 1, "cuda")
     assert "parallelism.dispatcher: deepep cannot run here: the deep_ep package is not installed" in str(err.value)
     assert "benchmarks/build_deepep.sh" in str(err.value)
 

@@ -30,7 +30,7 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from attention.attention import AttnMeta
-from attention.gdn import GatedDeltaNet, check_gdn_op_set
+from attention.gdn import GatedDeltaNet
 from attention.gdn_ops_torch import causal_conv1d_silu, chunk_gated_delta_rule, prepare_docs
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -259,18 +259,26 @@ def test_fla_is_not_imported_and_refused_on_cpu():
         pytest.skip("CPU-only check")
     GatedDeltaNet(**TINY, op_set="torch")
     assert "fla" not in sys.modules
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        check_gdn_op_set("fla")
+    from runtime.config import ConfigError
+    from runtime.plan import Needs, choose
+
+    with pytest.raises(ConfigError, match="model.gdn_op_set: fla cannot run here: it runs on cuda only"):
+        choose("model.gdn_op_set", "fla", Needs("cpu"))
     with pytest.raises(ValueError, match="unknown GDN op set 'triton'.*model.gdn_op_set"):
         GatedDeltaNet(**TINY, op_set="triton")
 
 
-def test_auto_op_set_is_resolved_by_the_layer():
+def test_auto_op_set_is_resolved_by_the_plan_not_the_layer():
+    from runtime.plan import Needs, choose
+
     expected = "torch"
     if torch.cuda.is_available() and importlib.util.find_spec("fla"):
         from attention import gdn_ops_fla
         expected = "torch" if gdn_ops_fla.backward_refusal() else "fla"
-    assert GatedDeltaNet(**TINY, op_set="auto").op_set == expected
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert choose("model.gdn_op_set", "auto", Needs(device))[0] == expected
+    with pytest.raises(ValueError, match="resolved by runtime.plan"):
+        GatedDeltaNet(**TINY, op_set="auto")
 
 
 # ---- 5. fp32 decay gradients at the initial decays -------------------------------------------------

@@ -272,7 +272,10 @@ def test_chunked_under_torch_compile():
 def test_registry_names_and_auto():
     assert set(LOSS_IMPLS.names()) == {"auto", "plain", "chunked", "liger", "cce"}
     assert LOSS_IMPLS.config_key == "model.loss_impl"
-    assert LOSS_IMPLS.resolve("auto") == "chunked"
+    from runtime.plan import Needs, choose
+
+    assert choose("model.loss_impl", "auto", Needs("cpu"))[0] == choose("model.loss_impl", "auto", Needs("cuda"))[0] \
+        == "chunked"
     with pytest.raises(ValueError, match="model.loss_impl"):
         LOSS_IMPLS.get("fused")
 
@@ -284,8 +287,12 @@ def test_registry_names_and_auto():
 def test_unavailable_message(impl, module, hint):
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
-    with pytest.raises(RuntimeError, match=rf"{impl}.*{module}.*\({hint}\).*model\.loss_impl"):
-        linear_cross_entropy_sum(*make_inputs(), impl=impl)
+    from runtime.config import ConfigError
+    from runtime.plan import Needs, choose
+
+    with pytest.raises(ConfigError, match=rf"model\.loss_impl: {impl} cannot run here: the {module} package is not "
+                                          rf"installed \({hint}\)"):
+        choose("model.loss_impl", impl, Needs("cuda"))
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)

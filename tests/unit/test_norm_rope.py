@@ -149,10 +149,12 @@ def test_bad_impl_raises():
 
 
 def test_impls_registry():
-    """The names a config may use; "auto" resolves to triton only where CUDA and triton both are."""
+    """The names a config may use; "auto" (runtime.plan) is triton on CUDA where triton is installed."""
+    from runtime.plan import Needs, choose
+
     assert NORM_ROPE_IMPLS.names() == ["auto", "torch", "triton"]
-    assert NORM_ROPE_IMPLS.resolve("auto") == ("triton" if kernels.AVAILABLE and torch.cuda.is_available()
-                                               else "torch")
+    assert choose("model.norm_rope_impl", "auto", Needs("cpu"))[0] == "torch"
+    assert choose("model.norm_rope_impl", "auto", Needs("cuda"))[0] == ("triton" if kernels.AVAILABLE else "torch")
 
 
 @pytest.mark.parametrize("bad", ["rotary_dim", "cos_shape", "weight_shape", "k_head_dim"])

@@ -433,12 +433,14 @@ def test_compiled_moe_model_blocks_with_scattermoe(tmp_path):
 
 
 def test_auto_backend_is_scattermoe_on_cuda_only():
-    from moe.backends import EXPERT_BACKENDS, resolve_expert_backend
+    import importlib.util
 
-    assert resolve_expert_backend("auto", "cpu") == "grouped_mm"
-    assert resolve_expert_backend("eager", "cuda") == "eager"
-    expected = "scattermoe" if EXPERT_BACKENDS.is_available("scattermoe") else "grouped_mm"
-    assert resolve_expert_backend("auto", "cuda") == expected
+    from runtime.plan import Needs, choose
+
+    assert choose("model.expert_backend", "auto", Needs("cpu"))[0] == "grouped_mm"
+    assert choose("model.expert_backend", "eager", Needs("cuda"))[0] == "eager"
+    expected = "scattermoe" if importlib.util.find_spec("triton") else "grouped_mm"
+    assert choose("model.expert_backend", "auto", Needs("cuda"))[0] == expected
 
 
 def test_m_bucket_centres_powers_of_two():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import moe.backends.sonicmoe as sm
-from moe.backends import EXPERT_BACKENDS, expert_backend, resolve_expert_backend
+from moe.backends import EXPERT_BACKENDS, expert_backend
 from moe.experts import GroupedExperts
 from quant import quantize_experts
 from runtime.registry import check_choice
@@ -204,19 +204,21 @@ def test_bf16_under_autocast_matches_eager_under_autocast():
 
 @pytest.mark.skipif(importlib.util.find_spec("sonicmoe") is not None and torch.cuda.is_available(),
                     reason="sonic-moe and CUDA are both here")
-def test_registry_says_unavailable_and_asking_raises_with_the_install_hint():
+def test_plan_says_unavailable_with_the_install_hint():
+    from runtime.config import ConfigError
+    from runtime.plan import Needs, choose
+
     assert "sonicmoe" in EXPERT_BACKENDS.names()
-    assert not EXPERT_BACKENDS.is_available("sonicmoe")
     assert check_choice("model.expert_backend", "sonicmoe") is None  # a config may name it (runs elsewhere)
-    with pytest.raises(RuntimeError, match="sonicmoe.*cannot be used here") as info:
-        expert_backend("sonicmoe")
+    with pytest.raises(ConfigError, match="model.expert_backend: sonicmoe cannot run here") as info:
+        choose("model.expert_backend", "sonicmoe", Needs("cuda"))
     if importlib.util.find_spec("sonicmoe") is None:
         assert "moe-runtime[sonicmoe]" in str(info.value) and "sonic-moe" in str(info.value)
+    assert EXPERT_BACKENDS.capabilities("sonicmoe").compile is False  # eager only: refused under compile
 
 
 def test_auto_never_picks_sonicmoe():
-    assert resolve_expert_backend("auto", "cpu") != "sonicmoe"
-    assert resolve_expert_backend("auto", "cuda") != "sonicmoe"
+    assert "sonicmoe" not in EXPERT_BACKENDS.candidates("cpu") + EXPERT_BACKENDS.candidates("cuda")
 
 
 def test_the_runtime_never_imports_the_package():

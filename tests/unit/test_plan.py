@@ -1,0 +1,174 @@
+"""runtime.plan: every `auto` resolved once to a concrete name, every cross-check one ConfigError line naming
+the key, the reason and the fix, before any process group; layers built from the plan never see "auto"."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runtime.config import ConfigError, config_from_dict
+from runtime.plan import MODEL_CHOICES, check_context_parallel, plan, resolve_model_choices
+from tests.conftest import TINY_HYBRID
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+
+
+def raw(edit=None, hybrid: bool = False) -> dict:
+    r = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
+    if hybrid:
+        r["model"]["config"] = {**TINY_HYBRID, "model_type": "qwen3_5_moe_text",
+                                "layer_types": ["linear_attention", "full_attention"] * 2, "vocab_size": 512}
+    if edit:
+        edit(r)
+    return r
+
+
+def cfg_of(edit=None, hybrid: bool = False):
+    return config_from_dict(raw(edit, hybrid), base_dir=EXAMPLE.parent)
+
+
+def set_(section: str, **values):
+    return lambda r: r.setdefault(section, {}).update(values)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["moe", "hybrid"])
+def test_every_auto_is_resolved_on_cpu(hybrid):
+    cfg = cfg_of(lambda r: r["model"].update(dict.fromkeys(MODEL_CHOICES, "auto")), hybrid=hybrid)
+    p = plan(cfg, 1, "cpu")
+    resolved = p.resolved()
+    assert "auto" not in {v for v in resolved.values() if isinstance(v, str)}
+    assert resolved["model.expert_backend"] == "grouped_mm" and resolved["model.attn_backend"] == "sdpa"
+    assert resolved["model.norm_rope_impl"] == "torch" and resolved["model.loss_impl"] == "chunked"
+    assert resolved["model.gdn_op_set"] == "torch"
+    assert resolved["parallelism.fsdp_param_dtype"] == "bf16"
+    assert p.user_config.model.expert_backend == "auto"  # what the user wrote stays as written
+
+
+def test_fsdp_gather_dtype_auto_follows_ep():
+    p = plan(cfg_of(set_("parallelism", ep=2)), 2, "cpu")
+    assert p.config.parallelism.fsdp_param_dtype == "fp32" and p.dims.ep == 2
+
+
+def test_resolved_yaml_beside_the_config(tmp_path):
+    p = plan(cfg_of(), 1, "cpu")
+    written = yaml.safe_load(p.write(tmp_path).read_text())["resolved"]
+    assert written["model.expert_backend"] == "grouped_mm" and written["mesh"]["ep"] == 1
+
+
+def test_layers_built_from_the_plan_never_see_auto():
+    from runtime.plan import model_config
+
+    p = plan(cfg_of(hybrid=True), 1, "cpu")
+    from runtime.models.qwen import QwenForCausalLM
+
+    model = QwenForCausalLM(model_config(p.config))
+    seen = [(name, attr, getattr(m, attr)) for name, m in model.named_modules()
+            for attr in ("backend", "norm_rope_impl", "op_set") if isinstance(getattr(m, attr, None), str)]
+    assert {attr for _, attr, _ in seen} == {"backend", "norm_rope_impl", "op_set"}
+    assert not [s for s in seen if s[2] == "auto"], seen
+    assert all(getattr(model.config, f) != "auto" for f in MODEL_CHOICES)
+
+
+def test_direct_models_resolve_auto_at_construction():
+    from runtime.models.qwen import QwenConfig
+
+    cfg = resolve_model_choices(QwenConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                                           head_dim=8, intermediate_size=8), "cpu")
+    assert {f: getattr(cfg, f) for f in MODEL_CHOICES} == {
+        "expert_backend": "grouped_mm", "attn_backend": "sdpa", "norm_rope_impl": "torch", "loss_impl": "chunked",
+        "gdn_op_set": "torch"}
+
+
+CHECKS = {
+    # new-user cases: a choice this machine cannot run is one line at plan time
+    "sonicmoe on cpu": (set_("model", expert_backend="sonicmoe"),
+                        "model.expert_backend: sonicmoe cannot run here: it runs on cuda only"),
+    "fp4 block": (lambda r: (r["model"]["config"].update(moe_intermediate_size=48),
+                             r.update(quant={"base_weights": "mxfp4"}, lora={"enabled": True})),
+                  "quant.base_weights: mxfp4 packs blocks of 32 along each expert weight's input dim, which does not "
+                  "divide model.config.moe_intermediate_size = 48; use quant.base_weights: nvfp4"),
+    "flash on cpu": (set_("model", attn_backend="flash"), "model.attn_backend: flash cannot run here"),
+    "fla on cpu": (set_("model", gdn_op_set="fla"), "model.gdn_op_set: fla cannot run here: it runs on cuda only"),
+    # moved from config.py and moe/dispatch
+    "local dispatcher with ep": (set_("parallelism", dispatcher="local", ep=2),
+                                 "parallelism.dispatcher: local keeps every expert on every rank, but parallelism.ep "
+                                 "is 2; choose one of ['all_to_all']"),
+    "deepep not built": (set_("parallelism", dispatcher="deepep"), "parallelism.dispatcher: deepep cannot run here"),
+    # moved from distributed/compile.py check_compilable
+    "grouped_mm compile fp32 cpu": (set_("compile", enabled=True),
+                                    "model.expert_backend: grouped_mm compiles on the CPU only in model.dtype bfloat16 "
+                                    "(model.dtype is float32), but compile.enabled is true; choose one of"),
+    "eager compiles fp4 never": (lambda r: (r["model"].update(expert_backend="eager", dtype="bfloat16"),
+                                            r.update(quant={"base_weights": "nvfp4"}, lora={"enabled": True},
+                                                     compile={"enabled": True})),
+                                 "model.expert_backend: eager does not compile FP4-packed experts"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKS))
+def test_each_cross_check_is_one_line(case):
+    edit, message = CHECKS[case]
+    world = 2 if "ep" in case else 1
+    with pytest.raises(ConfigError) as err:
+        plan(cfg_of(edit), world, "cpu")
+    text = str(err.value)
+    assert "\n" not in text and message in text, text
+
+
+@pytest.mark.parametrize("sets", [["model.expert_backend=scattermoe"],
+                                  ["model.expert_backend=scattermoe", "quant.base_weights=mxfp4", "lora.enabled=true"]])
+def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(tmp_path, sets):
+    """Outside the tests' Triton interpreter a CPU machine cannot run the Triton backend: the launch says so at
+    plan time (it used to die at step 1 in gpu/launch.py as an internal error)."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    argv = [sys.executable, "-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(tmp_path / "run")]
+    for item in sets:
+        argv += ["--set", item]
+    done = subprocess.run(argv, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and this machine has cpu; "
+        "choose one of ['eager', 'grouped_mm'] (or auto)")
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_sonicmoe_is_refused_eager_only_under_compile_on_cuda_terms():
+    """Capabilities, not names: sonicmoe declares compile=False."""
+    from moe.backends import EXPERT_BACKENDS
+
+    assert EXPERT_BACKENDS.capabilities("sonicmoe").compile is False
+    assert EXPERT_BACKENDS.capabilities("scattermoe").compile_quantized is True
+
+
+CP = {
+    "ulysses heads": (dict(cp=8, cp_attention="ulysses"), None, "parallelism.cp_attention: ulysses splits the 4"),
+    "gdn heads": (dict(cp=4), None, "parallelism.cp=4: Gated DeltaNet layers run head-parallel"),
+    "gdn state tail": (dict(cp=4, cp_gdn="state"), lambda r: r["data"].update(seq_len=16),
+                       "parallelism.cp_gdn: state reads conv tails"),
+}
+
+
+@pytest.mark.parametrize("case", list(CP))
+def test_context_parallel_checks(case):
+    parallelism, edit, message = CP[case]
+    cfg = cfg_of(lambda r: (r.update(parallelism=parallelism), edit and edit(r)), hybrid=True)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        plan(cfg, parallelism["cp"], "cpu")
+    from runtime.plan import model_config
+
+    with pytest.raises(ConfigError):
+        check_context_parallel(cfg, model_config(cfg))
+
+
+def test_import_runtime_config_loads_no_kernel():
+    code = ("import runtime.config, sys; assert not any(m == 'triton' or m.startswith(('triton.', 'moe.kernels', "
+            "'attention.kernels')) for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**__import__("os").environ,
+                                                                           "PYTHONPATH": str(ROOT)})
