@@ -11,6 +11,9 @@
 #         bundled chat data packed into 8192-token rows (the document count and the longest document change
 #         every step): per step its seconds, documents and the recompile count of metrics.jsonl, dynamo's
 #         reasons (TORCH_LOGS=recompiles), and PASS when the run recompiled at most twice
+#   against  ours only, this tree against an older one carried as OLD=<ignored folder> (`git archive REV | tar x -C
+#         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
+#         again, so drift between the runs shows
 # One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
 # (~1 min per side: imports, build, 7 steps).
 # Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles]`.
@@ -51,6 +54,19 @@ if [[ $parts == *recompiles* ]]; then
     > "$OUT/e2e_recompiles.log" 2>&1 || { echo "run failed:"; tail -n 20 "$OUT/e2e_recompiles.log"; }
   grep -E "Recompiling function|guard failure|^.*- [0-9]+/[0-9]+: " "$OUT/e2e_recompiles.log" | sed "s/^.*__recompiles\] */  /"
   python -m benchmarks.recompiles "$config" "$run_dir/metrics.jsonl"
+fi
+if [[ $parts == *against* ]]; then
+  for round in old1 new old2; do
+    tree=$PWD
+    [[ $round == old* ]] && tree=$PWD/${OLD:?OLD names the older tree}
+    for mode in lora full; do
+      tags+=("$mode-$round")
+      masters=()
+      [ "$mode" = full ] && masters=(--master-dtype bf16)
+      (cd "$tree" && PYTHONPATH=/tmp/site:$tree python -m benchmarks.bench_e2e --steps 5 --warmup 2 --mode $mode \
+        "${masters[@]}" --no-baseline --tag "$mode-$round" --out "$OUT") > "$OUT/e2e_$mode-$round.log" 2>&1
+    done
+  done
 fi
 echo "== summary (tag: side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
 for tag in "${tags[@]}"; do
