@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from runtime.config import ConfigError
-from runtime.distributed.fsdp import FROZEN_DENSE_CAP, _expert_mp_policy, _mp_policy, frozen_dense_placement, gather_dtype
+from runtime.distributed.fsdp import (
+    FROZEN_DENSE_CAP,
+    _expert_mp_policy,
+    _mp_policy,
+    frozen_dense_placement,
+    gather_dtype,
+)
 
 
 def test_gathers_follow_autocast():
