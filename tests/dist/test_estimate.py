@@ -16,8 +16,10 @@ from runtime.launch import main
 from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
+# LoRA's frozen dense weights: replicated on every rank (auto on the CPU) or FSDP-sharded
 CASES = {"full": {}, "lora": {"lora.enabled": True}, "lora-nvfp4": {"lora.enabled": True,
-                                                                     "quant.base_weights": "nvfp4"}}
+                                                                     "quant.base_weights": "nvfp4"},
+         "lora-shard": {"lora.enabled": True, "parallelism.frozen_dense": "shard"}}
 
 
 def _cfg(**extra):
