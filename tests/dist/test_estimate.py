@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import estimate
 from runtime.launch import main
