@@ -8,7 +8,8 @@ Contract: `estimate(cfg, dims, cuda)` -> MemoryEstimate for one rank, in the dty
 (runtime.models.factory.build_model, runtime.optim): on CUDA bf16 autocast over fp32 masters (or bf16 masters,
 optim.master_dtype), off CUDA every value in its parameter's dtype. Its lines:
     parameters   frozen ones in model.dtype, trainable ones in the master dtype; FSDP shards them over
-                 dp_shard*cp (experts over ep x efsdp: the same count per rank); FP4-packed experts
+                 dp_shard*cp (experts over ep x efsdp: the same count per rank), except the frozen dense
+                 ones that parallelism.frozen_dense replicates, whole on every rank; FP4-packed experts
                  (quant.base_weights, 4.25 / 4.5 bits per weight) are split over ep only (FSDP does not
                  shard buffers)
     gradients    the trainable parameters' shards, in the master dtype
@@ -44,7 +45,7 @@ from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 from quant import FP4Weight
 from runtime.config import Config
-from runtime.distributed.fsdp import gather_dtype
+from runtime.distributed.fsdp import frozen_dense_placement, gather_dtype
 from runtime.distributed.mesh import ParallelDims
 from runtime.loss import default_chunk_size
 from runtime.models.factory import meta_model, model_config
@@ -330,16 +331,22 @@ def _recomputed_block(run: Run, tokens: int, model: QwenForCausalLM, copies: boo
 # ----------------------------------------------------------------------------- weights
 
 
-def _weights(model: QwenForCausalLM) -> tuple[int, int, int]:
-    """(frozen values, trainable values, packed FP4 bytes) of the whole model."""
-    frozen = trainable = 0
+def _expert_values(module: nn.Module) -> int:
+    return sum(p.numel() for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+
+
+def _weights(model: QwenForCausalLM) -> tuple[int, int, int, int]:
+    """(frozen values, of them outside the experts, trainable values, packed FP4 bytes) of the whole model."""
+    frozen = frozen_dense = trainable = 0
+    experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     for p in model.parameters():
         if p.requires_grad:
             trainable += p.numel()
         else:
             frozen += p.numel()
+            frozen_dense += 0 if p in experts else p.numel()
     packed = sum(m.packed_bytes() for m in model.modules() if isinstance(m, FP4Weight))
-    return frozen, trainable, packed
+    return frozen, frozen_dense, trainable, packed
 
 
 def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts: bool = True) -> int:
@@ -364,21 +371,26 @@ def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts:
     return total
 
 
-def _gathered_block_values(model: QwenForCausalLM, dims: ParallelDims) -> int:
+def _gathered_block_values(model: QwenForCausalLM, dims: ParallelDims, replicate: bool) -> int:
     """Values FSDP gathers for the largest block, beyond this rank's shards: the dense part over
-    dp_shard*cp, this EP rank's experts over efsdp (runtime/distributed/fsdp.py)."""
+    dp_shard*cp (no block unit where frozen_dense replicates), this EP rank's experts over efsdp
+    (runtime/distributed/fsdp.py)."""
     shards = dims.dp_shard * dims.cp
 
     def gathered(block) -> float:
-        experts = sum(p.numel() for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
-        dense = sum(p.numel() for p in block.parameters()) - experts
+        experts = _expert_values(block)
+        dense = 0 if replicate else sum(p.numel() for p in block.parameters()) - experts
         return dense * (shards - 1) / shards + experts / dims.ep * (dims.efsdp - 1) / dims.efsdp
     return int(max(gathered(block) for block in model.model.layers.values()))
 
 
-def _root_values(model: QwenForCausalLM) -> int:
-    """Parameters outside the blocks (embedding, lm_head, final norm): FSDP's root unit, which stays
-    gathered from the start of forward to the end of backward."""
+def _root_values(model: QwenForCausalLM, replicate: bool) -> int:
+    """FSDP's root unit, which stays gathered from the start of forward to the end of backward: the parameters
+    outside the blocks (embedding, lm_head, final norm), or where frozen_dense replicates every trainable one
+    outside the experts."""
+    if replicate:
+        experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        return sum(p.numel() for p in model.parameters() if p.requires_grad and p not in experts)
     in_blocks = sum(p.numel() for p in model.model.layers.parameters())
     return sum(p.numel() for p in model.parameters()) - in_blocks
 
@@ -419,15 +431,21 @@ class MemoryEstimate:
         return "\n".join(f"  {name:<52} {value / size:8.2f} {unit}" for name, value in rows)
 
 
-def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstimate:
-    """See the module docstring."""
+def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True,
+             device_memory_bytes: int | None = None) -> MemoryEstimate:
+    """See the module docstring. `device_memory_bytes` resolves parallelism.frozen_dense auto as the run
+    would on that device (None: the CPU's fixed cap)."""
     qcfg = model_config(cfg)
     model = meta_model(cfg, qcfg, torch.bfloat16)
     run = run_of(cfg, qcfg, cuda, dims.ep)
     p, mode = run.p, cfg.parallelism.activation_checkpoint
-    frozen, trainable, packed = _weights(model)
+    frozen, frozen_dense, trainable, packed = _weights(model)
     shards = dims.dp_shard * dims.cp
-    parameters = (frozen * p.frozen + trainable * p.master) // shards + packed // dims.ep
+    placement = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled, frozen_dense * p.frozen,
+                                       device_memory_bytes)
+    replicate = placement == "replicate"
+    whole = frozen_dense * p.frozen if replicate else 0  # replicated: every rank holds all of it
+    parameters = whole + ((frozen * p.frozen - whole) + trainable * p.master) // shards + packed // dims.ep
     gradients = trainable * p.master // shards
     optimizer = 2 * trainable * p.master // shards
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
@@ -443,7 +461,7 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
         forward["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, False, experts_cast)
         start["bf16 copies of fp32 weights"] = p.compute * weight_copies(model, mode, True, experts_cast)
     lm_head = model.lm_head.weight
-    lm_head_bytes = (p.compute if shards > 1 and cuda and not fp32_gathers
+    lm_head_bytes = (p.compute if shards > 1 and cuda and not fp32_gathers and not replicate
                      else p.master if lm_head.requires_grad else p.frozen)
     forward["chunked loss"] = loss_buffers(qcfg.vocab_size, qcfg.hidden_size, tokens, p.compute, lm_head_bytes,
                                            lm_head.requires_grad)
@@ -459,7 +477,8 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True) -> MemoryEstima
     if shards > 1:  # FSDP's param dtype (the experts' share at fp32 gathers over-counted): the current block,
         # the prefetched next, the root unit
         unit_bytes = p.compute if cuda and not fp32_gathers else p.master
-        fsdp = int(unit_bytes * (2 * _gathered_block_values(model, dims) + _root_values(model) * (shards - 1) / shards))
+        fsdp = int(unit_bytes * (2 * _gathered_block_values(model, dims, replicate)
+                                 + _root_values(model, replicate) * (shards - 1) / shards))
         forward["FSDP gathered units"] = start["FSDP gathered units"] = end["FSDP gathered units"] = fsdp
     return MemoryEstimate(parameters, gradients, optimizer, activations, forward, start, end)
 

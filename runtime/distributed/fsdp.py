@@ -1,5 +1,6 @@
 """FSDP2 over the dense mesh, with a separate expert mesh under EP, and the gradient norm over
-parameters that live on those different meshes.
+parameters that live on those different meshes. Under LoRA the frozen dense weights may instead stay whole
+on every rank (parallelism.frozen_dense), which leaves the step one FSDP unit of trainable parameters.
 
 Every FSDP reduction is a plain sum: the loss is already normalized by the global label-token count
 (runtime.train), so each gradient equals the single-process gradient of the same global batch.
@@ -18,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.experts import GroupedExperts
+from runtime.config import ConfigError
 from runtime.distributed.mesh import Meshes
 from runtime.models.qwen import QwenForCausalLM
 
@@ -75,27 +77,68 @@ def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh) -> list[nn.Par
     return params
 
 
+# 1/8 of a 64 GiB device, below every GPU this runtime is sized for: the CPU (tests, tiny models) replicates.
+FROZEN_DENSE_CAP = 8 * 2**30
+
+
+def frozen_dense_placement(setting: str, lora_enabled: bool, frozen_dense_bytes: int,
+                           device_memory_bytes: int | None) -> str:
+    """parallelism.frozen_dense resolved to "replicate" or "shard". auto replicates under LoRA when the frozen
+    dense weights take at most 1/8 of device memory (what replication adds on every rank next to the experts,
+    activations and buffers), or at most FROZEN_DENSE_CAP where the memory is unknown (the CPU); else shard.
+    A full fine-tune has no frozen weights: it shards."""
+    if setting == "replicate" and not lora_enabled:
+        raise ConfigError("parallelism.frozen_dense: replicate needs lora.enabled (a full fine-tune has no frozen "
+                          "weights); set parallelism.frozen_dense to auto or shard")
+    if setting != "auto":
+        return setting
+    if not lora_enabled:
+        return "shard"
+    budget = FROZEN_DENSE_CAP if device_memory_bytes is None else device_memory_bytes // 8
+    return "replicate" if frozen_dense_bytes <= budget else "shard"
+
+
+def _expert_params(model: nn.Module) -> set[nn.Parameter]:
+    return {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+
+
+def frozen_dense_bytes(model: nn.Module) -> int:
+    """Bytes of the frozen parameters outside the experts: what frozen_dense replicate keeps whole on every rank."""
+    experts = _expert_params(model)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad and p not in experts)
+
+
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True,
-               param_dtype: str = "bf16") -> None:
+               param_dtype: str = "bf16", frozen_dense: str = "shard") -> None:
     """FSDP2 units: each decoder block, under EP its experts (their own mesh), and the root; `param_dtype`:
-    gather_dtype's bf16 or fp32."""
+    gather_dtype's bf16 or fp32. `frozen_dense` replicate (frozen_dense_placement): no block unit; the frozen
+    dense parameters stay plain tensors on every rank, the trainable ones outside the experts join the root unit
+    (one gather at the start of forward, one reduce-scatter at the end of backward) and the experts take their
+    own units as under EP."""
     mp = _mp_policy(device_type, autocast, param_dtype)
     expert_mp = _expert_mp_policy(device_type, autocast, meshes.expert_fsdp.size())
+    replicate = frozen_dense == "replicate"
     fsdp_modules = []
     ignored: set[nn.Parameter] = set()
-    expert_parallel = meshes.experts["ep"].size() > 1
+    own_expert_units = meshes.experts["ep"].size() > 1 or replicate
     for block in model.model.layers.values():
         experts = getattr(block.mlp, "experts", None)
         # Under EP the experts shard over their own mesh (or, alone on it, need no unit); otherwise they join
         # the block's unit (a nested unit's hooks would also land inside a compiled block forward).
         unwrapped: set[nn.Parameter] = set()
-        if experts is not None and expert_parallel:
+        if experts is not None and own_expert_units:
             if meshes.expert_fsdp.size() == 1 and _readable_in_place(experts, expert_mp):
                 unwrapped.update(_unwrapped_experts(experts, meshes.expert_fsdp))
             else:
                 fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))
         ignored |= unwrapped
-        fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=unwrapped or None))
+        if not replicate:
+            fsdp_modules.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp,
+                                            ignored_params=unwrapped or None))
+    if replicate:
+        # The experts' units (just made) own their frozen weights; every other frozen weight stays whole
+        experts = _expert_params(model)
+        ignored |= {p for p in model.parameters() if not p.requires_grad and p not in experts}
     fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored or None))
     for module in fsdp_modules:
         module.set_gradient_divide_factor(1.0)  # sums: the loss is already normalized globally

@@ -9,6 +9,7 @@ the same global batch, for dense, expert, router and LoRA parameters alike.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from runtime.config import Config
@@ -16,7 +17,7 @@ from runtime.distributed.activation_checkpoint import apply_activation_checkpoin
 from runtime.distributed.compile import apply_compile
 from runtime.distributed.context_parallel import ContextParallel
 from runtime.distributed.expert_parallel import wire_moe_blocks
-from runtime.distributed.fsdp import apply_fsdp, gather_dtype
+from runtime.distributed.fsdp import apply_fsdp, frozen_dense_bytes, frozen_dense_placement, gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
 
@@ -31,6 +32,15 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
+        frozen_dense = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled,
+                                              frozen_dense_bytes(model), device_memory_bytes(meshes.world.device_type))
         apply_fsdp(model, meshes, meshes.world.device_type, autocast,
-                   gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep))
+                   gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep), frozen_dense)
     return model
+
+
+def device_memory_bytes(device_type: str) -> int | None:
+    """This rank's accelerator memory; None on the CPU (frozen_dense_placement's fixed cap applies)."""
+    if device_type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.estimate import estimate
 from runtime.launch import main
 from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
+# LoRA's frozen dense weights: replicated on every rank (auto on the CPU) or FSDP-sharded
 CASES = {"full": {}, "lora": {"lora.enabled": True}, "lora-nvfp4": {"lora.enabled": True,
-                                                                     "quant.base_weights": "nvfp4"}}
+                                                                     "quant.base_weights": "nvfp4"},
+         "lora-shard": {"lora.enabled": True, "parallelism.frozen_dense": "shard"}}
 
 
 def _cfg(**extra):

@@ -53,6 +53,8 @@ MESHES = {
     "cp2_ep2": (4, {"cp": 2, "ep": 2}),
     "cp2_ulysses_full_ac": (2, {"cp": 2, "cp_attention": "ulysses", "activation_checkpoint": "full"}),
     "cp4_ulysses": (4, {"cp": 4, "cp_attention": "ulysses"}),
+    # LoRA's frozen dense weights FSDP-sharded per block (auto replicates them on the CPU)
+    "fsdp4_ep2_frozen_shard": (4, {"ep": 2, "frozen_dense": "shard"}),
 }
 
 
@@ -72,9 +74,12 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
 
 
 # LoRA changes which parameters train and reduce, not how a mesh splits the work: it runs on one mesh of each
-# kind (EP, FSDP x EP, HSDP, cp x EP, Ulysses, full checkpointing) rather than on all twelve (CI time).
-LORA_MESHES = ("ep2", "fsdp4_ep2", "hsdp2x2_ep2", "cp2_ep2", "cp4_ulysses", "ep2_full_ac")
-CASES = [(mesh, False) for mesh in sorted(MESHES)] + [(mesh, True) for mesh in LORA_MESHES]
+# kind (EP, FSDP x EP, HSDP, cp x EP, Ulysses, full checkpointing) rather than on all twelve (CI time), with
+# its frozen dense weights replicated (parallelism.frozen_dense auto on the CPU), and sharded once.
+LORA_MESHES = ("ep2", "ep4", "fsdp4_ep2", "hsdp2x2_ep2", "cp2_ep2", "cp4_ulysses", "ep2_full_ac",
+               "fsdp4_ep2_frozen_shard")
+CASES = ([(mesh, False) for mesh in sorted(MESHES) if "frozen" not in mesh]
+         + [(mesh, True) for mesh in LORA_MESHES])
 
 
 @pytest.mark.parametrize("mesh,lora", CASES, ids=[f"{m}-{'lora' if lora else 'full'}" for m, lora in CASES])

@@ -269,3 +269,26 @@ def test_fp32_gathers_count_fp32_units_and_cast_copies():
     assert fp32.end_of_forward["FSDP gathered units"] == 2 * bf16.end_of_forward["FSDP gathered units"]
     # under EP the experts gather in their own bf16 units: no cast copy of theirs
     assert gathers("fp32", ep).end_of_forward[copies] < fp32.end_of_forward[copies]
+
+
+def test_replicated_frozen_dense_weights_count_whole_on_every_rank():
+    """parallelism.frozen_dense under LoRA: replicate holds the frozen dense weights whole on each of the 4 ranks
+    (shard: a quarter) and gathers no block unit; auto replicates below its bound, shards above it."""
+    from runtime.distributed.fsdp import frozen_dense_bytes
+    from runtime.estimate import estimate
+    from runtime.models.factory import meta_model
+
+    cfg = tiny_config("qwen3-moe", "lora-bf16-base", "none")
+    dims = ParallelDims(1, 4, 1, 2, 4)
+
+    def placed(setting: str, memory: int | None = None):
+        update = {"parallelism": cfg.parallelism.model_copy(update={"frozen_dense": setting})}
+        return estimate(cfg.model_copy(update=update), dims, cuda=True, device_memory_bytes=memory)
+
+    dense = frozen_dense_bytes(meta_model(cfg))
+    replicate, shard = placed("replicate"), placed("shard")
+    assert replicate.parameters - shard.parameters == pytest.approx(dense * 3 / 4, abs=4)
+    units = "FSDP gathered units"
+    assert replicate.end_of_forward[units] < shard.end_of_forward[units]
+    assert placed("auto").parameters == replicate.parameters  # the CPU's cap: tiny weights replicate
+    assert placed("auto", memory=8 * dense - 8).parameters == shard.parameters

@@ -3,9 +3,17 @@ reductions compute in."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from runtime.distributed.fsdp import _expert_mp_policy, _mp_policy, gather_dtype
+from runtime.config import ConfigError
+from runtime.distributed.fsdp import (
+    FROZEN_DENSE_CAP,
+    _expert_mp_policy,
+    _mp_policy,
+    frozen_dense_placement,
+    gather_dtype,
+)
 
 
 def test_gathers_follow_autocast():
@@ -34,3 +42,26 @@ def test_auto_gathers_in_fp32_under_ep_only():
     experts would gather in fp32 with their block."""
     assert gather_dtype("auto", 2) == "fp32" and gather_dtype("auto", 1) == "bf16"
     assert gather_dtype("bf16", 4) == "bf16" and gather_dtype("fp32", 1) == "fp32"
+
+
+GIB = 2**30
+
+
+def test_frozen_dense_auto_replicates_small_frozen_weights_under_lora():
+    # Qwen3-30B-A3B's dense part (~3 GiB bf16) on an 80 GiB card; a dense 32B model (~61 GiB bf16) keeps sharding
+    assert frozen_dense_placement("auto", True, 3 * GIB, 80 * GIB) == "replicate"
+    assert frozen_dense_placement("auto", True, 61 * GIB, 80 * GIB) == "shard"
+    assert frozen_dense_placement("auto", True, 10 * GIB, 80 * GIB) == "replicate"  # the 1/8 bound is inclusive
+    assert frozen_dense_placement("auto", True, 10 * GIB + 1, 80 * GIB) == "shard"
+    # unknown memory (CPU): the fixed cap
+    assert frozen_dense_placement("auto", True, FROZEN_DENSE_CAP, None) == "replicate"
+    assert frozen_dense_placement("auto", True, FROZEN_DENSE_CAP + 1, None) == "shard"
+
+
+def test_frozen_dense_full_fine_tune_shards_and_explicit_settings_win():
+    assert frozen_dense_placement("auto", False, 0, 80 * GIB) == "shard"
+    assert frozen_dense_placement("shard", True, 0, 80 * GIB) == "shard"
+    assert frozen_dense_placement("shard", False, 0, None) == "shard"
+    assert frozen_dense_placement("replicate", True, 100 * GIB, 80 * GIB) == "replicate"
+    with pytest.raises(ConfigError, match="frozen_dense: replicate needs lora.enabled"):
+        frozen_dense_placement("replicate", False, 0, 80 * GIB)

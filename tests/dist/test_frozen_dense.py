@@ -1,0 +1,58 @@
+"""parallelism.frozen_dense under LoRA (runtime/distributed/fsdp.py): replicate leaves no decoder block an FSDP
+unit, the frozen dense weights whole plain tensors on every rank and the trainable ones outside the experts in
+the root unit; shard keeps today's per-block units. (Parity with one process: tests/dist/test_parity.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from moe.experts import GroupedExperts
+from runtime.config import load_config
+from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.process_group import DistEnv
+from runtime.train import train
+from tests.dist.test_parity import EXAMPLE
+
+
+def _layout(rank, world_size, ep, frozen_dense, out):
+    cfg = load_config(EXAMPLE, {"data.seq_len": 32, "train.micro_batch_size": 1, "train.max_steps": 1,
+                                "optim.warmup_steps": 0, "logging.progress_bar": False, "parallelism.ep": ep,
+                                "checkpoint.save_final": False, "lora.enabled": True, "lora.rank": 4,
+                                "parallelism.frozen_dense": frozen_dense, "train.output_dir": out})
+    dims = ParallelDims.resolve(1, -1, 1, ep, world_size)
+    seen = {}
+
+    def on_grads(model):
+        experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        dense = [(n, p) for n, p in model.named_parameters() if p not in experts]
+        group = model._get_fsdp_state()._fsdp_param_group
+        seen["block_units"] = {isinstance(b, FSDPModule) for b in model.model.layers.values()}
+        seen["expert_units"] = {isinstance(m, FSDPModule) for m in model.modules() if isinstance(m, GroupedExperts)}
+        seen["root_params"] = sorted(fp._param_fqn for fp in group.fsdp_params) if group else []
+        seen["trainable_dense"] = sorted(n for n, p in dense if p.requires_grad)
+        seen["frozen_plain"] = {type(p) is torch.nn.Parameter and not isinstance(p, DTensor)
+                                for _, p in dense if not p.requires_grad}
+        seen["grads"] = {type(p.grad).__name__ for _, p in dense if p.requires_grad}
+
+    train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, dims.build_meshes("cpu"), on_grads=on_grads)
+    return seen
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (2, 1)], ids=["ep2", "fsdp4_ep2", "fsdp2"])
+def test_replicate_leaves_one_root_unit_of_trainables(run_dist, tmp_path, world, ep):
+    seen = run_dist(_layout, world, ep, "replicate", str(tmp_path), timeout_s=240)[0]
+    assert seen["block_units"] == {False}
+    # efsdp 1 (ep = world): no expert unit; otherwise the experts keep their own, as under EP
+    assert seen["expert_units"] == {world // ep > 1}
+    assert seen["trainable_dense"] and seen["root_params"] == seen["trainable_dense"]
+    assert all("lora_" in n for n in seen["root_params"])
+    assert seen["frozen_plain"] == {True} and seen["grads"] == {"DTensor"}
+
+
+def test_shard_keeps_a_unit_per_block(run_dist, tmp_path):
+    seen = run_dist(_layout, 2, 2, "shard", str(tmp_path), timeout_s=240)[0]
+    assert seen["block_units"] == {True} and seen["frozen_plain"] == {False}
+    assert not seen["root_params"] or all("lora_" not in n for n in seen["root_params"])
