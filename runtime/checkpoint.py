@@ -194,17 +194,20 @@ class CheckpointManager:
 
 def export_final(model, cfg, rank: int, meshes=None) -> Path:
     """The trained result in HF form, gathered from the shards: a PEFT adapter (LoRA runs) under
-    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it."""
+    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it. Router
+    selection biases (model.router_bias_update_rate) go beside either as router_bias.safetensors."""
     from functools import partial
 
     from runtime.distributed.state_dict import full_state_dict, gather_full
     from runtime.lora import export_peft
-    from runtime.models.hf import save_pretrained
+    from runtime.models.hf import pop_router_bias, save_pretrained, write_router_bias
 
     out = Path(cfg.train.output_dir)
     if cfg.lora.enabled:
         out = out / "adapter"
         export_peft(model, out, cfg.model.path, gather=partial(gather_full, meshes=meshes))
+        if rank == 0:  # the biases are buffers, the same whole tensor on every rank
+            write_router_bias(pop_router_bias({k: b.detach().cpu() for k, b in model.named_buffers()}), out, out)
     else:
         out = out / "hf"
         state = full_state_dict(model, meshes, keep=rank == 0)

@@ -66,6 +66,9 @@ class ModelConfig(Section):
     # Benchmarks only: each token's k experts are chosen by a fixed pattern that gives every expert the
     # same slot count (weights still the router's probabilities); it changes the model.
     router_force_balanced: bool = False
+    # Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias on the top-k choice moves by this much
+    # per optimizer step toward the mean load (e.g. 1e-3); 0: off. HF exports carry no bias (a side file).
+    router_bias_update_rate: float = Field(0.0, ge=0.0)
     # Fewer decoder layers than the checkpoint has (parity checks of big models).
     num_layers_override: int | None = Field(None, ge=1)
 

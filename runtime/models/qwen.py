@@ -86,6 +86,7 @@ class QwenConfig:
     gdn_op_set: str = "torch"
     router_aux_loss_coef: float = 0.0
     router_force_balanced: bool = False  # benchmarks: every expert gets the same slot count (moe.router)
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing (moe.router); 0: off
     # The HF config.json this came from, written back by save_pretrained.
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -102,7 +103,7 @@ def build_mlp(cfg: QwenConfig, layer: int, device=None, dtype=None) -> nn.Module
         return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
     router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                cfg.router_aux_loss_coef, force_balanced=cfg.router_force_balanced,
-                               device=device, dtype=dtype)
+                               bias_update_rate=cfg.router_bias_update_rate, device=device, dtype=dtype)
     experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                              device=device, dtype=dtype)
     shared, shared_gate = None, None
