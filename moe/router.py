@@ -4,7 +4,7 @@ Shapes: x_TH [T, H] tokens, logits_TE [T, E], topk_ids_Tk / topk_w_Tk [T, k].
 
 Aux-loss-free balancing (DeepSeek-V3): with `bias_update_rate` > 0 a per-expert bias is added to the
 probabilities for the top-k choice only (the weights stay the unbiased probabilities). Training forwards
-add their slot counts to `expert_counts`; once per optimizer step the runtime sums them over the data ranks
+return their slot counts, which the MoE block adds to `expert_counts` (`record_counts`); once per optimizer step the runtime sums them over the data ranks
 and calls `update_bias(global counts)`: bias += rate * sign(mean count - count).
 """
 
@@ -24,6 +24,7 @@ class RouterOutput:
     topk_ids_Tk: torch.Tensor
     topk_w_Tk: torch.Tensor
     aux_loss: torch.Tensor | None  # Switch load-balancing loss of this layer, None when disabled
+    counts_E: torch.Tensor | None = None  # slots per expert, for the bias balancing (training forwards only)
 
 
 def expert_counts(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -59,6 +60,13 @@ def balanced_ids(num_tokens: int, num_experts: int, top_k: int, device=None) -> 
     t = torch.arange(num_tokens, device=device).unsqueeze(1)
     j = torch.arange(top_k, device=device).unsqueeze(0)
     return (t + j * stride) % num_experts
+
+
+def _recomputing() -> bool:
+    """Whether this eager forward is an activation checkpoint's recompute (it runs inside backward). A block
+    compiled whole, checkpoint included, keeps its buffer updates out of its recompute, and dynamo must not
+    trace the check."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -103,15 +111,20 @@ class SoftmaxTopKRouter(nn.Module):
         if self.norm_topk_prob:
             topk_w_Tk = topk_w_Tk / topk_w_Tk.sum(dim=-1, keepdim=True)
         counts_E = None
-        # Training forwards only (grad mode): eval batches must not move the bias. A checkpointed layer's
-        # recompute counts its slots again, doubling all of that layer's counts alike: the signs stay.
+        # Training forwards only (grad mode): eval batches must not move the bias.
         if self.bias_update_rate > 0 and self.training and torch.is_grad_enabled():
             counts_E = expert_counts(topk_ids_Tk, self.num_experts)
-            self.expert_counts.add_(counts_E)
         aux = None
         if self.aux_loss_coef > 0 and self.training:
             aux = self.aux_loss_coef * switch_aux_loss(probs_TE, topk_ids_Tk, self.balance_group, counts_E)
-        return RouterOutput(topk_ids_Tk, topk_w_Tk.to(x_TH.dtype), aux)
+        return RouterOutput(topk_ids_Tk, topk_w_Tk.to(x_TH.dtype), aux, counts_E)
+
+    def record_counts(self, counts_E: torch.Tensor | None) -> None:
+        """Adds a forward's `RouterOutput.counts_E` to this step's counts, once per micro-batch: not again in an
+        activation checkpoint's recompute. Called by the MoE block, outside the router's compiled region (an
+        eager checkpoint re-runs that region in its recompute)."""
+        if counts_E is not None and not _recomputing():
+            self.expert_counts.add_(counts_E)
 
     def reset_buffers(self, device) -> None:
         """Zero bias and counts on `device` (a meta model's buffers are left empty by materializing or

@@ -31,6 +31,11 @@ from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM
 
 log = logging.getLogger("runtime")
 
+# Router selection biases (model.router_bias_update_rate) have no place in the HF format: exports write them
+# beside the checkpoint in this file, under these keys' suffix.
+ROUTER_BIAS_FILE = "router_bias.safetensors"
+ROUTER_BIAS_SUFFIX = ".mlp.gate.e_score_correction_bias"
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -164,7 +169,8 @@ class SafetensorsCheckpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             stored = {k: self.path / f for k, f in weight_map.items()}
         else:
-            files = sorted(self.path.glob("*.safetensors"))
+            # The router-bias side file of our exports is not part of the HF checkpoint.
+            files = sorted(f for f in self.path.glob("*.safetensors") if f.name != ROUTER_BIAS_FILE)
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {self.path}")
             stored = {}
@@ -413,10 +419,6 @@ def hf_config_dict(cfg: QwenConfig, dtype: torch.dtype) -> dict:
         hf["layer_types"] = list(hf["layer_types"][:cfg.num_layers])
     hf["dtype"] = str(dtype).removeprefix("torch.")
     return hf
-
-
-ROUTER_BIAS_FILE = "router_bias.safetensors"
-ROUTER_BIAS_SUFFIX = ".mlp.gate.e_score_correction_bias"
 
 
 def pop_router_bias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

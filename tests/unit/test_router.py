@@ -84,18 +84,41 @@ def test_bias_changes_the_choice_but_not_the_weights():
     assert router.weight.grad.abs().sum() > 0 and router.e_score_correction_bias.grad is None
 
 
+def _forward_and_record(router, x):
+    out = router(x)
+    router.record_counts(out.counts_E)  # as the MoE block does
+    return out
+
+
 def test_training_forwards_count_slots_and_eval_does_not():
     router = _router(bias_update_rate=0.01)
     x = torch.randn(40, 16)
-    ids = torch.cat([router(x).topk_ids_Tk, router(x[:8]).topk_ids_Tk])
+    ids = torch.cat([_forward_and_record(router, x).topk_ids_Tk, _forward_and_record(router, x[:8]).topk_ids_Tk])
     counts = router.take_counts()
     assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=8)) and counts.sum() == 48 * 2
     assert not router.take_counts().any()  # reset by the read
     with torch.no_grad():
-        router(x)
+        _forward_and_record(router, x)
     router.eval()
-    router(x)
+    _forward_and_record(router, x)
     assert not router.expert_counts.any()
+
+
+def test_a_checkpoint_recompute_does_not_count_again():
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    router = _router(bias_update_rate=0.01)
+    x = torch.randn(40, 16)
+    recomputed = []
+
+    def layer(t):
+        recomputed.append(torch.is_grad_enabled())
+        return _forward_and_record(router, t).topk_w_Tk
+    with set_checkpoint_early_stop(False):  # the recompute runs the whole function, record_counts included
+        out = checkpoint(layer, x, use_reentrant=False)
+        (out * torch.randn_like(out)).sum().backward()
+    assert len(recomputed) == 2 and router.weight.grad is not None
+    assert router.take_counts().sum() == 40 * 2
 
 
 def test_bias_balancing_evens_out_a_skewed_router():
@@ -105,7 +128,7 @@ def test_bias_balancing_evens_out_a_skewed_router():
     gen = torch.Generator().manual_seed(1)
     spread = []  # busiest expert / mean, per step
     for _ in range(100):
-        router(torch.randn(2048, 16, generator=gen))
+        _forward_and_record(router, torch.randn(2048, 16, generator=gen))
         counts = router.take_counts()
         spread.append(float(counts.max() / counts.float().mean()))
         router.update_bias(counts)
