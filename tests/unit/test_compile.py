@@ -35,7 +35,7 @@ COMPILE_CASES = [("none", False), ("full", False), ("selective", False), ("full"
 
 
 def _counts(model) -> list[torch.Tensor]:
-    return [block.gate.take_counts() for block in model.moe_blocks()]
+    return [block.gate.take_counts() for block in model.moe_blocks() if block.gate.bias_update_rate > 0]
 
 
 @pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
@@ -61,7 +61,7 @@ def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac, bias):
         counts.append(_counts(model))
     assert not counters["graph_break"], dict(counters["graph_break"])
     if bias:  # the compiled forward counts the slots as eager does (a recompute counts them again)
-        assert all(c.sum() > 0 for c in counts[0]) and all(map(torch.equal, *counts)), counts
+        assert counts[0] and all(c.sum() > 0 for c in counts[0]) and all(map(torch.equal, *counts)), counts
     # whole blocks (the local dispatcher traces): one graph per kind, a GDN block and an attention block
     assert counters["stats"]["unique_graphs"] == 2
     (eager_loss, eager_grads), (comp_loss, comp_grads) = results
@@ -134,7 +134,7 @@ def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac, bias):
         results.append(steps)
     assert not counters["graph_break"], dict(counters["graph_break"])
     if bias:  # per step, compiled (steps 3, 4) counts as eager (steps 1, 2)
-        assert all(c.sum() > 0 for c in counts[0]) and all(map(torch.equal, counts[0], counts[2])), counts
+        assert counts[0] and all(c.sum() > 0 for c in counts[0]) and all(map(torch.equal, counts[0], counts[2])), counts
         assert all(map(torch.equal, counts[1], counts[3])), counts
     # mix (a GDN and an attention kind), router, experts, shared expert + sum; nothing new in step 2
     assert graphs[2:] == [5, 5], graphs[2:]
