@@ -4,8 +4,9 @@ Shapes: x_TH [T, H] tokens, logits_TE [T, E], topk_ids_Tk / topk_w_Tk [T, k].
 
 Aux-loss-free balancing (DeepSeek-V3): with `bias_update_rate` > 0 a per-expert bias is added to the
 probabilities for the top-k choice only (the weights stay the unbiased probabilities). Training forwards
-return their slot counts, which the MoE block adds to `expert_counts` (`record_counts`); once per optimizer step the runtime sums them over the data ranks
-and calls `update_bias(global counts)`: bias += rate * sign(mean count - count).
+return their slot counts, which the MoE block adds to `expert_counts` (`record_counts`); once per optimizer
+step the runtime sums them over the data ranks and calls `update_bias(global counts)`:
+bias += rate * sign(mean count - count).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def expert_counts(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 [E]: the slots routed to each expert. A scatter-add, not bincount: no host sync and a fixed
     shape for torch.compile."""
     ids = topk_ids_Tk.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def switch_aux_loss(probs_TE: torch.Tensor, topk_ids_Tk: torch.Tensor, group=None,
@@ -88,7 +90,8 @@ class SoftmaxTopKRouter(nn.Module):
         self.bias_update_rate = bias_update_rate
         if bias_update_rate > 0:
             # Persistent: checkpoints save and restore it. fp32 whatever the model dtype: it moves by rate steps.
-            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+            bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
+            self.register_buffer("e_score_correction_bias", bias)
             # The current step's slots per expert (this rank's tokens); the runtime reads and resets it.
             self.register_buffer("expert_counts", torch.zeros(num_experts, device=device, dtype=torch.int64),
                                  persistent=False)

@@ -29,7 +29,8 @@ REGIONS = 4
 def _config(tmp: str, compiled: bool, parallelism: dict, model: dict | None = None):
     cfg = tiny_config(False, tmp, **parallelism)
     return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"dtype": "bfloat16", **(model or {})}),  # torch._grouped_mm traces in bf16 only
+        # torch._grouped_mm traces in bf16 only
+        "model": cfg.model.model_copy(update={"dtype": "bfloat16", **(model or {})}),
         "train": cfg.train.model_copy(update={"max_steps": STEPS}),
         "compile": cfg.compile.model_copy(update={"enabled": compiled})})
 

@@ -107,8 +107,9 @@ DEMO_RATE = 1e-3  # the paper's gamma
 
 
 def _demo_run(rank, world_size, out, rate):
-    cfg = load_config(EXAMPLE, {"train.max_steps": DEMO_STEPS, "train.output_dir": out, "logging.progress_bar": False,
-                                "checkpoint.every_n_steps": 0, "checkpoint.save_final": False,
+    cfg = load_config(EXAMPLE, {"train.max_steps": DEMO_STEPS, "train.output_dir": out,
+                                "logging.progress_bar": False, "checkpoint.every_n_steps": 0,
+                                "checkpoint.save_final": False,
                                 "parallelism.ep": world_size, "model.router_bias_update_rate": rate})
     dims = ParallelDims.resolve(1, -1, 1, world_size, world_size)
     train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, dims.build_meshes("cpu"))

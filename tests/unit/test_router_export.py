@@ -23,8 +23,9 @@ KEYS = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(2)]
 
 def test_lora_run_exports_write_the_bias_beside_adapter_and_merged_checkpoint(tmp_path, caplog):
     cfg = load_config(EXAMPLE, {"data.seq_len": 64, "train.micro_batch_size": 2, "optim.warmup_steps": 0,
-                                "train.max_steps": 3, "train.output_dir": str(tmp_path), "logging.progress_bar": False,
-                                "checkpoint.save_final": False, "checkpoint.export_hf": True,
+                                "train.max_steps": 3, "train.output_dir": str(tmp_path),
+                                "logging.progress_bar": False, "checkpoint.save_final": False,
+                                "checkpoint.export_hf": True,
                                 "checkpoint.export_merged": True, "lora.enabled": True, "lora.rank": 4,
                                 "model.router_bias_update_rate": 1e-2})
     seen = {}
