@@ -75,6 +75,7 @@ class MoEBlock(nn.Module):
         shape = x.shape
         x_TH = x.reshape(-1, shape[-1])
         routing = self.gate(x_TH)
+        self.gate.record_counts(routing.counts_E)
         routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
         y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend,
                             valid_slots=routed.valid_slots)

@@ -22,12 +22,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from runtime.errors import ConfigError
 from runtime.models.config_check import model_config_problems
 from runtime.registry import check_choice
-
-
-class ConfigError(ValueError):
-    """A config problem found before anything ran; the message names the key and the fix."""
 
 
 class Section(BaseModel):
@@ -73,6 +70,9 @@ class ModelConfig(Section):
     router_force_balanced: bool = Field(False, description=(
         "benchmarks only: each token's k experts follow a fixed pattern that gives every expert the same "
         "slot count (weights still the router's probabilities); changes the model"))
+    router_bias_update_rate: float = Field(0.0, ge=0.0, description=(
+        "aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the top-k choice moves this much per step "
+        "toward the mean load (e.g. 1e-3; 0: off); HF exports carry it beside, as router_bias.safetensors"))
     num_layers_override: int | None = Field(None, ge=1, description=(
         "build fewer decoder layers than the checkpoint has (parity checks of big models)"))
 

@@ -28,7 +28,7 @@ from runtime.config import Config, ConfigError, config_from_dict
 from runtime.distributed.state_dict import full_state_dict, gather_full
 from runtime.guard.run_dir import STEP_DIR, RunDirError, finished_checkpoints, read_run_config
 from runtime.lora import LoRALinear, export_peft
-from runtime.models.hf import save_pretrained
+from runtime.models.hf import pop_router_bias, save_pretrained, write_router_bias
 
 MERGED_DIR = "merged"
 
@@ -83,11 +83,14 @@ def export_merged(model: torch.nn.Module, cfg: Config, rank: int, meshes=None) -
 
 def export_final(model, cfg, rank: int, meshes=None) -> Path:
     """The trained result in HF form, gathered from the shards: a PEFT adapter (LoRA runs) under
-    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it."""
+    <output_dir>/adapter, else a full HF checkpoint under <output_dir>/hf. Every rank calls it. Router
+    selection biases (model.router_bias_update_rate) go beside either as router_bias.safetensors."""
     out = Path(cfg.train.output_dir)
     if cfg.lora.enabled:
         out = out / "adapter"
         export_peft(model, out, cfg.model.path, gather=partial(gather_full, meshes=meshes))
+        if rank == 0:  # the biases are buffers, the same whole tensor on every rank
+            write_router_bias(pop_router_bias({k: b.detach().cpu() for k, b in model.named_buffers()}), out, out)
     else:
         out = out / "hf"
         state = full_state_dict(model, meshes, keep=rank == 0)
@@ -116,10 +119,11 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
 
 def load_run_model(run_dir: Path, step: int | None = None):
     """(cfg, the run's model on the CPU with the LoRA factors of its checkpoint, that checkpoint)."""
+    from runtime.choices import MODEL_CHOICES
     from runtime.distributed.mesh import ParallelDims
     from runtime.distributed.process_group import DistEnv
     from runtime.models.factory import build_model
-    from runtime.plan import MODEL_CHOICES, plan
+    from runtime.plan import plan
 
     cfg = config_from_dict(read_run_config(run_dir))
     # One CPU process that only loads weights: the run's kernels and mesh do not matter here.

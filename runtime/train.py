@@ -119,8 +119,25 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
     skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
     if skipped is None:
         optimizer_step(optimizer, grad_scale)
+    update_router_biases(model, env, applied=skipped is None)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load(model, env.device))
+
+
+def update_router_biases(model, env: DistEnv, applied: bool) -> None:
+    """Aux-loss-free balancing (model.router_bias_update_rate): every biased router's bias moves by the
+    step's global expert counts, all layers' summed over the ranks in one all-reduce. A step whose update
+    was not applied (the same on every rank) drops its counts without the collective."""
+    routers = [block.gate for block in model.moe_blocks() if block.gate.bias_update_rate > 0]
+    if not routers:
+        return
+    counts_LE = torch.stack([router.take_counts() for router in routers])
+    if not applied:
+        return
+    if env.world_size > 1:
+        torch.distributed.all_reduce(counts_LE)  # every rank's tokens: data, context and EP shards alike
+    for router, counts_E in zip(routers, counts_LE):
+        router.update_bias(counts_E)
 
 
 class StepGuard:

@@ -32,10 +32,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from runtime.choices import MODEL_CHOICES, registry
 from runtime.config import Config, ConfigError
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.process_group import DistEnv
-from runtime.plan import MODEL_CHOICES, registry
 
 TOLERANCES = {"float32": {"loss": 1e-5, "grad": 1e-4, "grad_after_update": 1e-4, "router_grad": 1e-4},
               "bfloat16": {"loss": 2e-2, "grad": 5e-2, "grad_after_update": 1e-1, "router_grad": 1e-1}}

@@ -37,14 +37,14 @@ EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE of sysexits.h: a bug
 # qualified class name through the MRO, so this module knows them without importing the model stack, and
 # a subclass counts too.
 USER_ERRORS = frozenset({
-    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.formats.DataError",
+    "runtime.errors.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.data.formats.DataError",
     "runtime.models.hf.CheckpointError", "runtime.checkpoint.ResumeError", "runtime.train.TrainingDiverged",
     "runtime.guard.run_dir.RunDirError", "runtime.guard.preflight.PreflightError", "runtime.lora.LoRAFormatError",
-    "runtime.launch.UsageError",
+    "runtime.cli.UsageError",
 })
 # Raised from the command line, the YAML and the world size alone, before any rank could differ.
 ALIKE_ON_EVERY_RANK = frozenset({
-    "runtime.config.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.launch.UsageError"})
+    "runtime.errors.ConfigError", "runtime.distributed.mesh.MeshError", "runtime.cli.UsageError"})
 
 
 @dataclass

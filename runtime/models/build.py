@@ -23,6 +23,7 @@ import torch
 
 from moe.experts import GroupedExperts
 from quant import quantize_experts
+from runtime.choices import resolve_model_choices
 from runtime.models.hf import config_from_hf, finish_materialize, load_hf_weights, read_hf_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM, init_weights
 
@@ -31,8 +32,6 @@ def build(cfg: QwenConfig, dtype: torch.dtype, device: torch.device | str, *, pa
           seed: int = 0, ep_rank: int = 0, ep: int = 1, quant: str = "none") -> QwenForCausalLM:
     """This rank's model on `device`: the checkpoint's weights from `path`, else the init seeded by `seed`;
     routed experts FP4-packed unless quant is "none". "auto" names in cfg are resolved for `device`."""
-    from runtime.plan import resolve_model_choices
-
     cfg = resolve_model_choices(cfg, device)
     with torch.device("meta"):
         model = QwenForCausalLM(cfg, dtype=dtype)

@@ -9,6 +9,7 @@ materialized twice. Saving writes the per-expert layout, which transformers v4 a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -27,6 +28,13 @@ from attention.rope import RopeConfig
 from moe.experts import PROJECTIONS, GroupedExperts
 from quant import FP4Weight
 from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM
+
+log = logging.getLogger("runtime")
+
+# Router selection biases (model.router_bias_update_rate) have no place in the HF format: exports write them
+# beside the checkpoint in this file, under these keys' suffix.
+ROUTER_BIAS_FILE = "router_bias.safetensors"
+ROUTER_BIAS_SUFFIX = ".mlp.gate.e_score_correction_bias"
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
@@ -171,7 +179,8 @@ class SafetensorsCheckpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             stored = {k: self.path / f for k, f in weight_map.items()}
         else:
-            files = sorted(self.path.glob("*.safetensors"))
+            # The router-bias side file of our exports is not part of the HF checkpoint.
+            files = sorted(f for f in self.path.glob("*.safetensors") if f.name != ROUTER_BIAS_FILE)
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {self.path}")
             stored = {}
@@ -320,6 +329,8 @@ def finish_materialize(model: QwenForCausalLM, device) -> None:
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_parameters(model.config.rope, model.config.head_dim, device)
+    for block in model.moe_blocks():
+        block.gate.reset_buffers(device)  # the selection bias starts at zero (HF checkpoints hold none)
     leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if leftover:
         raise CheckpointError(f"parameters left uninitialized after loading: {leftover[:10]}")
@@ -420,15 +431,35 @@ def hf_config_dict(cfg: QwenConfig, dtype: torch.dtype) -> dict:
     return hf
 
 
+def pop_router_bias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Removes and returns the routers' selection biases (model.router_bias_update_rate) from `tensors`."""
+    return {k: tensors.pop(k) for k in [k for k in tensors if k.endswith(ROUTER_BIAS_SUFFIX)]}
+
+
+def write_router_bias(bias: dict[str, torch.Tensor], folder: Path, export: Path) -> None:
+    """Writes the selection biases beside an export, with the one warning that the export routes differently."""
+    if not bias:
+        return
+    log.warning("model.router_bias_update_rate: the HF Qwen3-MoE format has no router selection bias, so %s "
+                "routes differently from the trained model; the biases are written beside it as %s "
+                "(keys model.layers.{i}.mlp.gate.e_score_correction_bias) for inference code that adds them to "
+                "the router's probabilities before its top-k", export, ROUTER_BIAS_FILE)
+    save_file({k: v.float().contiguous() for k, v in bias.items()}, folder / ROUTER_BIAS_FILE,
+              metadata={"format": "pt"})
+
+
 def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
                     state: dict[str, torch.Tensor] | None = None, dequantize: bool = False) -> None:
     """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir. FP4-packed
-    experts are written only with dequantize=True, as their dequantized values in the model's dtype."""
+    experts are written only with dequantize=True, as their dequantized values in the model's dtype.
+    Router selection biases, which the HF format lacks, go beside them (write_router_bias)."""
     state = _with_dequantized_experts(model, state, dequantize)
     tensors = hf_state_dict(model, state)
+    bias = pop_router_bias(tensors)
     dtype = next(iter(tensors.values())).dtype
     tmp, commit = atomic_dir(out_dir)
     write_safetensors(tensors, tmp, max_shard_bytes)
+    write_router_bias(bias, tmp, Path(out_dir))
     (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2))
     commit()
 

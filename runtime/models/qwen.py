@@ -34,6 +34,7 @@ from moe.dispatch import build_dispatcher
 from moe.experts import PROJECTIONS, GroupedExperts
 from moe.layer import MoEBlock, SwiGLUMLP
 from moe.router import SoftmaxTopKRouter
+from runtime.choices import resolve_model_choices
 from runtime.loss import LOSS_IMPLS, linear_cross_entropy_sum
 
 
@@ -83,6 +84,7 @@ class QwenConfig:
     gdn_op_set: str = "auto"
     router_aux_loss_coef: float = 0.0
     router_force_balanced: bool = False  # benchmarks: every expert gets the same slot count (moe.router)
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing (moe.router); 0: off
     # The HF config.json this came from, written back by save_pretrained.
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -99,7 +101,7 @@ def build_mlp(cfg: QwenConfig, layer: int, device=None, dtype=None) -> nn.Module
         return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
     router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                cfg.router_aux_loss_coef, force_balanced=cfg.router_force_balanced,
-                               device=device, dtype=dtype)
+                               bias_update_rate=cfg.router_bias_update_rate, device=device, dtype=dtype)
     experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                              device=device, dtype=dtype)
     shared, shared_gate = None, None
@@ -175,8 +177,6 @@ class QwenModel(nn.Module):
 class QwenForCausalLM(nn.Module):
     def __init__(self, cfg: QwenConfig, device=None, dtype=None):
         super().__init__()
-        from runtime.plan import resolve_model_choices  # runtime.plan imports this module's package
-
         # "auto" left in cfg (a model built without a plan) is resolved once, here, for `device`
         cfg = resolve_model_choices(cfg, device)
         LOSS_IMPLS.get(cfg.loss_impl)  # imported now, outside any compiled region

@@ -26,10 +26,11 @@ STEPS = 4
 REGIONS = 4
 
 
-def _config(tmp: str, compiled: bool, parallelism: dict):
+def _config(tmp: str, compiled: bool, parallelism: dict, model: dict | None = None):
     cfg = tiny_config(False, tmp, **parallelism)
     return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"dtype": "bfloat16"}),  # torch._grouped_mm traces in bf16 only
+        # torch._grouped_mm traces in bf16 only
+        "model": cfg.model.model_copy(update={"dtype": "bfloat16", **(model or {})}),
         "train": cfg.train.model_copy(update={"max_steps": STEPS}),
         "compile": cfg.compile.model_copy(update={"enabled": compiled})})
 
@@ -39,25 +40,26 @@ def _train(cfg, world_size, rank):
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size)
     meshes = dims.build_meshes("cpu")
-    grads, graphs = [], []
+    grads, graphs, biases = [], [], []
 
     def on_grads(model):
         grads.append(full_grads(model, meshes))
         graphs.append(counters["stats"]["unique_graphs"])
+        biases.append([b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")])
 
     records = train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, meshes, on_grads=on_grads)
     ep_keys = ("ep_imbalance", "ep_host_skew_s", "ep_slowest_host")
-    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_load": tuple(r.get(k) for k in ep_keys)}
-            for r, g in zip(records, grads)], graphs
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"], "grads": g, "ep_load": tuple(r.get(k) for k in ep_keys),
+             "bias": b} for r, g, b in zip(records, grads, biases)], graphs
 
 
-def _eager_and_compiled(rank, world_size, tmp, parallelism):
-    eager, _ = _train(_config(f"{tmp}/eager", False, parallelism), world_size, rank)
+def _eager_and_compiled(rank, world_size, tmp, parallelism, model=None):
+    eager, _ = _train(_config(f"{tmp}/eager", False, parallelism, model), world_size, rank)
     # aot_eager traces what inductor would (dynamo + AOT autograd) without C++ codegen on the CPU.
     parallelize.apply_compile = functools.partial(apply_compile, backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    compiled, graphs = _train(_config(f"{tmp}/compiled", True, parallelism), world_size, rank)
+    compiled, graphs = _train(_config(f"{tmp}/compiled", True, parallelism, model), world_size, rank)
     return eager, compiled, graphs, dict(counters["graph_break"])
 
 
@@ -67,7 +69,10 @@ MESHES = {
     # efsdp=1: the experts' FSDP unit records one more profiler op in the recompute than in forward,
     # which selective checkpointing must not count (runtime.distributed.activation_checkpoint)
     "ep2_selective_ac": (2, {"ep": 2, "activation_checkpoint": "selective"}),
+    "ep2_selective_ac_bias": (2, {"ep": 2, "activation_checkpoint": "selective"}),
 }
+# model keys of a case: aux-loss-free balancing (the routers' slot counts go to a buffer outside their graphs)
+MODEL = {"ep2_selective_ac_bias": {"router_bias_update_rate": 1e-2}}
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
@@ -76,7 +81,8 @@ def test_compiled_ep_matches_eager(run_dist, tmp_path, mesh):
     loss and grad norm against the single-process eager run (runtime.verify's bf16 tolerances: its
     per-tensor ones do not hold for the eager EP run either, once bf16 updates moved near-tie routings)."""
     world, parallelism = MESHES[mesh]
-    results = run_dist(_eager_and_compiled, world, str(tmp_path / "dist"), parallelism, timeout_s=240)
+    model = MODEL.get(mesh)
+    results = run_dist(_eager_and_compiled, world, str(tmp_path / "dist"), parallelism, model, timeout_s=240)
     for _, _, graphs, breaks in results:
         assert not breaks, breaks
         assert graphs == [REGIONS] * STEPS, f"compiled graphs after each step: {graphs}"
@@ -87,16 +93,21 @@ def test_compiled_ep_matches_eager(run_dist, tmp_path, mesh):
         assert per_rank[0] == per_rank[1], per_rank
         assert all(imbalance >= 1.0 and skew >= 0.0 and slowest in (0, 1)
                    for imbalance, skew, slowest in per_rank[0]), per_rank
-    check_against_eager_and_reference(results, tmp_path, world, parallelism)
+    if model:  # the router biases (as each step starts) moved, the same on both ranks and in both runs
+        biases = [[step["bias"] for step in run] for result in results for run in result[:2]]
+        assert all(b.abs().max() > 0 for b in biases[0][-1])
+        assert all(all(map(torch.equal, a, b)) for other in biases[1:] for a, b in zip(biases[0], other)), biases
+    check_against_eager_and_reference(results, tmp_path, world, parallelism, model)
 
 
-def check_against_eager_and_reference(results, tmp_path, world: int, parallelism: dict) -> None:
+def check_against_eager_and_reference(results, tmp_path, world: int, parallelism: dict,
+                                      model: dict | None = None) -> None:
     """Per-tensor gradients of the compiled run against the eager run of the same mesh, and per-step loss
     and grad norm against the single-process eager run (runtime.verify's bf16 tolerances)."""
     eager, compiled = results[0][:2]
     ok, lines = compare(compiled, eager, "bfloat16")
     assert ok, "compiled vs eager, same mesh:\n" + "\n".join(lines)
-    cfg = _config(str(tmp_path / "ref"), False, parallelism)
+    cfg = _config(str(tmp_path / "ref"), False, parallelism, model)
     p = cfg.parallelism
     ref = reference_run(cfg, ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world), STEPS,
                         torch.device("cpu"))

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_inductor_compiled_hybrid_no_graph_breaks(tmp_path, ac):
-    from runtime.plan import Needs, choose
+    from runtime.choices import Needs, choose
 
     op_set = choose("model.gdn_op_set", "auto", Needs("cuda"))[0]  # fla where it can train here, else torch
     write_hf_checkpoint(tmp_path, "qwen3_5_moe")

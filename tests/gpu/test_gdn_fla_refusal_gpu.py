@@ -46,8 +46,8 @@ def test_refusal_predicts_flas_backward():
 
 
 def test_plan_follows_the_refusal():
+    from runtime.choices import Needs, choose
     from runtime.config import ConfigError
-    from runtime.plan import Needs, choose
 
     refusal = gdn_ops_fla.backward_refusal()
     if refusal is None:

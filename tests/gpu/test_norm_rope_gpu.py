@@ -121,7 +121,7 @@ def test_fp32_kernel_matches_fp32_reference(head_dim, rotary_dim):
 
 def test_auto_picks_triton_on_cuda():
     inputs = make_inputs(1, 64, 4, 2, 128, 128, torch.bfloat16)
-    from runtime.plan import Needs, choose
+    from runtime.choices import Needs, choose
 
     auto = choose("model.norm_rope_impl", "auto", Needs("cuda"))[0]
     for a, b in zip(forward_and_grads(inputs, auto, False, None), forward_and_grads(inputs, "triton", False, None)):

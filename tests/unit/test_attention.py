@@ -157,8 +157,8 @@ def test_varlen_choice_falls_back_to_torch(choose, signature):
 @pytest.mark.parametrize("torch_fn", [None, _no_causal], ids=["no_varlen", "varlen_without_causal"])
 def test_flash_backend_unavailable_is_a_clear_error(choose, torch_fn):
     assert choose(None, torch_fn) is None
-    from runtime.plan import Needs
-    from runtime.plan import choose as plan_choose
+    from runtime.choices import Needs
+    from runtime.choices import choose as plan_choose
 
     with pytest.raises(ConfigError, match="model.attn_backend: flash cannot run here: it needs flash-attn installed"):
         plan_choose("model.attn_backend", "flash", Needs("cuda"))
@@ -288,8 +288,8 @@ def test_flash_backend_with_the_installed_torch_on_cpu_names_the_fix(monkeypatch
 
 
 def test_auto_backend_is_the_mask_path_off_cuda_and_varlen_on_cuda(choose):
-    from runtime.plan import Needs
-    from runtime.plan import choose as plan_choose
+    from runtime.choices import Needs
+    from runtime.choices import choose as plan_choose
 
     def auto(device):
         return plan_choose("model.attn_backend", "auto", Needs(device))[0]

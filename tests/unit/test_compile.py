@@ -32,8 +32,16 @@ def _loss_and_grads(model, ids, pos, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
-def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac):
+# bias: aux-loss-free balancing on (model.router_bias_update_rate): the routers add their slot counts to a buffer
+COMPILE_CASES = [("none", False), ("full", False), ("selective", False), ("full", True), ("selective", True)]
+
+
+def _counts(model) -> list[torch.Tensor]:
+    return [block.gate.take_counts() for block in model.moe_blocks() if block.gate.bias_update_rate > 0]
+
+
+@pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
+def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac, bias):
     # aot_eager traces exactly what inductor would (dynamo + AOT autograd) without C++ codegen on CPU;
     # the GPU test compiles with inductor.
     write_hf_checkpoint(tmp_path, "qwen3_5_moe")
@@ -41,18 +49,21 @@ def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac):
     ids = torch.randint(0, 320, (2, 24), generator=g)
     pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)  # two documents per row
     labels = torch.randint(0, 320, (2, 24), generator=g)
-    results = []
+    results, counts = [], []
     for compiled in (False, True):
         # bf16: torch._grouped_mm's compile-time (fake) rule accepts only bf16, whatever the device
         model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
-                                router_aux_loss_coef=0.01)
+                                router_aux_loss_coef=0.01, router_bias_update_rate=0.01 if bias else 0.0)
         apply_activation_checkpointing(model, ac)
         if compiled:
             torch._dynamo.reset()
             counters.clear()
             apply_compile(model, {}, backend="aot_eager")
         results.append(_loss_and_grads(model, ids, pos, labels))
+        counts.append(_counts(model))
     assert not counters["graph_break"], dict(counters["graph_break"])
+    if bias:  # the compiled forward counts the slots as eager does (a recompute counts them again)
+        assert counts[0] and all(c.sum() > 0 for c in counts[0]) and all(map(torch.equal, *counts)), counts
     # whole blocks (the local dispatcher traces): one graph per kind, a GDN block and an attention block
     assert counters["stats"]["unique_graphs"] == 2
     (eager_loss, eager_grads), (comp_loss, comp_grads) = results
@@ -96,18 +107,18 @@ def _batch(seed: int):
     return ids, pos, torch.randint(0, 320, (2, 24), generator=g)
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
-def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac):
+@pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
+def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac, bias):
     """With a dispatcher that is not traceable each block compiles in fullgraph regions around the
     exchange (a whole-block trace would fail on its host sync): compiled equals eager over two steps of
     different routing, one graph per region kind, and the second step compiles nothing new although
     every layer and step dispatches a different number of rows."""
     write_hf_checkpoint(tmp_path, "qwen3_5_moe")
     batches = [_batch(0), _batch(1)]
-    results, graphs = [], []
+    results, graphs, counts = [], [], []
     for compiled in (False, True):
         model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
-                                router_aux_loss_coef=0.01)
+                                router_aux_loss_coef=0.01, router_bias_update_rate=0.01 if bias else 0.0)
         dispatcher = _HalvesDispatcher(model.config.num_experts)
         for block in model.moe_blocks():
             block.wire(dispatcher, balance_group=None, aux_grad_scale=1.0)
@@ -121,8 +132,13 @@ def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac):
             model.zero_grad(set_to_none=True)
             steps.append(_loss_and_grads(model, ids, pos, labels))
             graphs.append(counters["stats"]["unique_graphs"])
+            counts.append(_counts(model))
         results.append(steps)
     assert not counters["graph_break"], dict(counters["graph_break"])
+    if bias:  # per step, compiled (steps 3, 4) counts as eager (steps 1, 2)
+        assert counts[0] and all(c.sum() > 0 for c in counts[0]), counts
+        assert all(map(torch.equal, counts[0], counts[2])), counts
+        assert all(map(torch.equal, counts[1], counts[3])), counts
     # mix (a GDN and an attention kind), router, experts, shared expert + sum; nothing new in step 2
     assert graphs[2:] == [5, 5], graphs[2:]
     assert len(set(dispatcher.rows)) > 1, dispatcher.rows

@@ -259,8 +259,8 @@ def test_fla_is_not_imported_and_refused_on_cpu():
         pytest.skip("CPU-only check")
     GatedDeltaNet(**TINY, op_set="torch")
     assert "fla" not in sys.modules
+    from runtime.choices import Needs, choose
     from runtime.config import ConfigError
-    from runtime.plan import Needs, choose
 
     with pytest.raises(ConfigError, match="model.gdn_op_set: fla cannot run here: it runs on cuda only"):
         choose("model.gdn_op_set", "fla", Needs("cpu"))
@@ -269,7 +269,7 @@ def test_fla_is_not_imported_and_refused_on_cpu():
 
 
 def test_auto_op_set_is_resolved_by_the_plan_not_the_layer():
-    from runtime.plan import Needs, choose
+    from runtime.choices import Needs, choose
 
     expected = "torch"
     if torch.cuda.is_available() and importlib.util.find_spec("fla"):

@@ -272,7 +272,7 @@ def test_chunked_under_torch_compile():
 def test_registry_names_and_auto():
     assert set(LOSS_IMPLS.names()) == {"auto", "plain", "chunked", "liger", "cce"}
     assert LOSS_IMPLS.config_key == "model.loss_impl"
-    from runtime.plan import Needs, choose
+    from runtime.choices import Needs, choose
 
     assert choose("model.loss_impl", "auto", Needs("cpu"))[0] == choose("model.loss_impl", "auto", Needs("cuda"))[0] \
         == "chunked"
@@ -287,8 +287,8 @@ def test_registry_names_and_auto():
 def test_unavailable_message(impl, module, hint):
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
+    from runtime.choices import Needs, choose
     from runtime.config import ConfigError
-    from runtime.plan import Needs, choose
 
     with pytest.raises(ConfigError, match=rf"model\.loss_impl: {impl} cannot run here: the {module} package is not "
                                           rf"installed \({hint}\)"):

@@ -150,7 +150,7 @@ def test_bad_impl_raises():
 
 def test_impls_registry():
     """The names a config may use; "auto" (runtime.plan) is triton on CUDA where triton is installed."""
-    from runtime.plan import Needs, choose
+    from runtime.choices import Needs, choose
 
     assert NORM_ROPE_IMPLS.names() == ["auto", "torch", "triton"]
     assert choose("model.norm_rope_impl", "auto", Needs("cpu"))[0] == "torch"

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runtime.choices import MODEL_CHOICES, resolve_model_choices
 from runtime.config import ConfigError, config_from_dict
-from runtime.plan import MODEL_CHOICES, check_context_parallel, plan, resolve_model_choices
+from runtime.plan import check_context_parallel, plan
 from tests.conftest import TINY_HYBRID
 
 ROOT = Path(__file__).resolve().parents[2]

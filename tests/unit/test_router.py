@@ -55,3 +55,87 @@ def test_forced_balanced_ignores_the_router_but_keeps_its_aux_loss():
     assert first.aux_loss is not None and first.aux_loss.requires_grad
     plain = _router()(x).topk_ids_Tk
     assert not torch.equal(plain, first.topk_ids_Tk)  # the pattern is not what the top-k picks
+
+
+def test_bias_moves_by_rate_times_sign_toward_the_mean_load():
+    router = _router(bias_update_rate=0.01)
+    assert router.e_score_correction_bias.dtype == torch.float32 and not router.e_score_correction_bias.any()
+    counts = torch.tensor([10, 2, 6, 6, 6, 6, 6, 6])  # mean 6
+    router.update_bias(counts)
+    torch.testing.assert_close(router.e_score_correction_bias, torch.tensor([-0.01, 0.01, 0, 0, 0, 0, 0, 0]))
+    router.update_bias(counts)
+    torch.testing.assert_close(router.e_score_correction_bias, torch.tensor([-0.02, 0.02, 0, 0, 0, 0, 0, 0]))
+
+
+def test_bias_changes_the_choice_but_not_the_weights():
+    router = _router(bias_update_rate=0.01)
+    x = torch.randn(64, 16)
+    before = router(x)
+    favoured = 3
+    with torch.no_grad():
+        router.e_score_correction_bias[favoured] = 1.0  # beats any probability gap
+    after = router(x)
+    assert (after.topk_ids_Tk == favoured).any(-1).all()
+    assert not torch.equal(before.topk_ids_Tk, after.topk_ids_Tk)
+    probs = torch.softmax(x @ router.weight.T, dim=-1)
+    expected = probs.gather(1, after.topk_ids_Tk)
+    torch.testing.assert_close(after.topk_w_Tk, expected / expected.sum(-1, keepdim=True))
+    (after.topk_w_Tk ** 2).sum().backward()
+    assert router.weight.grad.abs().sum() > 0 and router.e_score_correction_bias.grad is None
+
+
+def _forward_and_record(router, x):
+    out = router(x)
+    router.record_counts(out.counts_E)  # as the MoE block does
+    return out
+
+
+def test_training_forwards_count_slots_and_eval_does_not():
+    router = _router(bias_update_rate=0.01)
+    x = torch.randn(40, 16)
+    ids = torch.cat([_forward_and_record(router, x).topk_ids_Tk, _forward_and_record(router, x[:8]).topk_ids_Tk])
+    counts = router.take_counts()
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=8)) and counts.sum() == 48 * 2
+    assert not router.take_counts().any()  # reset by the read
+    with torch.no_grad():
+        _forward_and_record(router, x)
+    router.eval()
+    _forward_and_record(router, x)
+    assert not router.expert_counts.any()
+
+
+def test_a_checkpoint_recompute_does_not_count_again():
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    router = _router(bias_update_rate=0.01)
+    x = torch.randn(40, 16)
+    recomputed = []
+
+    def layer(t):
+        recomputed.append(torch.is_grad_enabled())
+        return _forward_and_record(router, t).topk_w_Tk
+    with set_checkpoint_early_stop(False):  # the recompute runs the whole function, record_counts included
+        out = checkpoint(layer, x, use_reentrant=False)
+        (out * torch.randn_like(out)).sum().backward()
+    assert len(recomputed) == 2 and router.weight.grad is not None
+    assert router.take_counts().sum() == 40 * 2
+
+
+def test_bias_balancing_evens_out_a_skewed_router():
+    router = _router(bias_update_rate=0.002)
+    with torch.no_grad():
+        router.weight[0] += 0.5  # expert 0 dominates
+    gen = torch.Generator().manual_seed(1)
+    spread = []  # busiest expert / mean, per step
+    for _ in range(100):
+        _forward_and_record(router, torch.randn(2048, 16, generator=gen))
+        counts = router.take_counts()
+        spread.append(float(counts.max() / counts.float().mean()))
+        router.update_bias(counts)
+    assert spread[0] > 1.9 and sum(spread[-10:]) / 10 < 1.3, spread
+
+
+def test_bias_is_a_persistent_fp32_buffer_and_counts_are_not():
+    keys = _router(bias_update_rate=0.01).state_dict().keys()
+    assert "e_score_correction_bias" in keys and "expert_counts" not in keys
+    assert "e_score_correction_bias" not in _router().state_dict()

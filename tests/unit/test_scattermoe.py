@@ -435,7 +435,7 @@ def test_compiled_moe_model_blocks_with_scattermoe(tmp_path):
 def test_auto_backend_is_scattermoe_on_cuda_only():
     import importlib.util
 
-    from runtime.plan import Needs, choose
+    from runtime.choices import Needs, choose
 
     assert choose("model.expert_backend", "auto", Needs("cpu"))[0] == "grouped_mm"
     assert choose("model.expert_backend", "eager", Needs("cuda"))[0] == "eager"

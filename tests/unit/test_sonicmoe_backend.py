@@ -205,8 +205,8 @@ def test_bf16_under_autocast_matches_eager_under_autocast():
 @pytest.mark.skipif(importlib.util.find_spec("sonicmoe") is not None and torch.cuda.is_available(),
                     reason="sonic-moe and CUDA are both here")
 def test_plan_says_unavailable_with_the_install_hint():
+    from runtime.choices import Needs, choose
     from runtime.config import ConfigError
-    from runtime.plan import Needs, choose
 
     assert "sonicmoe" in EXPERT_BACKENDS.names()
     assert check_choice("model.expert_backend", "sonicmoe") is None  # a config may name it (runs elsewhere)
