@@ -45,11 +45,12 @@ from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 from quant import FP4Weight
 from runtime.config import Config
-from runtime.distributed.fsdp import frozen_dense_placement, gather_dtype
+from runtime.distributed.fsdp import frozen_dense_placement
 from runtime.distributed.mesh import ParallelDims
 from runtime.loss import default_chunk_size
 from runtime.models.factory import meta_model, model_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
+from runtime.plan import fsdp_gather_dtype
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -454,7 +455,7 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True,
     forward, start, end = {}, {}, {}
     # FSDP's bf16 gathers are the compute weights; one GPU and fp32 gathers have autocast's cast copies instead,
     # except the experts' own units under EP, which gather in bf16 either way
-    fp32_gathers = shards > 1 and cuda and gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep) == "fp32"
+    fp32_gathers = shards > 1 and cuda and fsdp_gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep) == "fp32"
     copies = (shards == 1 or fp32_gathers) and p.master != p.compute
     if copies:
         experts_cast = dims.ep == 1

@@ -106,7 +106,10 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
         check_fp4_blocks(cfg, qcfg)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
-    fsdp_dtype = p.fsdp_param_dtype if p.fsdp_param_dtype != "auto" else fsdp_gather_dtype(dims.ep)
+    if p.frozen_dense == "replicate" and not cfg.lora.enabled:
+        raise ConfigError("parallelism.frozen_dense: replicate needs lora.enabled (a full fine-tune has no frozen "
+                          "weights); set parallelism.frozen_dense to auto or shard")
+    fsdp_dtype = fsdp_gather_dtype(p.fsdp_param_dtype, dims.ep)
     resolved = cfg.model_copy(deep=True)
     for field, name in names.items():
         setattr(resolved.model, field, name)
@@ -115,10 +118,12 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
     return Plan(user_config=cfg, config=resolved, dims=dims, device=dev, compile=cfg.compile.enabled)
 
 
-def fsdp_gather_dtype(ep: int) -> str:
-    """parallelism.fsdp_param_dtype auto: fp32 under EP, where the experts (the bulk of the bytes) gather in
-    their own bf16 units and fp32 gathers of the rest cost nothing measurable; bf16 without EP, where the
-    experts would gather in fp32 with their block (docs/benchmarks.md)."""
+def fsdp_gather_dtype(setting: str, ep: int) -> str:
+    """parallelism.fsdp_param_dtype resolved: auto is fp32 under EP, where the experts (the bulk of the bytes)
+    gather in their own bf16 units and fp32 gathers of the rest cost nothing measurable, and bf16 without EP,
+    where the experts would gather in fp32 with their block (slower: docs/benchmarks.md#fsdp-gathers)."""
+    if setting != "auto":
+        return setting
     return "fp32" if ep > 1 else "bf16"
 
 

@@ -19,7 +19,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.experts import GroupedExperts
-from runtime.config import ConfigError
 from runtime.distributed.mesh import Meshes
 from runtime.models.qwen import QwenForCausalLM
 
@@ -34,15 +33,6 @@ def _mp_policy(device_type: str, autocast: bool = True, param_dtype: str = "bf16
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else None,
                                     reduce_dtype=torch.float32, cast_forward_inputs=False)
     return MixedPrecisionPolicy()
-
-
-def gather_dtype(setting: str, ep: int) -> str:
-    """parallelism.fsdp_param_dtype resolved: auto is fp32 under EP, where the experts (the bulk of the bytes)
-    gather in their own bf16 units and fp32 gathers of the rest cost nothing measurable, and bf16 without EP,
-    where the experts would gather in fp32 with their block (slower: docs/benchmarks.md#fsdp-gathers)."""
-    if setting != "auto":
-        return setting
-    return "fp32" if ep > 1 else "bf16"
 
 
 def _expert_mp_policy(device_type: str, autocast: bool, expert_fsdp_size: int) -> MixedPrecisionPolicy:
@@ -87,9 +77,6 @@ def frozen_dense_placement(setting: str, lora_enabled: bool, frozen_dense_bytes:
     dense weights take at most 1/8 of device memory (what replication adds on every rank next to the experts,
     activations and buffers), or at most FROZEN_DENSE_CAP where the memory is unknown (the CPU); else shard.
     A full fine-tune has no frozen weights: it shards."""
-    if setting == "replicate" and not lora_enabled:
-        raise ConfigError("parallelism.frozen_dense: replicate needs lora.enabled (a full fine-tune has no frozen "
-                          "weights); set parallelism.frozen_dense to auto or shard")
     if setting != "auto":
         return setting
     if not lora_enabled:
@@ -111,7 +98,7 @@ def frozen_dense_bytes(model: nn.Module) -> int:
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True,
                param_dtype: str = "bf16", frozen_dense: str = "shard") -> None:
     """FSDP2 units: each decoder block, under EP its experts (their own mesh), and the root; `param_dtype`:
-    gather_dtype's bf16 or fp32. `frozen_dense` replicate (frozen_dense_placement): no block unit; the frozen
+    runtime.plan.fsdp_gather_dtype's bf16 or fp32. `frozen_dense` replicate (frozen_dense_placement): no block unit; the frozen
     dense parameters stay plain tensors on every rank, the trainable ones outside the experts join the root unit
     (one gather at the start of forward, one reduce-scatter at the end of backward) and the experts take their
     own units as under EP."""

@@ -17,9 +17,10 @@ from runtime.distributed.activation_checkpoint import apply_activation_checkpoin
 from runtime.distributed.compile import apply_compile
 from runtime.distributed.context_parallel import ContextParallel
 from runtime.distributed.expert_parallel import wire_moe_blocks
-from runtime.distributed.fsdp import apply_fsdp, frozen_dense_bytes, frozen_dense_placement, gather_dtype
+from runtime.distributed.fsdp import apply_fsdp, frozen_dense_bytes, frozen_dense_placement
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
+from runtime.plan import fsdp_gather_dtype
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
@@ -35,7 +36,7 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
         frozen_dense = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled,
                                               frozen_dense_bytes(model), device_memory_bytes(meshes.world.device_type))
         apply_fsdp(model, meshes, meshes.world.device_type, autocast,
-                   gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep), frozen_dense)
+                   fsdp_gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep), frozen_dense)
     return model
 
 

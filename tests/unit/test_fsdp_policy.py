@@ -3,17 +3,15 @@ reductions compute in."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from runtime.config import ConfigError
 from runtime.distributed.fsdp import (
     FROZEN_DENSE_CAP,
     _expert_mp_policy,
     _mp_policy,
     frozen_dense_placement,
-    gather_dtype,
 )
+from runtime.plan import fsdp_gather_dtype
 
 
 def test_gathers_follow_autocast():
@@ -40,8 +38,8 @@ def test_experts_alone_on_their_fsdp_mesh_make_no_fp32_gradient_copy():
 def test_auto_gathers_in_fp32_under_ep_only():
     """Under EP the experts keep their own bf16 units, so fp32 gathers of the rest are cheap; without EP the
     experts would gather in fp32 with their block."""
-    assert gather_dtype("auto", 2) == "fp32" and gather_dtype("auto", 1) == "bf16"
-    assert gather_dtype("bf16", 4) == "bf16" and gather_dtype("fp32", 1) == "fp32"
+    assert fsdp_gather_dtype("auto", 2) == "fp32" and fsdp_gather_dtype("auto", 1) == "bf16"
+    assert fsdp_gather_dtype("bf16", 4) == "bf16" and fsdp_gather_dtype("fp32", 1) == "fp32"
 
 
 GIB = 2**30
@@ -63,5 +61,3 @@ def test_frozen_dense_full_fine_tune_shards_and_explicit_settings_win():
     assert frozen_dense_placement("shard", True, 0, 80 * GIB) == "shard"
     assert frozen_dense_placement("shard", False, 0, None) == "shard"
     assert frozen_dense_placement("replicate", True, 100 * GIB, 80 * GIB) == "replicate"
-    with pytest.raises(ConfigError, match="frozen_dense: replicate needs lora.enabled"):
-        frozen_dense_placement("replicate", False, 0, 80 * GIB)

@@ -56,6 +56,11 @@ def test_fsdp_gather_dtype_auto_follows_ep():
     assert p.config.parallelism.fsdp_param_dtype == "fp32" and p.dims.ep == 2
 
 
+def test_frozen_dense_replicate_needs_lora():
+    with pytest.raises(ConfigError, match="parallelism.frozen_dense: replicate needs lora.enabled"):
+        plan(cfg_of(set_("parallelism", frozen_dense="replicate")), 1, "cpu")
+
+
 def test_resolved_yaml_beside_the_config(tmp_path):
     p = plan(cfg_of(), 1, "cpu")
     written = yaml.safe_load(p.write(tmp_path).read_text())["resolved"]
