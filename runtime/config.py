@@ -286,38 +286,6 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
 
-    @model_validator(mode="after")
-    def _combinations(self):
-        if self.optim.warmup_steps >= self.train.max_steps and self.optim.warmup_steps > 0:
-            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than "
-                             f"train.max_steps ({self.train.max_steps})")
-        if self.model.config is not None and self.data.tokenizer is None:
-            raise ValueError("model.config (random init) has no tokenizer: set data.tokenizer")
-        p = self.parallelism
-        # Accepted by the schema but not built yet: refuse rather than train wrongly.
-        if p.cp > 1 and self.data.seq_len % (2 * p.cp):
-            raise ValueError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
-                             f"data.seq_len (now {self.data.seq_len}) to a multiple of {2 * p.cp}")
-        if self.checkpoint.export_merged and not self.lora.enabled:
-            raise ValueError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
-                             "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")
-        if outside := sorted(s for s in self.profiling.steps if not 1 <= s <= self.train.max_steps):
-            raise ValueError(f"profiling.steps {outside} are not steps of this run (1..train.max_steps = "
-                             f"{self.train.max_steps})")
-        if self.train.eval_every_n_steps and not self.data.has_eval:
-            raise ValueError("train.eval_every_n_steps is set but there is no eval data; set data.eval (a file) or "
-                             "data.eval_fraction")
-        if self.quant.base_weights != "none" and not self.lora.enabled:
-            raise ValueError(f"quant.base_weights: {self.quant.base_weights} packs the routed experts' base weights "
-                             "into frozen FP4, which a full fine-tune would have to train; set lora.enabled: true "
-                             "(LoRA on top of the packed experts) or quant.base_weights: none")
-        if p.dp_shard > 0:
-            shard_cp = p.dp_shard * p.cp
-            if shard_cp % p.ep:
-                raise ValueError(f"parallelism.ep ({p.ep}) must divide dp_shard*cp ({p.dp_shard}*{p.cp}); "
-                                 "experts are carved out of the FSDP ranks")
-        return self
-
 
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]

@@ -77,6 +77,7 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
     machine's) and runs every cross-check, before any process group. Raises ConfigError / MeshError."""
     from runtime.distributed.mesh import ParallelDims
 
+    check_combinations(cfg)
     dev = device_type(device)
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
@@ -116,6 +117,38 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
     resolved.parallelism.dispatcher = dispatcher
     resolved.parallelism.fsdp_param_dtype = fsdp_dtype
     return Plan(user_config=cfg, config=resolved, dims=dims, device=dev, compile=cfg.compile.enabled)
+
+
+def check_combinations(cfg: Config) -> None:
+    """Keys of different sections that must agree (each section's own keys are checked by the schema)."""
+    if cfg.optim.warmup_steps >= cfg.train.max_steps and cfg.optim.warmup_steps > 0:
+        raise ConfigError(f"optim.warmup_steps ({cfg.optim.warmup_steps}) must be smaller than "
+                          f"train.max_steps ({cfg.train.max_steps})")
+    if cfg.model.config is not None and cfg.data.tokenizer is None:
+        raise ConfigError("model.config (random init) has no tokenizer: set data.tokenizer")
+    p = cfg.parallelism
+    # Accepted by the schema but not built yet: refuse rather than train wrongly.
+    if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallelism.cp={p.cp} cuts every row into 2*cp = {2 * p.cp} equal pieces; set "
+                          f"data.seq_len (now {cfg.data.seq_len}) to a multiple of {2 * p.cp}")
+    if cfg.checkpoint.export_merged and not cfg.lora.enabled:
+        raise ConfigError("checkpoint.export_merged merges LoRA adapters into the base weights, but lora.enabled "
+                          "is false; a full fine-tune's HF checkpoint is checkpoint.export_hf")
+    if outside := sorted(s for s in cfg.profiling.steps if not 1 <= s <= cfg.train.max_steps):
+        raise ConfigError(f"profiling.steps {outside} are not steps of this run (1..train.max_steps = "
+                          f"{cfg.train.max_steps})")
+    if cfg.train.eval_every_n_steps and not cfg.data.has_eval:
+        raise ConfigError("train.eval_every_n_steps is set but there is no eval data; set data.eval (a file) or "
+                          "data.eval_fraction")
+    if cfg.quant.base_weights != "none" and not cfg.lora.enabled:
+        raise ConfigError(f"quant.base_weights: {cfg.quant.base_weights} packs the routed experts' base weights "
+                          "into frozen FP4, which a full fine-tune would have to train; set lora.enabled: true "
+                          "(LoRA on top of the packed experts) or quant.base_weights: none")
+    if p.dp_shard > 0:
+        shard_cp = p.dp_shard * p.cp
+        if shard_cp % p.ep:
+            raise ConfigError(f"parallelism.ep ({p.ep}) must divide dp_shard*cp ({p.dp_shard}*{p.cp}); "
+                              "experts are carved out of the FSDP ranks")
 
 
 def fsdp_gather_dtype(setting: str, ep: int) -> str:

@@ -44,10 +44,6 @@ BAD = {
                        "parallelism.dispatcher: unknown dispatcher 'alltoall'; choose one of"),
     "both model sources": (lambda r: r["model"].update(path="/x"), "set exactly one of model.path"),
     "missing data": (lambda r: r.pop("data"), "data: required key is missing"),
-    "warmup too long": (lambda r: r["optim"].update(warmup_steps=100), "optim.warmup_steps (100) must be smaller"),
-    "ep does not divide": (lambda r: r.update(parallelism={"dp_shard": 3, "ep": 2}), "parallelism.ep (2) must divide"),
-    "fp4 full fine-tune": (lambda r: r.update(quant={"base_weights": "nvfp4"}), "set lora.enabled: true"),
-    "cp pieces": (lambda r: r.update(parallelism={"cp": 3}), "set data.seq_len (now 256) to a multiple of 6"),
     "cp attention typo": (lambda r: r.update(parallelism={"cp": 2, "cp_attention": "ring"}),
                           "parallelism.cp_attention: Input should be 'allgather' or 'ulysses'"),
     "inductor option unknown": (lambda r: r.update(compile={"enabled": True, "inductor_options": {"foo": 1}}),
@@ -56,9 +52,30 @@ BAD = {
                                          "set compile.enabled: true"),
     "lora target typo": (lambda r: r.update(lora={"enabled": True, "target_modules": ["qproj"]}),
                          "lora.target_modules.0: Input should be"),
-    "random init without tokenizer": (lambda r: r["data"].pop("tokenizer"), "set data.tokenizer"),
     "zero dp_shard": (lambda r: r.update(parallelism={"dp_shard": 0}), "parallelism.dp_shard must be >= 1"),
 }
+
+
+# Keys of different sections that must agree: runtime.plan checks them, before any process group.
+CROSS_SECTION = {
+    "warmup too long": (lambda r: r["optim"].update(warmup_steps=100), "optim.warmup_steps (100) must be smaller"),
+    "ep does not divide": (lambda r: r.update(parallelism={"dp_shard": 3, "ep": 2}), "parallelism.ep (2) must divide"),
+    "fp4 full fine-tune": (lambda r: r.update(quant={"base_weights": "nvfp4"}), "set lora.enabled: true"),
+    "cp pieces": (lambda r: r.update(parallelism={"cp": 3}), "set data.seq_len (now 256) to a multiple of 6"),
+    "random init without tokenizer": (lambda r: r["data"].pop("tokenizer"), "set data.tokenizer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_SECTION))
+def test_cross_section_mistakes_are_planned_out(name):
+    from runtime.plan import plan
+
+    edit, message = CROSS_SECTION[name]
+    cfg = config_from_dict(with_(edit))
+    world = max(cfg.parallelism.dp_shard, 1) * cfg.parallelism.cp
+    with pytest.raises(ConfigError) as err:
+        plan(cfg, world, "cpu")
+    assert message in str(err.value)
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
