@@ -20,19 +20,19 @@ docs/reliability.md tabulates the cases.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
@@ -43,9 +43,9 @@ LONG_RUN = 10**6
 
 
 def base_config(out: Path) -> dict:
-    """The tiny example, made small and fast, with absolute paths."""
+    """The tiny example, made small and fast (300 of its chat records), with absolute paths."""
     cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["data"].update(path=str(TINY / "data" / "train.jsonl"), tokenizer=str(TINY / "tokenizer"), seq_len=64)
+    cfg["data"].update(path=small_chat_data(), tokenizer=str(TINY / "tokenizer"), seq_len=64)
     cfg["optim"]["warmup_steps"] = 1
     cfg["train"].update(max_steps=2, micro_batch_size=2, output_dir=str(out))
     cfg["checkpoint"] = {"every_n_steps": 0, "keep_last": 2}
@@ -73,57 +73,6 @@ def child_env() -> dict:
 def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run(command([str(a) for a in args], nproc), cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=child_env(), check=False)
-
-
-@dataclass
-class Finished:
-    """What `launch` tells of a run: its exit code and what it printed on stderr."""
-
-    returncode: int
-    stderr: str
-
-
-class _Exited(BaseException):
-    """guarded_main's os._exit(code), raised instead of ending the test process."""
-
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
-
-
-def _raise_exited(code: int):
-    raise _Exited(code)
-
-
-@pytest.fixture
-def cli(capsys):
-    """`python -m runtime.launch ARGS` run in this process: cli(args) -> Finished. The log goes to stderr
-    as in a plain process (setup_logging's basicConfig is a no-op under pytest's log capture), and the
-    signal handlers guarded_main sets are put back."""
-    from runtime.launch import main
-
-    def run(args: list) -> Finished:
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        root = logging.getLogger()
-        level = root.level
-        log_to_stderr = logging.StreamHandler(sys.stderr)
-        log_to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        root.addHandler(log_to_stderr)
-        root.setLevel(logging.INFO)
-        capsys.readouterr()
-        try:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(os, "_exit", _raise_exited)
-                code = main([str(a) for a in args])
-        except _Exited as exited:
-            code = exited.code
-        finally:
-            root.removeHandler(log_to_stderr)
-            root.setLevel(level)
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-        return Finished(code, capsys.readouterr().err)
-    return run
 
 
 def default_sigint() -> None:
@@ -399,6 +348,7 @@ def test_resume_on_an_empty_dir_starts_at_step_1(tmp_path, cli):
     assert "holds no checkpoint: starting from step 0" in proc.stderr
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_continues(tmp_path, cli):
     out = tmp_path / "run"
     cfg = base_config(out)
@@ -432,6 +382,7 @@ def test_resume_into_another_model_is_one_clear_line(tmp_path, cli):
     assert_clear_error(_train(cli, tmp_path, out, 4, "--resume", lora__enabled=True), r"different model")
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_and_ep_reshards(tmp_path, cli):
     out = tmp_path / "run"
     assert _train(cli, tmp_path, out, 2).returncode == 0
@@ -491,6 +442,7 @@ def test_sigterm_says_where_to_resume(tmp_path):
     assert re.search(r"interrupted at step \d+.*step_\d{8}.*--resume", err, re.DOTALL), err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_whole_run(tmp_path):
     out = tmp_path / "run"
     cfg = base_config(out)

@@ -30,6 +30,7 @@ def _loss_and_grads(model, ids, pos, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac):
     # aot_eager traces exactly what inductor would (dynamo + AOT autograd) without C++ codegen on CPU;
@@ -94,6 +95,7 @@ def _batch(seed: int):
     return ids, pos, torch.randint(0, 320, (2, 24), generator=g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac):
     """With a dispatcher that is not traceable each block compiles in fullgraph regions around the
