@@ -12,7 +12,7 @@ from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.verify import _verification_config, compare, record_run, reference_run
-from tests.conftest import TINY_HYBRID, small_chat_data
+from tests.conftest import TINY_HYBRID
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -24,7 +24,7 @@ def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant:
     overrides = {**({"model.config": model} if model else {}), "data.seq_len": seq_len, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
                  "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
                  "train.max_steps": STEPS, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend,
-                 "quant.base_weights": quant, "data.path": small_chat_data()}
+                 "quant.base_weights": quant}
     overrides.update({f"parallelism.{k}": v for k, v in parallelism.items()})
     cfg = load_config(EXAMPLE, overrides)
     return _verification_config(cfg, STEPS, tmp)
