@@ -3,7 +3,14 @@ temporary folder, not in the checkout."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +43,23 @@ def label_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.T
 
     return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+TINY_CHAT = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "data" / "train.jsonl"
+
+
+def small_chat_data(records: int = 300) -> str:
+    """The first `records` of the tiny example's 3,000 chat records, as a file in the temp folder: rows
+    enough for a test's few steps (a loader cycles epochs), where tokenizing all of them (a chat template
+    per record) costs about a second of CPU in every process that builds a loader. Named by its content
+    and written atomically, so ranks and subprocesses can ask for it at the same time."""
+    text = "".join(TINY_CHAT.read_text().splitlines(keepends=True)[:records])
+    path = Path(tempfile.gettempdir()) / f"tiny-chat-{records}-{zlib.crc32(text.encode()):08x}.jsonl"
+    if not path.is_file():
+        part = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        part.write_text(text)
+        os.replace(part, path)
+    return str(path)
 
 
 def nan_slot_buffers(monkeypatch, guard_rows: int = 0) -> list:
@@ -129,3 +153,56 @@ def tiny_moe_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_moe")
     write_hf_checkpoint(path, "moe")
     return path
+
+
+@dataclass
+class Finished:
+    """How a run of the command ended: its exit code and what it printed on stderr."""
+
+    returncode: int
+    stderr: str
+
+
+class _Exited(BaseException):
+    """guarded_main's os._exit(code), raised instead of ending the test process."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _raise_exited(code: int):
+    raise _Exited(code)
+
+
+@pytest.fixture
+def cli(capsys):
+    """`python -m runtime.launch ARGS` run in this process: cli(args) -> Finished. runtime.launch's main
+    as the command runs it (argv, config, preflight, training, guarded_main's failure report), its closing
+    os._exit turned into the exit code: an error case costs what it checks, not a Python start with torch.
+    The log goes to stderr as in a plain process (setup_logging's basicConfig does nothing under pytest's
+    log capture); the signal handlers guarded_main sets are put back."""
+    from runtime.launch import main
+
+    def run(args: list) -> Finished:
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        root = logging.getLogger()
+        level = root.level
+        log_to_stderr = logging.StreamHandler(sys.stderr)
+        log_to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        root.addHandler(log_to_stderr)
+        root.setLevel(logging.INFO)
+        capsys.readouterr()
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(os, "_exit", _raise_exited)
+                code = main([str(a) for a in args])
+        except _Exited as exited:
+            code = exited.code
+        finally:
+            root.removeHandler(log_to_stderr)
+            root.setLevel(level)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        return Finished(code, capsys.readouterr().err)
+    return run

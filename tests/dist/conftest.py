@@ -16,6 +16,7 @@ broken test never hangs CI.
 from __future__ import annotations
 
 import datetime
+import gc
 import glob
 import os
 import socket
@@ -77,8 +78,14 @@ def run_dist_processes(fn: Callable, world_size: int, *args: Any, timeout_s: flo
     with tempfile.TemporaryDirectory() as out_dir:
         # fork, not spawn: a child starts in ~0.05 s instead of the seconds of re-importing torch,
         # and fn needs no pickling. Only safe while the parent has not initialized CUDA.
-        ctx = mp.start_processes(_child, args=(fn, world_size, free_port(), timeout_s, out_dir, args),
-                                 nprocs=world_size, join=False, start_method="fork")
+        # Frozen, the parent's objects (a whole test session's modules) are skipped by the children's
+        # collections (the trainer collects at start): no pass over them, no copy-on-write of their pages.
+        gc.freeze()
+        try:
+            ctx = mp.start_processes(_child, args=(fn, world_size, free_port(), timeout_s, out_dir, args),
+                                     nprocs=world_size, join=False, start_method="fork")
+        finally:
+            gc.unfreeze()
         deadline = time.monotonic() + timeout_s + _GRACE_S
         try:
             while not ctx.join(timeout=0.1):  # raises once a child has failed, killing the others

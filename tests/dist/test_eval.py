@@ -16,12 +16,14 @@ from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.evaluation import evaluate
 from runtime.models.factory import build_model
+from tests.conftest import small_chat_data
 from tests.dist.test_parity import EXAMPLE
 
 
 def _cfg(**parallelism):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 3, "data.eval_fraction": 0.02,
-                 "model.router_aux_loss_coef": 0.01, **{f"parallelism.{k}": v for k, v in parallelism.items()}}
+                 "model.router_aux_loss_coef": 0.01, "data.path": small_chat_data(),
+                 **{f"parallelism.{k}": v for k, v in parallelism.items()}}
     return load_config(EXAMPLE, overrides)
 
 
@@ -72,7 +74,8 @@ def test_a_held_out_file_is_evaluated_whole(tmp_path):
 
     lines = (EXAMPLE.parent / "tiny" / "data" / "train.jsonl").read_text().splitlines()[:30]
     (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")
-    cfg = load_config(EXAMPLE, {"data.seq_len": 64, "data.eval": str(tmp_path / "eval.jsonl")})
+    cfg = load_config(EXAMPLE, {"data.seq_len": 64, "data.eval": str(tmp_path / "eval.jsonl"),
+                             "data.path": small_chat_data()})
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     batches = eval_batches(cfg.data, tokenizer, 2)
     held = build_dataloader(cfg.data.model_copy(update={"path": cfg.data.eval}), tokenizer, 1).corpus

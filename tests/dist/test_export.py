@@ -12,6 +12,7 @@ from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.train import train
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -25,7 +26,7 @@ def config(out: str, lora: bool, micro_batch: int, ep: int):
         "data.seq_len": 64, "train.micro_batch_size": micro_batch, "optim.warmup_steps": 0, "optim.eps": 1e-3,
         "train.max_steps": 1, "train.output_dir": out, "logging.progress_bar": False,
         "checkpoint.save_final": False, "checkpoint.export_hf": True, "lora.enabled": lora, "lora.rank": 4,
-        "parallelism.dp_shard": -1, "parallelism.ep": ep})
+        "parallelism.dp_shard": -1, "parallelism.ep": ep, "data.path": small_chat_data()})
 
 
 def _train(rank, world_size, out, lora):

@@ -17,6 +17,7 @@ from runtime.distributed.fsdp import _readable_in_place
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.train import train
+from tests.conftest import small_chat_data
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
 
@@ -24,7 +25,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yam
 def _layout(rank, world_size, ep, out):
     cfg = load_config(EXAMPLE, {"data.seq_len": 32, "train.micro_batch_size": 1, "train.max_steps": 1,
                                 "optim.warmup_steps": 0, "logging.progress_bar": False, "parallelism.ep": ep,
-                                "checkpoint.save_final": False, "train.output_dir": out})
+                                "checkpoint.save_final": False, "train.output_dir": out,
+                                "data.path": small_chat_data()})
     dims = ParallelDims.resolve(1, -1, 1, ep, world_size)
     seen = {}
 

@@ -13,6 +13,7 @@ from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.train import train
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -25,7 +26,8 @@ class Stop(Exception):
 def _run(rank, world_size, out, stop_at, resume):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 1, "train.max_steps": 4,
                  "checkpoint.every_n_steps": 2, "train.output_dir": out, "logging.progress_bar": False,
-                 "parallelism.dp_shard": -1, "parallelism.ep": 2, "optim.master_dtype": "bf16"}
+                 "parallelism.dp_shard": -1, "parallelism.ep": 2, "optim.master_dtype": "bf16",
+                 "data.path": small_chat_data()}
     cfg = load_config(EXAMPLE, overrides)
     dims = ParallelDims.resolve(1, -1, 1, 2, world_size)
     env = DistEnv(rank, world_size, 0, torch.device("cpu"))

@@ -88,6 +88,7 @@ def test_distributed_matches_single_process(run_dist, tmp_path, mesh, lora):
     check_parity(run_dist, tmp_path, world, lora, parallelism)
 
 
+@pytest.mark.slow
 def test_scattermoe_under_ep_matches_single_process(run_dist, tmp_path):
     """The Triton kernels (interpreted on the CPU) behind the EP dispatcher's sentinel layout and valid-slot
     count, dense weights under FSDP, LoRA on (frozen base: the LoRA factor kernels; the full fine-tune's dW

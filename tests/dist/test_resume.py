@@ -49,6 +49,7 @@ def _run(rank, world_size, out, ep, stop_at, resume, extra=None):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(run_dist, tmp_path):
     full = run_dist(_run, 2, str(tmp_path / "a"), 2, 0, False)[0]
     run_dist(_run, 2, str(tmp_path / "b"), 2, 4, False)  # dies in step 4, after the step-3 checkpoint
@@ -76,6 +77,7 @@ def _final_model(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "final.pt", weights_only=False)["model"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "lora-nvfp4"])  # lora-nvfp4 holds LoRA's factors too
 def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, variant):
     """ep=2 on 2 ranks to step 2, ep=1 in one process to step 4, ep=4 on 4 ranks to step 6: the same

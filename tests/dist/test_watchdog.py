@@ -188,6 +188,7 @@ def _metrics_lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
     timeout_s = 10
     run = Torchrun(tmp_path, _launch_args(tmp_path, timeout_s, max_steps=200))

@@ -1,5 +1,13 @@
-"""Bad inputs and faults, run as a user would: `python -m runtime.launch` or `torchrun` as a
-subprocess on real files (YAML, JSONL, tokenizer folders, DCP checkpoints), real signals to the ranks.
+"""Bad inputs and faults, run as a user would: `python -m runtime.launch` on real files (YAML, JSONL,
+tokenizer folders, DCP checkpoints), real signals to real processes.
+
+Most cases run runtime.launch's main in this process (the `cli` fixture): the same argv parsing, config
+check, preflight, training and failure report (runtime.guard.failure_report.guarded_main) as the command, its
+closing os._exit turned into a return, so a case costs what it checks and not a Python start with torch.
+A subprocess is kept where a process is the point (signals, a killed rank, a concurrent run on the same
+folder, a torn save by kill -9, torchrun) and for one error of each class through the real command:
+config here; data, checkpoint, interrupt, internal and torchrun's printed-once in
+tests/unit/test_launch_errors.py; a frozen rank in tests/dist/test_watchdog.py.
 
 Every case ends in one of two outcomes, and the test asserts which:
 - a clear error: exit code != 0, no traceback, one `error:` line (from rank 0 only) that matches
@@ -18,10 +26,13 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
@@ -32,9 +43,9 @@ LONG_RUN = 10**6
 
 
 def base_config(out: Path) -> dict:
-    """The tiny example, made small and fast, with absolute paths."""
+    """The tiny example, made small and fast (300 of its chat records), with absolute paths."""
     cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["data"].update(path=str(TINY / "data" / "train.jsonl"), tokenizer=str(TINY / "tokenizer"), seq_len=64)
+    cfg["data"].update(path=small_chat_data(), tokenizer=str(TINY / "tokenizer"), seq_len=64)
     cfg["optim"]["warmup_steps"] = 1
     cfg["train"].update(max_steps=2, micro_batch_size=2, output_dir=str(out))
     cfg["checkpoint"] = {"every_n_steps": 0, "keep_last": 2}
@@ -140,11 +151,6 @@ def _edit(*pairs):
 _DROP = object()
 
 
-def _empty_tokenizer(cfg, tmp):
-    (tmp / "tok").mkdir()
-    cfg["data"]["tokenizer"] = str(tmp / "tok")
-
-
 def _model_path_without_weights(cfg, tmp):
     (tmp / "hf").mkdir()
     hf = dict(cfg["model"]["config"], architectures=["Qwen3MoeForCausalLM"])
@@ -152,33 +158,20 @@ def _model_path_without_weights(cfg, tmp):
     cfg["model"] = {"path": str(tmp / "hf")}
 
 
-def _model_path_without_config(cfg, tmp):
-    (tmp / "hf").mkdir()
-    cfg["model"] = {"path": str(tmp / "hf")}
-
-
+# Cases whose message tests/unit/test_config.py asserts (config_from_dict, load_config, preflight) are
+# checked there, not again here: unknown section or key, wrong type, negative lr, warmup >= max_steps,
+# model.path and model.config, random init without tokenizer, cp pieces, fp4 full fine-tune, deepep,
+# expert_backend and lora target typos, dp_shard 0, inductor options, the model.config typos, top-k,
+# heads vs kv heads, vocab < tokenizer, unknown model_type, empty tokenizer folder, model.path without
+# config.json, and (tests/unit/test_launch_errors.py) data.path and data.tokenizer missing. What this
+# file adds for every class of them, through the cases below: one line, no traceback, no checkpoint.
 CONFIG_CASES = {
     # YAML schema
-    "unknown section": (_edit(("trian", {"max_steps": 3})), r"trian: unknown key"),
-    "unknown key": (_edit(("optim.learning_rate", 1e-3)), r"optim.learning_rate: unknown key"),
-    "wrong type": (_edit(("optim.lr", "fast")), r"optim.lr"),
-    "negative lr": (_edit(("optim.lr", -1.0)), r"optim.lr: Input should be greater than 0"),
     "seq_len too small": (_edit(("data.seq_len", 4)), r"data.seq_len"),
-    "warmup >= max_steps": (_edit(("optim.warmup_steps", 5)), r"warmup_steps \(5\) must be smaller"),
-    "model.path and model.config": (_edit(("model.path", "/x")), r"exactly one of model.path"),
     "no model source": (_edit(("model.config", _DROP)), r"exactly one of model.path"),
-    "random init without tokenizer": (_edit(("data.tokenizer", _DROP)), r"data.tokenizer"),
-    "cp pieces do not divide seq_len": (_edit(("parallelism.cp", 3)), r"parallelism.cp=3 .*multiple of 6"),
-    "fp4 experts in a full fine-tune": (_edit(("quant.base_weights", "mxfp4")), r"set lora.enabled: true"),
     "eval every n steps without eval data": (_edit(("train.eval_every_n_steps", 5)), r"data.eval_fraction"),
     "merged export without lora": (_edit(("checkpoint.export_merged", True)), r"export_merged.*lora.enabled"),
     "wandb without a project": (_edit(("logging.wandb", {"mode": "offline"})), r"logging.wandb.project"),
-    "deepep dispatcher (not built)": (_edit(("parallelism.dispatcher", "deepep")), r"deepep"),
-    "expert_backend typo": (_edit(("model.expert_backend", "scatter")), r"model.expert_backend"),
-    "lora target typo": (_edit(("lora.target_modules", ["q_prj"])), r"lora.target_modules"),
-    "dp_shard 0": (_edit(("parallelism.dp_shard", 0)), r"dp_shard"),
-    "inductor option unknown": (_edit(("compile.enabled", True), ("compile.inductor_options", {"fast": 1})),
-                                r"inductor_options has unknown keys"),
     "data.format unknown": (_edit(("data.format", "csv")), r"data.format"),
     "grad_accum_steps 0": (_edit(("train.grad_accum_steps", 0)), r"train.grad_accum_steps"),
     "keep_last 0": (_edit(("checkpoint.keep_last", 0)), r"checkpoint.keep_last"),
@@ -187,34 +180,28 @@ CONFIG_CASES = {
     "betas of length 3": (_edit(("optim.betas", [0.9, 0.95, 0.99])), r"optim.betas"),
     "timeout too small": (_edit(("parallelism.collective_timeout_s", 0)), r"collective_timeout_s"),
     # model.config: validated like the rest of the YAML
-    "model.config num_expert typo": (_edit(("model.config.num_expert", 8)),
-                                     r"model.config.num_expert\b.*num_experts"),
-    "model.config num_experts_per_token typo": (_edit(("model.config.num_experts_per_token", 2)),
-                                                r"num_experts_per_token.*num_experts_per_tok"),
-    "model.config top-k > experts": (_edit(("model.config.num_experts_per_tok", 16)), r"num_experts_per_tok"),
-    "model.config heads vs kv heads": (_edit(("model.config.num_key_value_heads", 3)), r"num_key_value_heads"),
-    "model.config vocab < tokenizer": (_edit(("model.config.vocab_size", 100)), r"vocab_size"),
-    "model.config unknown model_type": (_edit(("model.config.model_type", "llama4")), r"model_type"),
     "model.config missing hidden_size": (_edit(("model.config.hidden_size", _DROP)), r"hidden_size"),
-    "empty tokenizer folder": (_empty_tokenizer, r"tok"),
-    "tokenizer folder missing": (_edit(("data.tokenizer", "/nonexistent/tok")), r"/nonexistent/tok"),
     "model.path missing": (_edit(("model.config", _DROP), ("model.path", "/nonexistent/model")),
                            r"/nonexistent/model"),
-    "model.path without config.json": (_model_path_without_config, r"config.json"),
     "model.path without weights": (_model_path_without_weights, r"safetensors"),
-    # data
-    "data.path missing": (_edit(("data.path", "/nonexistent/train.jsonl")), r"/nonexistent/train.jsonl"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_CASES))
-def test_config_error_is_one_clear_line(name, tmp_path):
+def test_config_error_is_one_clear_line(name, tmp_path, cli):
     edit, pattern = CONFIG_CASES[name]
     cfg = base_config(tmp_path / "run")
     edit(cfg, tmp_path)
-    proc = launch([write_config(tmp_path, cfg)])
-    assert_clear_error(proc, pattern)
+    assert_clear_error(cli([write_config(tmp_path, cfg)]), pattern)
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_config_error_through_the_command(tmp_path):
+    """The config error class as a user meets it: `python -m runtime.launch` in its own process."""
+    cfg = base_config(tmp_path / "run")
+    _set(cfg, "optim.learning_rate", 1e-3)
+    assert_clear_error(launch([write_config(tmp_path, cfg)]), r"optim.learning_rate: unknown key")
+    assert not (tmp_path / "run").exists()
 
 
 CLI_CASES = {
@@ -234,9 +221,9 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CLI_CASES))
-def test_cli_error_is_one_clear_line(name, tmp_path):
+def test_cli_error_is_one_clear_line(name, tmp_path, cli):
     args, pattern = CLI_CASES[name]
-    assert_clear_error(launch(args(tmp_path)), pattern)
+    assert_clear_error(cli(args(tmp_path)), pattern)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,45 +265,46 @@ def _mixed_folder(tmp: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", sorted(DATA_ERRORS))
-def test_bad_data_is_one_clear_line(name, tmp_path):
+def test_bad_data_is_one_clear_line(name, tmp_path, cli):
     make, pattern = DATA_ERRORS[name]
     cfg = base_config(tmp_path / "run")
     cfg["data"]["path"] = str(make(tmp_path))
-    assert_clear_error(launch([write_config(tmp_path, cfg)]), pattern)
+    assert_clear_error(cli([write_config(tmp_path, cfg)]), pattern)
 
 
-def test_a_few_overlong_chats_train_and_are_counted(tmp_path):
+def test_a_few_overlong_chats_train_and_are_counted(tmp_path, cli):
     cfg = base_config(tmp_path / "run")
     cfg["data"]["path"] = str(_jsonl(tmp_path, GOOD[:20] + [LONG] * 3 + GOOD[20:]))
     cfg["train"].update(micro_batch_size=1, max_steps=12)
-    proc = launch([write_config(tmp_path, cfg)])
+    proc = cli([write_config(tmp_path, cfg)])
     assert_trains(proc, tmp_path / "run", list(range(1, 13)))
     assert re.search(r"3 of 63 chat records .*dropped", proc.stderr), proc.stderr[-2000:]
 
 
-def test_blank_lines_and_unicode_train(tmp_path):
+def test_blank_lines_and_unicode_train(tmp_path, cli):
     cfg = base_config(tmp_path / "run")
     lines = GOOD[:30] + ["", "   "] + [_chat("Was ist 2 plus 2? 🙂", "Vier — 4.")] + GOOD[30:]
     cfg["data"]["path"] = str(_jsonl(tmp_path, lines))
-    assert_trains(launch([write_config(tmp_path, cfg)]), tmp_path / "run", [1, 2])
+    assert_trains(cli([write_config(tmp_path, cfg)]), tmp_path / "run", [1, 2])
 
 
-def test_text_data_trains(tmp_path):
+def test_text_data_trains(tmp_path, cli):
     cfg = base_config(tmp_path / "run")
     cfg["data"].update(path=str(TINY / "data" / "text.jsonl"), kind="text")
-    assert_trains(launch([write_config(tmp_path, cfg)]), tmp_path / "run", [1, 2])
+    assert_trains(cli([write_config(tmp_path, cfg)]), tmp_path / "run", [1, 2])
 
 
 # ---------------------------------------------------------------------------------------------
 # Run folder, checkpoints, resume
 
-def _train(tmp: Path, out: Path, steps: int, *extra, every: int = 2, nproc: int = 1, **edits):
+def _train(run, tmp: Path, out: Path, steps: int, *extra, every: int = 2, **edits):
+    """run(args) (the `cli` fixture, or a subprocess) on the base config training `steps` into `out`."""
     cfg = base_config(out)
     cfg["train"]["max_steps"] = steps
     cfg["checkpoint"]["every_n_steps"] = every
     for dotted, value in edits.items():
         _set(cfg, dotted.replace("__", "."), value)
-    return launch([write_config(tmp, cfg, f"cfg-{time.monotonic_ns()}.yaml"), *extra], nproc=nproc)
+    return run([write_config(tmp, cfg, f"cfg-{time.monotonic_ns()}.yaml"), *extra])
 
 
 def _finished_checkpoints(out: Path) -> list[Path]:
@@ -328,24 +316,24 @@ def _checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir())
 
 
-def test_fresh_run_in_a_used_dir_refuses_and_keeps_its_checkpoints(tmp_path):
+def test_fresh_run_in_a_used_dir_refuses_and_keeps_its_checkpoints(tmp_path, cli):
     out = tmp_path / "run"
-    assert _train(tmp_path, out, 4).returncode == 0
+    assert _train(cli, tmp_path, out, 4).returncode == 0
     before = _checkpoints(out)
-    assert_clear_error(_train(tmp_path, out, 4), rf"{out} already holds checkpoints.*--resume.*train.output_dir")
+    assert_clear_error(_train(cli, tmp_path, out, 4), rf"{out} already holds checkpoints.*--resume.*train.output_dir")
     assert _checkpoints(out) == before
-    proc = _train(tmp_path, out, 6, "--resume")  # the same run goes on
+    proc = _train(cli, tmp_path, out, 6, "--resume")  # the same run goes on
     assert_trains(proc, out, [1, 2, 3, 4, 5, 6])
 
 
-def test_a_concurrent_run_on_the_same_dir_fails_at_start(tmp_path):
+def test_a_concurrent_run_on_the_same_dir_fails_at_start(tmp_path, cli):
     out = tmp_path / "run"
     cfg = base_config(out)
     cfg["train"]["max_steps"] = LONG_RUN
     first = start([write_config(tmp_path, cfg, "a.yaml")])
     try:
         _wait_for(lambda: (out / "metrics.jsonl").is_file(), first)
-        second = launch([write_config(tmp_path, cfg, "b.yaml")])
+        second = cli([write_config(tmp_path, cfg, "b.yaml")])
         assert_clear_error(second, rf"output dir {out} is in use by another run \(pid {first.pid}")
         assert first.poll() is None  # the first run is untouched
     finally:
@@ -353,14 +341,15 @@ def test_a_concurrent_run_on_the_same_dir_fails_at_start(tmp_path):
         first.communicate()
 
 
-def test_resume_on_an_empty_dir_starts_at_step_1(tmp_path):
+def test_resume_on_an_empty_dir_starts_at_step_1(tmp_path, cli):
     out = tmp_path / "run"
-    proc = _train(tmp_path, out, 2, "--resume")
+    proc = _train(cli, tmp_path, out, 2, "--resume")
     assert_trains(proc, out, [1, 2])
     assert "holds no checkpoint: starting from step 0" in proc.stderr
 
 
-def test_kill_9_mid_run_then_resume_continues(tmp_path):
+@pytest.mark.slow
+def test_kill_9_mid_run_then_resume_continues(tmp_path, cli):
     out = tmp_path / "run"
     cfg = base_config(out)
     cfg["train"]["max_steps"] = LONG_RUN
@@ -374,42 +363,43 @@ def test_kill_9_mid_run_then_resume_continues(tmp_path):
     newest = int(saved[-1].removeprefix("step_"))
     # A torn save from another crash is left as a .tmp folder: it must never be loaded.
     (out / "checkpoints" / f".tmp-step_{newest + 2:08d}").mkdir(exist_ok=True)
-    resumed = launch([path, "--resume", "--max-steps", str(newest + 2)])
+    resumed = cli([path, "--resume", "--max-steps", str(newest + 2)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / saved[-1]}" in resumed.stderr
     assert steps_logged(out) == list(range(1, newest + 3))
 
 
-def test_missing_rank_state_is_one_clear_line(tmp_path):
+def test_missing_rank_state_is_one_clear_line(tmp_path, cli):
     out = tmp_path / "run"
-    assert _train(tmp_path, out, 2).returncode == 0
+    assert _train(cli, tmp_path, out, 2).returncode == 0
     (out / "checkpoints" / "step_00000002" / "extra_rank0.pt").unlink()
-    assert_clear_error(_train(tmp_path, out, 4, "--resume"), r"extra_rank0.pt")
+    assert_clear_error(_train(cli, tmp_path, out, 4, "--resume"), r"extra_rank0.pt")
 
 
-def test_resume_into_another_model_is_one_clear_line(tmp_path):
+def test_resume_into_another_model_is_one_clear_line(tmp_path, cli):
     out = tmp_path / "run"
-    assert _train(tmp_path, out, 2).returncode == 0
-    assert_clear_error(_train(tmp_path, out, 4, "--resume", lora__enabled=True), r"different model")
+    assert _train(cli, tmp_path, out, 2).returncode == 0
+    assert_clear_error(_train(cli, tmp_path, out, 4, "--resume", lora__enabled=True), r"different model")
 
 
-def test_resume_on_another_world_size_and_ep_reshards(tmp_path):
+@pytest.mark.slow
+def test_resume_on_another_world_size_and_ep_reshards(tmp_path, cli):
     out = tmp_path / "run"
-    assert _train(tmp_path, out, 2).returncode == 0
-    assert_trains(_train(tmp_path, out, 4, "--resume", "--ep", "2", nproc=2), out, [1, 2, 3, 4])
+    assert _train(cli, tmp_path, out, 2).returncode == 0
+    assert_trains(_train(partial(launch, nproc=2), tmp_path, out, 4, "--resume", "--ep", "2"), out, [1, 2, 3, 4])
 
 
-def test_output_dir_is_a_file_fails_before_training(tmp_path):
+def test_output_dir_is_a_file_fails_before_training(tmp_path, cli):
     (tmp_path / "run").write_text("x")
-    assert_clear_error(launch([write_config(tmp_path, base_config(tmp_path / "run"))]), rf"{tmp_path}/run")
+    assert_clear_error(cli([write_config(tmp_path, base_config(tmp_path / "run"))]), rf"{tmp_path}/run")
 
 
 # ---------------------------------------------------------------------------------------------
 # Divergence
 
-def test_divergence_stops_with_the_last_good_checkpoint(tmp_path):
+def test_divergence_stops_with_the_last_good_checkpoint(tmp_path, cli):
     out = tmp_path / "run"
-    proc = _train(tmp_path, out, 30, optim__lr=1e30, optim__grad_clip=0.0, optim__warmup_steps=0)
+    proc = _train(cli, tmp_path, out, 30, optim__lr=1e30, optim__grad_clip=0.0, optim__warmup_steps=0)
     message = assert_clear_error(proc, r"at step \d+: the update was not applied; last good checkpoint")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] is not None for r in records)  # no poisoned step was logged as trained
@@ -417,9 +407,9 @@ def test_divergence_stops_with_the_last_good_checkpoint(tmp_path):
     assert named.startswith("none") or Path(named).is_dir()
 
 
-def test_divergence_with_skip_policy_stops_after_n_in_a_row(tmp_path):
+def test_divergence_with_skip_policy_stops_after_n_in_a_row(tmp_path, cli):
     out = tmp_path / "run"
-    proc = _train(tmp_path, out, 30, optim__lr=1e30, optim__grad_clip=0.0, optim__warmup_steps=0,
+    proc = _train(cli, tmp_path, out, 30, optim__lr=1e30, optim__grad_clip=0.0, optim__warmup_steps=0,
                   train__nan_policy="skip", train__max_nan_skips=2)
     assert_clear_error(proc, r"2 non-finite steps in a row \(train.max_nan_skips=2\)")
 
@@ -452,6 +442,7 @@ def test_sigterm_says_where_to_resume(tmp_path):
     assert re.search(r"interrupted at step \d+.*step_\d{8}.*--resume", err, re.DOTALL), err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_whole_run(tmp_path):
     out = tmp_path / "run"
     cfg = base_config(out)

@@ -23,6 +23,7 @@ from runtime.models.factory import build_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "t", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)

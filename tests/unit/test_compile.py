@@ -40,6 +40,7 @@ def _counts(model) -> list[torch.Tensor]:
     return [block.gate.take_counts() for block in model.moe_blocks() if block.gate.bias_update_rate > 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
 def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac, bias):
     # aot_eager traces exactly what inductor would (dynamo + AOT autograd) without C++ codegen on CPU;
@@ -107,6 +108,7 @@ def _batch(seed: int):
     return ids, pos, torch.randint(0, 320, (2, 24), generator=g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
 def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac, bias):
     """With a dispatcher that is not traceable each block compiles in fullgraph regions around the

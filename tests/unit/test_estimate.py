@@ -227,6 +227,7 @@ CASES = ([("qwen3-moe", training, mode) for training, mode in zip(sorted(TRAININ
          + [("qwen3.5-moe", training, mode) for training, mode in zip(sorted(TRAININGS), MODES)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,training,mode", CASES, ids=["-".join(case) for case in CASES])
 def test_activations_are_what_forward_keeps(cuda_kernels, kind, training, mode):
     cfg, model, cuda = build(kind, training, mode)

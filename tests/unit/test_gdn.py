@@ -233,6 +233,7 @@ def test_projections_are_plain_linears_for_lora(layout, projections):
 
 # ---- 4. compile and op-set selection -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_compile_fullgraph_packed():
     """Dynamo + AOT autograd trace the packed forward and backward with no graph break; same numbers.
 

@@ -1,10 +1,11 @@
 """How a run ends when it fails, as a user sees it (runtime.launch's guarded_main, runtime.guard.preflight).
 
-Subprocesses on real files: every user error ends in exactly one `error:` line from rank 0, no traceback
-unless --debug, exit 1; Ctrl-C says where to resume; a corrupted DCP checkpoint names the checkpoint; a
-bug keeps its traceback under one summary line; under torchrun the line is printed once. In process (fast):
-describe() on errors hard to cause for real (a full disk), the PeerBoard protocol on a shared store,
-the preflight checks and the checkpoint-size estimate.
+On real files: every user error ends in exactly one `error:` line from rank 0, no traceback unless
+--debug, exit 1 (runtime.launch's main in process, the `cli` fixture); as subprocesses, one case of each
+class through the real command: Ctrl-C says where to resume; a corrupted DCP checkpoint names the
+checkpoint; a bug keeps its traceback under one summary line; under torchrun a data error is printed
+once. In process too: describe() on errors hard to cause for real (a full disk), the PeerBoard protocol
+on a shared store, the preflight checks and the checkpoint-size estimate.
 """
 
 from __future__ import annotations
@@ -29,24 +30,21 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
-# Two steps, no warmup (warmup must be < max_steps), no progress bar in captured output.
-FAST = ["--max-steps", "2", "--set", "optim.warmup_steps=0", "--set", "logging.progress_bar=false"]
+# Two steps, no warmup (warmup must be < max_steps), no progress bar in captured output, 300 chat records.
+FAST = ["--max-steps", "2", "--set", "optim.warmup_steps=0", "--set", "logging.progress_bar=false",
+        "--set", f"data.path={small_chat_data()}"]
 ERROR_LINE = re.compile(r"^(\[ranks? [\d,.]+\] )?error: ")
-
-
-def launch(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime.launch", str(EXAMPLE), *FAST, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
 
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
 
 
-def assert_one_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+def assert_one_clean_error(proc, *fragments: str) -> str:
     """Exit 1, exactly one `error:` line holding every fragment, no traceback; returns the line."""
     lines = error_lines(proc.stderr)
     assert proc.returncode == 1, proc.stderr
@@ -59,32 +57,32 @@ def assert_one_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -
 
 # --- output dir: preflight, before any model or data work -----------------------------------------------
 
-def test_output_dir_under_a_file_fails_before_step_1(tmp_path):
+def test_output_dir_under_a_file_fails_before_step_1(tmp_path, cli):
     """Works as root too: no permission bit stops root, a file in the path does."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    proc = launch("--output-dir", str(blocker / "run"))
+    proc = cli([EXAMPLE, *FAST, "--output-dir", blocker / "run"])
     assert_one_clean_error(proc, "train.output_dir cannot be created", str(blocker / "run"), "Not a directory",
                            "set train.output_dir")
     assert "packed rows" not in proc.stderr  # failed before loading data
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
-def test_read_only_output_dir(tmp_path):
+def test_read_only_output_dir(tmp_path, cli):
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o500)
     try:
-        proc = launch("--output-dir", str(parent / "run"))
+        proc = cli([EXAMPLE, *FAST, "--output-dir", parent / "run"])
     finally:
         parent.chmod(0o700)
     assert_one_clean_error(proc, "train.output_dir cannot be created", "Permission denied")
 
 
-def test_debug_flag_shows_the_traceback(tmp_path):
+def test_debug_flag_shows_the_traceback(tmp_path, cli):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    proc = launch("--output-dir", str(blocker / "run"), "--debug")
+    proc = cli([EXAMPLE, *FAST, "--output-dir", blocker / "run", "--debug"])
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "PreflightError" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1].startswith("error: train.output_dir cannot be created")

@@ -18,6 +18,7 @@ from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.guard.run_dir import RunDirError, claim_run_dir, release_run_dir
 from runtime.train import TrainingDiverged, train
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -28,7 +29,7 @@ DIMS = ParallelDims(1, 1, 1, 1, 1)
 def config(out: Path, **extra):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 1, "train.max_steps": 6,
                  "checkpoint.every_n_steps": 2, "checkpoint.keep_last": 5, "train.output_dir": str(out),
-                 "logging.progress_bar": False, **extra}
+                 "logging.progress_bar": False, "data.path": small_chat_data(), **extra}
     return load_config(EXAMPLE, overrides)
 
 

@@ -56,7 +56,7 @@ def test_set_with_an_empty_value_is_an_error_naming_the_key():
 
 
 def test_verify_refuses_zero_steps():
-    from runtime.launch import UsageError
+    from runtime.cli import UsageError
     from runtime.verify import verify
 
     for steps in ("0", "-1"):
