@@ -27,7 +27,8 @@ from tests.gpu.test_scattermoe_gpu import (  # the same shapes, inputs and autoc
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not EXPERT_BACKENDS.is_available("sonicmoe"), reason="needs the sonic-moe package"),
+    pytest.mark.skipif(EXPERT_BACKENDS.unavailable_reason("sonicmoe", "cuda") is not None,
+                       reason="needs the sonic-moe package"),
     pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
                        reason="SonicMoE needs sm90+"),
 ]
