@@ -256,8 +256,6 @@ def check_all(rank: int, ep: int) -> dict[str, list[int]]:
         with pytest.raises(ValueError, match=f"num_experts={E - 1}.*size {ep}"):
             AllToAllDispatcher(dist.group.WORLD, E - 1)
     assert isinstance(build_dispatcher("all_to_all", dist.group.WORLD, E), AllToAllDispatcher)
-    with pytest.raises(ValueError, match="EP group has .* ranks; use all_to_all"):
-        build_dispatcher("local", dist.group.WORLD, E)
     singleton = dist.new_group([0])  # every rank must take part in creating it
     if rank == 0:
         assert isinstance(build_dispatcher("all_to_all", singleton, E), LocalDispatcher)
@@ -300,10 +298,9 @@ def test_local_dispatcher_rejects_mismatched_shapes():
 
 
 def test_dispatcher_names_come_from_the_registry():
+    """Unknown names fail here; local under EP and an unbuilt DeepEP are refused by runtime.plan (test_plan)."""
     with pytest.raises(ValueError, match=r"unknown dispatcher 'nccl'.*parallelism.dispatcher"):
         build_dispatcher("nccl", None, E)
-    with pytest.raises(RuntimeError, match="deepep.*deep_ep package is not installed.*build_deepep.sh"):
-        build_dispatcher("deepep", None, E)
 
 
 def test_moe_block_runs_its_dispatcher_and_is_wired_in_one_step():
