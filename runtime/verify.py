@@ -52,7 +52,10 @@ def _grad_tolerance(fqn: str, tol: dict, step: int) -> float:
 
 
 def _verification_config(cfg: Config, steps: int, output_dir: str, **parallelism) -> Config:
+    """cfg for `steps` verification steps; the warmup is shortened to fit them (runtime.plan refuses a warmup
+    as long as the run), the same for the distributed and the reference run."""
     update = {"train": cfg.train.model_copy(update={"max_steps": steps, "output_dir": output_dir}),
+              "optim": cfg.optim.model_copy(update={"warmup_steps": min(cfg.optim.warmup_steps, steps - 1)}),
               "checkpoint": cfg.checkpoint.model_copy(update={"every_n_steps": 0, "save_final": False,
                                                                "export_hf": False, "resume": False}),
               "logging": cfg.logging.model_copy(update={"progress_bar": False, "jsonl": False}),
