@@ -98,3 +98,17 @@ def test_exact_mode_refuses_a_dispatcher_that_combines_in_bf16():
     deepep = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"dispatcher": "deepep"})})
     with pytest.raises(ConfigError, match="dispatcher deepep combines in bf16.*all_to_all"):
         check_exact(deepep)
+
+
+def test_verification_fits_the_warmup_into_its_steps(tmp_path):
+    """The tiny example warms up for 5 steps; `verify --steps 3` must still plan (warmup < max_steps)."""
+    from pathlib import Path
+
+    from runtime.config import load_config
+    from runtime.plan import plan
+    from runtime.verify import _verification_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
+    cfg = _verification_config(load_config(example), 3, str(tmp_path))
+    assert cfg.optim.warmup_steps == 2 and cfg.train.max_steps == 3
+    plan(cfg, 1, "cpu")
