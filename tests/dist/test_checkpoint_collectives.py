@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.config import load_config
-from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE

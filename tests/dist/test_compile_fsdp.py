@@ -11,9 +11,8 @@ from runtime.distributed.compile import apply_compile
 from runtime.distributed.fsdp import apply_fsdp
 from runtime.distributed.mesh import ParallelDims
 from runtime.models import from_pretrained
-from tests.conftest import label_loss_sum
 from runtime.verify import full_grads
-from tests.conftest import write_hf_checkpoint
+from tests.conftest import label_loss_sum, write_hf_checkpoint
 
 
 def _run(rank, world_size, ckpt):

@@ -129,8 +129,8 @@ def _cfg(**parallelism):
 ], ids=["q heads", "kv heads", "gdn heads"])
 def test_context_parallel_refuses_heads_that_do_not_split(parallelism, model, match):
     from runtime.config import ConfigError
-    from runtime.plan import check_context_parallel
     from runtime.models.hf import config_from_hf
+    from runtime.plan import check_context_parallel
     from tests.conftest import TINY_HYBRID, TINY_MOE
 
     if model.pop("hybrid", False):

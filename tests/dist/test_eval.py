@@ -11,8 +11,8 @@ import torch
 from runtime.config import load_config
 from runtime.data.chat import load_tokenizer
 from runtime.data.loader import build_dataloader, eval_batches
-from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.evaluation import evaluate
 from runtime.models.factory import build_model

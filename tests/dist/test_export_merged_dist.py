@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.config import load_config
-from runtime.distributed.parallelize import parallelize
 from runtime.distributed.mesh import ParallelDims
+from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv
 from runtime.export import export_merged
 from runtime.models.factory import build_model

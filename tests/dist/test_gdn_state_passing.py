@@ -112,8 +112,8 @@ def test_initial_and_final_state_continue_a_row():
 def _hybrid_check(**overrides):
     """check_context_parallel on the tiny Qwen3.5-MoE hybrid (2 key heads, conv window 4)."""
     from runtime.config import load_config
-    from runtime.plan import check_context_parallel
     from runtime.models.hf import config_from_hf
+    from runtime.plan import check_context_parallel
     from tests.conftest import TINY_HYBRID
     from tests.dist.test_parity import EXAMPLE
 
