@@ -50,7 +50,6 @@ class Plan:
     config: Config  # every implementation name concrete, fsdp_param_dtype concrete
     dims: Any  # runtime.distributed.mesh.ParallelDims
     device: str  # "cpu" | "cuda"
-    compile: bool
 
     def resolved(self) -> dict[str, Any]:
         """Dotted key -> value of every key the plan decides (auto resolved or derived)."""
@@ -58,7 +57,7 @@ class Plan:
         p = self.config.parallelism
         out.update({"parallelism.dispatcher": p.dispatcher, "parallelism.fsdp_param_dtype": p.fsdp_param_dtype,
                     "parallelism.cp_attention": p.cp_attention, "parallelism.cp_gdn": p.cp_gdn,
-                    "compile.enabled": self.compile, "device": self.device,
+                    "compile.enabled": self.config.compile.enabled, "device": self.device,
                     "mesh": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                              "cp": self.dims.cp, "ep": self.dims.ep}})
         return out
@@ -116,7 +115,7 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
         setattr(resolved.model, field, name)
     resolved.parallelism.dispatcher = dispatcher
     resolved.parallelism.fsdp_param_dtype = fsdp_dtype
-    return Plan(user_config=cfg, config=resolved, dims=dims, device=dev, compile=cfg.compile.enabled)
+    return Plan(user_config=cfg, config=resolved, dims=dims, device=dev)
 
 
 def check_combinations(cfg: Config) -> None:

@@ -98,8 +98,8 @@ def frozen_dense_bytes(model: nn.Module) -> int:
 def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocast: bool = True,
                param_dtype: str = "bf16", frozen_dense: str = "shard") -> None:
     """FSDP2 units: each decoder block, under EP its experts (their own mesh), and the root; `param_dtype`:
-    runtime.plan.fsdp_gather_dtype's bf16 or fp32. `frozen_dense` replicate (frozen_dense_placement): no block unit; the frozen
-    dense parameters stay plain tensors on every rank, the trainable ones outside the experts join the root unit
+    runtime.plan.fsdp_gather_dtype's bf16 or fp32. `frozen_dense` replicate (frozen_dense_placement): no block
+    unit; the frozen dense parameters stay plain tensors on every rank, the trainable ones outside the experts join the root unit
     (one gather at the start of forward, one reduce-scatter at the end of backward) and the experts take their
     own units as under EP."""
     mp = _mp_policy(device_type, autocast, param_dtype)
