@@ -315,8 +315,9 @@ def step_record(step: int, result: StepResult, lr: float, elapsed: float, dims: 
     if result.skipped:
         record["skipped"] = result.skipped
     if result.ep_load is not None:
-        record.update(ep_imbalance=result.ep_load.imbalance, ep_host_skew_s=result.ep_load.host_skew_s,
-                      ep_slowest_host=result.ep_load.slowest_host)
+        record["ep_imbalance"] = result.ep_load.imbalance
+        if result.ep_load.host_skew_s is not None:  # a dispatcher without host waits has no skew
+            record.update(ep_host_skew_s=result.ep_load.host_skew_s, ep_slowest_host=result.ep_load.slowest_host)
     if peak:
         record["mfu"] = flops_tok * tokens / elapsed / (peak * env.world_size)
     if (mem := peak_memory_gib(env.device)) is not None:

@@ -3,6 +3,8 @@ suits who is watching.
 
     all_to_all(x, out_splits, in_splits, group) -> the exchanged rows (None splits: equal parts)
     all_reduce_sum(x, group) -> the elementwise sum over the group
+    all_gather(x, group) -> every rank's x, stacked along dim 0 in rank order
+    reduce_scatter_sum(x, group) -> this rank's part (dim 0 in ranks' parts) of the elementwise sum over the group
 
 Under a torch dispatch mode (selective activation checkpointing's caching and cached modes) or while
 torch.compile traces, they are functional collectives: ops that return their output, which the
@@ -40,3 +42,21 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     x = x.clone()
     dist.all_reduce(x, group=group)
     return x
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    if _functional():
+        return funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def reduce_scatter_sum(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    if _functional():
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out

@@ -18,6 +18,10 @@ the forward dispatches have a count exchange, so the skew is the forward pass's.
 
 Dispatches without autograd (eval) are not logged; a checkpointed layer's recompute logs its dispatch again,
 with the same counts. Every rank of the group logs the same number of dispatches (each is a collective).
+
+`DeviceLoadLog` is the log of a dispatcher whose every rank sees every rank's routing (all_gather): it keeps
+the imbalance on the device (no host sync, and it traces under torch.compile), and its host fields are None:
+no host waits in that exchange.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class LoadReading:
     imbalance: float     # mean over dispatches of the busiest rank's slots / the mean
-    host_skew_s: float   # sum over dispatches of the longest minus the shortest host wait
-    slowest_host: int    # EP rank (in the group) with the least host wait in all
+    host_skew_s: float | None   # sum over dispatches of the longest minus the shortest host wait (None: no waits)
+    slowest_host: int | None    # EP rank (in the group) with the least host wait in all
 
 
 class LoadLog:
@@ -60,3 +64,29 @@ class LoadLog:
         ratio_D = torch.where(busy, slots_RD.max(0).values / mean_D.clamp_min(1e-30), 1.0)
         skew_D = waits_RD.max(0).values - waits_RD.min(0).values
         return LoadReading(float(ratio_D.mean()), float(skew_D.sum()), int(waits_RD.sum(1).argmin()))
+
+
+class DeviceLoadLog:
+    def __init__(self, ep: int, device: torch.device):
+        self.ep = ep
+        # [imbalance summed over dispatches, dispatches]; made now: made in a compiled forward it would be
+        # one more graph
+        self._sums = torch.zeros(2, device=device, dtype=torch.float64)
+
+    def add(self, global_ids_Mk: torch.Tensor, num_local_experts: int) -> None:
+        """Logs one training dispatch from every rank's expert ids (global; -1: no slot)."""
+        if not torch.is_grad_enabled():
+            return
+        valid_Mk = global_ids_Mk >= 0
+        owner_S = (global_ids_Mk.clamp_min(0) // num_local_experts).flatten()
+        slots_R = torch.zeros(self.ep, device=global_ids_Mk.device, dtype=torch.float64).scatter_add_(
+            0, owner_S, valid_Mk.flatten().to(torch.float64))
+        mean = slots_R.mean()
+        ratio = torch.where(mean > 0, slots_R.max() / mean.clamp_min(1e-30), 1.0)
+        self._sums.add_(torch.stack([ratio, torch.ones_like(ratio)]))
+
+    def read(self, group: dist.ProcessGroup, device: torch.device) -> LoadReading | None:
+        """The reading since the last read (None: none logged); no collective, every rank holds the same."""
+        total, dispatches = self._sums.tolist()
+        self._sums.zero_()  # in place: a compiled dispatch keeps adding to the same tensor
+        return None if dispatches == 0 else LoadReading(total / dispatches, None, None)

@@ -43,7 +43,8 @@ torch.utils.checkpoint.SAC_IGNORED_OPS |= _ops("profiler::_record_function_enter
                                                "profiler::_record_function_exit")
 
 
-_COLLECTIVE_OPS = ("_c10d_functional::all_to_all_single", "_c10d_functional::all_reduce")
+_COLLECTIVE_OPS = ("_c10d_functional::all_to_all_single", "_c10d_functional::all_reduce",
+                   "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor")
 
 
 _TO_COPY = torch.ops.aten._to_copy.default  # looked up once: the policy runs for every op of a checkpointed block

@@ -19,7 +19,8 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
     micro-batches per step (so a step's balance loss is their mean). Returns the names of the groups
     the MoE blocks' collectives run over."""
     ep_group = meshes.ep_group if meshes is not None and dims.ep > 1 else None
-    dispatcher = build_dispatcher(cfg.parallelism.dispatcher, ep_group, model.config.num_experts)
+    tokens_per_rank = cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
+    dispatcher = build_dispatcher(cfg.parallelism.dispatcher, ep_group, model.config.num_experts, tokens_per_rank)
     balance_group = dist.group.WORLD if meshes is not None else None
     for block in model.moe_blocks():
         block.wire(dispatcher, balance_group, aux_grad_scale=1.0 / cfg.train.grad_accum_steps)

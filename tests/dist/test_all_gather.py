@@ -1,0 +1,113 @@
+"""The all_gather dispatcher against one process with every expert (test_dispatch's cases and reference), and
+in training: ep=2 eager (full and LoRA) and compiled whole-block against the single-process run.
+
+Each rank's T differs in most cases, so every rank pads to the largest T (tokens_per_rank) and the padding rows
+must route nowhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe.backends import expert_backend
+from moe.dispatch import AllGatherDispatcher, LocalDispatcher, build_dispatcher
+from tests.dist.test_dispatch import (CASES, CPU_BACKENDS, E, H, assert_close, full_experts, identity_backend,
+                                      make_batch, rank_experts, run_moe)
+
+
+def check_case(case, rank: int, ep: int, seed: int) -> float:
+    """Outputs and gradients of one case on this rank against the single process; returns the load reading."""
+    batch = make_batch(case, ep, seed)
+    mine = slice(batch.starts[rank], batch.starts[rank + 1])
+    bound = max(case.tokens_per_rank(ep))
+    dispatcher = build_dispatcher("all_gather", dist.group.WORLD, E, tokens_per_rank=bound)
+    assert isinstance(dispatcher, AllGatherDispatcher)
+    with torch.no_grad():
+        routed = dispatcher.dispatch(batch.x_NH[mine], batch.topk_ids_Nk[mine], batch.topk_w_Nk[mine])
+    # every rank's padded rows, in rank order; this rank's experts as local ids, -1 elsewhere and on padding
+    assert routed.x_MH.shape == (ep * bound, H) and routed.valid_slots is None
+    E_local = E // ep
+    owned_Mk = routed.expert_ids_Mk >= 0
+    assert int(owned_Mk.sum()) == int((batch.topk_ids_Nk // E_local == rank).sum())
+    for src in range(ep):
+        rows = slice(src * bound, src * bound + batch.starts[src + 1] - batch.starts[src])
+        theirs = slice(batch.starts[src], batch.starts[src + 1])
+        assert torch.equal(routed.x_MH[rows], batch.x_NH[theirs])
+        expected = batch.topk_ids_Nk[theirs] - rank * E_local
+        expected = torch.where((expected >= 0) & (expected < E_local), expected, -1)
+        assert torch.equal(routed.expert_ids_Mk[rows], expected)
+        assert (routed.expert_ids_Mk[rows.stop:(src + 1) * bound] == -1).all()  # padding routes nowhere
+    full = full_experts(seed)
+    data = (batch.x_NH, batch.topk_ids_Nk, batch.topk_w_Nk, batch.grad_out_NH)
+    for name, backend, experts, ref_experts in [
+            ("identity", identity_backend, None, None),
+            *((n, expert_backend(n), rank_experts(full, rank, ep), full) for n in CPU_BACKENDS)]:
+        what = f"{case.name}, ep={ep}, rank {rank}, {name}"
+        ref = run_moe(LocalDispatcher(), backend, ref_experts, *data)
+        got = run_moe(dispatcher, backend, experts, *(t[mine] for t in data))
+        assert_close(got.out_TH, ref.out_TH[mine], f"{what}: out")
+        assert_close(got.grad_x_TH, ref.grad_x_TH[mine], f"{what}: grad x")
+        assert_close(got.grad_w_Tk, ref.grad_w_Tk[mine], f"{what}: grad topk_w")
+        for pname, grad in got.grad_experts.items():
+            assert_close(grad, ref.grad_experts[pname][rank * E_local:(rank + 1) * E_local], f"{what}: grad {pname}")
+    reading = dispatcher.load_reading(torch.device("cpu"))
+    slots_R = [int((batch.topk_ids_Nk // E_local == r).sum()) for r in range(ep)]
+    expected = max(slots_R) * ep / sum(slots_R) if sum(slots_R) else 1.0
+    assert reading.imbalance == pytest.approx(expected, rel=1e-12)  # the 3 logged dispatches, all the same
+    assert reading.host_skew_s is None and reading.slowest_host is None  # nothing waits on the host
+    assert dispatcher.load_reading(torch.device("cpu")) is None  # a read empties the log
+    return reading.imbalance
+
+
+def check_all(rank: int, ep: int) -> list[float]:
+    dispatcher = build_dispatcher("all_gather", dist.group.WORLD, E, tokens_per_rank=4)
+    with pytest.raises(ValueError, match="5 tokens on this rank, more than the 4.*micro_batch_size"):
+        dispatcher.dispatch(torch.randn(5, H), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2))
+    return [check_case(case, rank, ep, seed) for seed, case in enumerate(CASES)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_gather_matches_single_process(run_dist, world_size):
+    readings = run_dist(check_all, world_size)
+    assert all(r == readings[0] for r in readings)  # every rank reads the same imbalance without a collective
+
+
+def test_all_gather_needs_its_bound_and_is_the_identity_at_ep1():
+    assert isinstance(build_dispatcher("all_gather", None, E), LocalDispatcher)
+
+
+TRAINING = {
+    "ep2-full": (False, {"ep": 2}),
+    "ep2-lora": (True, {"ep": 2}),
+    # the selective policy keeps the gathered rows and the reduce-scattered sums (no exchange again in backward)
+    "ep2-selective_ac-full": (False, {"ep": 2, "activation_checkpoint": "selective"}),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(TRAINING))
+def test_training_matches_single_process(run_dist, tmp_path, case):
+    from tests.dist.test_parity import check_parity
+
+    lora, parallelism = TRAINING[case]
+    check_parity(run_dist, tmp_path, 2, lora, {**parallelism, "dispatcher": "all_gather"})
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compiled_blocks_trace_whole_through_the_exchange(run_dist, tmp_path):
+    """The dispatcher traces, so every MoE block compiles as one fullgraph region with its exchange inside: one
+    graph for the blocks (not test_compile_ep's four regions around an exchange), no graph break, no recompile
+    after the first step, and the compiled run matches eager and the single process (bf16 tolerances)."""
+    from tests.dist.test_compile_ep import _eager_and_compiled, check_against_eager_and_reference
+
+    parallelism = {"ep": 2, "dispatcher": "all_gather"}
+    results = run_dist(_eager_and_compiled, 2, str(tmp_path / "dist"), parallelism, timeout_s=240)
+    for _, compiled, graphs, breaks in results:
+        assert not breaks, breaks
+        assert graphs == [1] * len(graphs), f"compiled graphs after each step: {graphs}"
+        imbalances = [step["ep_load"][0] for step in compiled]
+        assert all(i >= 1.0 for i in imbalances), imbalances  # logged from inside the compiled blocks
+    check_against_eager_and_reference(results, tmp_path, 2, parallelism)
