@@ -3,7 +3,8 @@ with forced-balanced and random-init routing, and per layer where the traced ste
 
     python -m benchmarks.ep_table OUT --layers 8 --eps 1 2 4
 
-Run folders are named `ep-<mode>-L<layers>-ep<E>-<balanced|random>`. Throughput is the median over steps 4..
+Run folders are named `ep-<mode>-L<layers>-ep<E>-<balanced|random>`; a mode `<mode>+<dispatcher>` (ep > 1 on
+another dispatcher than all_to_all) is compared to its mode's ep=1 run. Throughput is the median over steps 4..
 of metrics.jsonl (tok/s over the world, so tokens per second per GPU); the split reads rank 0's trace of step 6
 (runtime.observe.profiling) with runtime.timeline and sorts the compute stream's kernels by name into experts (the
 grouped GEMMs and their LoRA products), routing (the dispatch's sort, gather and combine kernels) and the rest.
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         for routing in ("balanced", "random"):
-            base = steady(args.out / f"{mode}-ep1-{routing}", 1)
-            for ep in args.eps:
+            base = steady(args.out / f"{re.sub(r'[+]\w+', '', mode)}-ep1-{routing}", 1)
+            for ep in args.eps if "+" not in mode else args.eps[1:]:
                 run = args.out / f"{mode}-ep{ep}-{routing}"
                 row = steady(run, ep)
                 if row is None:

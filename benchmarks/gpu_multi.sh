@@ -29,8 +29,10 @@
 #   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, eager, ep=1 against ep=N on the same
 #               machine in one call, each with forced-balanced routing (model.router_force_balanced) and the
 #               random-init router; modes EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and
-#               "<mode>-compiled"); the two ep=1 runs share the call side by side (one GPU each); every run traces
-#               step 6: per layer the experts' kernels, the exchange, the host gaps and idle GPU (runtime.timeline)
+#               "<mode>-compiled"); EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default
+#               all_to_all; e.g. "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
+#               side onto free GPUs in order; every run traces step 6: per layer the experts' kernels, the exchange,
+#               the host gaps and idle GPU (runtime.timeline)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # COMPILED_LIMIT: the compiled LoRA row's own limit in seconds (default 360; RUN_LIMIT for the others).
@@ -234,34 +236,39 @@ if [[ $parts == *hostbound* ]]; then
 fi
 if [[ $parts == *epbench* ]]; then
   layers=${EPBENCH_LAYERS:-8}
+  queue=()  # "world<TAB>tag<TAB>flags" of every run, packed onto the GPUs below
   for mode in ${EPBENCH_MODES:-full-fp32 lora}; do
-    flags=(--set model.num_layers_override=$layers --set parallelism.activation_checkpoint=none
-           --set train.max_steps=${EPBENCH_STEPS:-10} --set "profiling.steps=[6]")
+    flags="--set model.num_layers_override=$layers --set parallelism.activation_checkpoint=none"
+    flags+=" --set train.max_steps=${EPBENCH_STEPS:-10} --set profiling.steps=[6]"
     case $mode in
-      full-bf16*) flags+=(--set optim.master_dtype=bf16) ;;
-      full-fp32*) flags+=(--set optim.master_dtype=fp32) ;;
-      lora*) flags+=(--set lora.enabled=true --set optim.master_dtype=fp32) ;;
+      full-bf16*) flags+=" --set optim.master_dtype=bf16" ;;
+      full-fp32*) flags+=" --set optim.master_dtype=fp32" ;;
+      lora*) flags+=" --set lora.enabled=true --set optim.master_dtype=fp32" ;;
     esac
-    [[ $mode == *-compiled ]] && flags+=(--set compile.enabled=true)
-    balanced=(--set model.router_force_balanced=true)
-    tag=ep-$mode-L$layers
-    [[ $tag =~ ${ONLY:-.} ]] || continue
-    # the ep=1 rows side by side (one GPU each), with ep=2 balanced beside them where 4 GPUs allow
-    CUDA_VISIBLE_DEVICES=0 launch_run "$tag-ep1-balanced" 1 "${flags[@]}" "${balanced[@]}" &
-    CUDA_VISIBLE_DEVICES=1 launch_run "$tag-ep1-random" 1 "${flags[@]}" &
-    first=2
-    if [ "$N" -ge 4 ]; then
-      CUDA_VISIBLE_DEVICES=2,3 launch_run "$tag-ep2-balanced" 2 --ep 2 "${flags[@]}" "${balanced[@]}" &
-      first=4
-      wait
-      CUDA_VISIBLE_DEVICES=0,1 launch_run "$tag-ep2-random" 2 --ep 2 "${flags[@]}"
-    fi
-    wait
-    for ((ep = first; ep <= N; ep *= 2)); do
-      launch_run "$tag-ep$ep-balanced" "$ep" --ep "$ep" "${flags[@]}" "${balanced[@]}"
-      launch_run "$tag-ep$ep-random" "$ep" --ep "$ep" "${flags[@]}"
+    [[ $mode == *-compiled ]] && flags+=" --set compile.enabled=true"
+    [[ ep-$mode =~ ${ONLY:-.} ]] || continue
+    for ((ep = 1; ep <= N; ep *= 2)); do
+      for routing in ${EPBENCH_ROUTING:-balanced random}; do
+        route=""
+        [ "$routing" = balanced ] && route=" --set model.router_force_balanced=true"
+        if [ "$ep" = 1 ]; then queue+=("1	ep-$mode-L$layers-ep1-$routing	$flags$route"); continue; fi
+        for disp in ${EPBENCH_DISPATCHERS:-all_to_all}; do
+          name=$mode; [ "$disp" = all_to_all ] || name=$mode+$disp  # ep_table compares a +dispatcher to its mode's ep1
+          queue+=("$ep	ep-$name-L$layers-ep$ep-$routing	$flags$route --ep $ep --set parallelism.dispatcher=$disp")
+        done
+      done
     done
   done
+  # first fit in queue order: runs start while GPUs are free, side by side (one host, separate GPUs)
+  free=0
+  for job in "${queue[@]}"; do
+    IFS=$'\t' read -r world tag jflags <<< "$job"
+    if ((free + world > N)); then wait; free=0; fi
+    # the flags split into words, unglobbed (profiling.steps=[6])
+    (set -f; CUDA_VISIBLE_DEVICES=$(seq -s, $free $((free + world - 1))) launch_run "$tag" "$world" $jflags) &
+    free=$((free + world))
+  done
+  wait
   summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --eps $(for ((ep = 1; ep <= N; ep *= 2)); do echo $ep; done))")
 fi
 if [[ $parts == *deepep* ]]; then
