@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         for routing in ("balanced", "random"):
+            if not any(p.name.startswith(f"{re.sub(r'[+]\w+', '', mode)}-ep") and p.name.endswith(routing) for p in runs):
+                continue  # this routing was not run (EPBENCH_ROUTING)
             base = steady(args.out / f"{re.sub(r'[+]\w+', '', mode)}-ep1-{routing}", 1)
             for ep in args.eps if "+" not in mode else args.eps[1:]:
                 run = args.out / f"{mode}-ep{ep}-{routing}"
