@@ -29,6 +29,9 @@ KERNEL_CLASSES = {  # first match wins
 }
 
 
+_BASE = re.compile(r"[+]\w+")  # a mode's dispatcher suffix: its ep=1 run is the mode's
+
+
 def steady(run: Path, world: int) -> dict | None:
     """Median tok/s/GPU, MFU, step seconds and ep_imbalance over steps 4..; peak GiB over the run."""
     metrics = run / "metrics.jsonl"
@@ -81,9 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         for routing in ("balanced", "random"):
-            if not any(p.name.startswith(f"{re.sub(r'[+]\w+', '', mode)}-ep") and p.name.endswith(routing) for p in runs):
+            base_mode = _BASE.sub("", mode)
+            if not any(p.name.startswith(f"{base_mode}-ep") and p.name.endswith(routing) for p in runs):
                 continue  # this routing was not run (EPBENCH_ROUTING)
-            base = steady(args.out / f"{re.sub(r'[+]\w+', '', mode)}-ep1-{routing}", 1)
+            base = steady(args.out / f"{base_mode}-ep1-{routing}", 1)
             for ep in args.eps if "+" not in mode else args.eps[1:]:
                 run = args.out / f"{mode}-ep{ep}-{routing}"
                 row = steady(run, ep)

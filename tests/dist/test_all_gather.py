@@ -12,8 +12,18 @@ import torch.distributed as dist
 
 from moe.backends import expert_backend
 from moe.dispatch import AllGatherDispatcher, LocalDispatcher, build_dispatcher
-from tests.dist.test_dispatch import (CASES, CPU_BACKENDS, E, H, assert_close, full_experts, identity_backend,
-                                      make_batch, rank_experts, run_moe)
+from tests.dist.test_dispatch import (
+    CASES,
+    CPU_BACKENDS,
+    E,
+    H,
+    assert_close,
+    full_experts,
+    identity_backend,
+    make_batch,
+    rank_experts,
+    run_moe,
+)
 
 
 def check_case(case, rank: int, ep: int, seed: int) -> float:
