@@ -104,7 +104,7 @@ CHECKS = {
     # moved from config.py and moe/dispatch
     "local dispatcher with ep": (set_("parallelism", dispatcher="local", ep=2),
                                  ("parallelism.dispatcher: local keeps every expert on every rank, but "
-                                  "parallelism.ep is 2; choose one of ['all_to_all']")),
+                                  "parallelism.ep is 2; choose one of ['all_gather', 'all_to_all']")),
     "deepep not built": (set_("parallelism", dispatcher="deepep"), "parallelism.dispatcher: deepep cannot run here"),
     # moved from distributed/compile.py check_compilable
     "grouped_mm compile fp32 cpu": (set_("compile", enabled=True),
