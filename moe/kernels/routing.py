@@ -9,7 +9,7 @@ V valid slots (id >= 0).
 
 Valid slots (id >= 0) are sorted by expert to the front; -1 slots get the sentinel key E, land behind
 every expert segment and are never read or computed by any kernel. Buffers in expert-sorted order
-(slots.new_rows) have `slots.capacity` rows: V (rounded up to 8) when the caller knows it on the host
+(slots.new_rows) have `slots.capacity` rows: V (rounded up to 16) when the caller knows it on the host
 (under EP the dispatcher does, and most slots are -1 there), else S. Rows past the valid positions stay
 unwritten (torch.empty) and are masked out wherever they could be seen; no kernel touches a position
 >= offsets[E].
@@ -100,7 +100,8 @@ def _ticket(counts_ptr, num_blocks, E):
     return counts_ptr + (num_blocks + 1) * (E + 1)
 
 
-@triton.jit
+# S = M*k and the block count follow the routed rows under EP: not specialized on (a recompile per new parity)
+@triton.jit(do_not_specialize=["S"])
 def _histogram_kernel(ids_ptr, counts_ptr, S, E, BLOCK_S: tl.constexpr, BINS: tl.constexpr):
     """counts[b, key] for key in 0..E: how many slots of block b have that key. Zeroes the scan's
     ticket (this kernel runs before the scan in stream order)."""
@@ -115,7 +116,7 @@ def _histogram_kernel(ids_ptr, counts_ptr, S, E, BLOCK_S: tl.constexpr, BINS: tl
         tl.store(_ticket(counts_ptr, tl.num_programs(0), E), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_BLOCKS"])
 def _scan_kernel(counts_ptr, offsets_ptr, NUM_BLOCKS, E, KEYS: tl.constexpr, CHUNK_B: tl.constexpr,
                  BINS: tl.constexpr):
     """Program i takes keys [i*KEYS, (i+1)*KEYS): counts[b, key] becomes the number of slots of that
@@ -151,7 +152,7 @@ def _run_start(key_a, first_a, key_b, first_b):
     return key_b, tl.where(key_a == key_b, first_a, first_b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _scatter_kernel(ids_ptr, before_ptr, offsets_ptr, order_ptr, rows_ptr, inv_ptr, S, E, TOPK,
                     BLOCK_S: tl.constexpr):
     """Stable rank of each slot of block b among its equal keys, and its sorted position: writes
@@ -175,8 +176,9 @@ def _scatter_kernel(ids_ptr, before_ptr, offsets_ptr, order_ptr, rows_ptr, inv_p
 
 
 # Rows of a buffer sized by the valid slots are rounded up to this: CUTLASS's grouped GEMMs take bf16 operands
-# whose row counts are multiples of 8 (grouped_linear.cutlass_ok), as M*k is for k = 8.
-_ROW_ALIGN = 8
+# whose row counts are multiples of 8 (grouped_linear.cutlass_ok), and Triton specializes an int argument on its
+# divisibility by 16: with 8, the GEMMs that take the row count recompiled whenever an EP routing first flipped it.
+_ROW_ALIGN = 16
 
 
 def slot_capacity(num_slots: int, valid_slots: int | None) -> int:

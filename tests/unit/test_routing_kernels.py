@@ -126,7 +126,7 @@ def test_layout_example():
 def test_gather_rows_writes_the_valid_positions(M, k, E, H, invalid, small_blocks, monkeypatch):
     """out[p] = x[slot // k] for the valid sorted positions (x a column-strided view); the -1 tail is
     never written (with NaN-filled buffers its rows stay NaN). With valid_slots the output has
-    slot_capacity's rows (the valid ones rounded up to 8), the same valid rows."""
+    slot_capacity's rows (the valid ones rounded up to 16), the same valid rows."""
     ids = random_ids(M, k, E, seed=M + H, invalid=invalid)
     x = torch.randn(H, M).t()
     valid = int((ids >= 0).sum())

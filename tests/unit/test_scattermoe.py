@@ -153,7 +153,7 @@ def guarded_rows(monkeypatch):
 @pytest.mark.parametrize("rank,split", [(0, False), (R, False), (R, True)], ids=["full", "lora-fused", "lora-split"])
 def test_valid_slots_sizes_the_sorted_buffers(rank, split, monkeypatch, guarded_rows):
     """EP's layout (rank 1 of ep=4: most slots -1). With valid_slots every expert-sorted buffer has that many
-    rows rounded up to 8, not M*k; no kernel touches a row past them, nor reads a row it did not write (all
+    rows rounded up to 16, not M*k; no kernel touches a row past them, nor reads a row it did not write (all
     NaN here); output and every gradient equal eager's. (Without valid_slots, buffers of M*k rows with the
     -1 positions' rows unwritten: test_matches_eager.)"""
     if rank:
@@ -166,14 +166,14 @@ def test_valid_slots_sizes_the_sorted_buffers(rank, split, monkeypatch, guarded_
     assert 0 < valid < ids.numel() // 2
     got = assert_matches_eager(ex, torch.randn(M, H, requires_grad=True), ids, w, valid_slots=valid)
     assert got["y"][3].abs().max() == 0 and got["dw"][3].abs().max() == 0
-    assert valid % 8 and guarded_rows  # rows past the valid ones inside the buffer too
-    assert {capacity for capacity, _ in guarded_rows} == {-(-valid // 8) * 8}
+    assert valid % 16 and guarded_rows  # rows past the valid ones inside the buffer too
+    assert {capacity for capacity, _ in guarded_rows} == {-(-valid // 16) * 16}
     for capacity, whole in guarded_rows:
         assert torch.isnan(whole[capacity:]).all(), "a kernel wrote past the buffer's rows"
 
 
 def test_valid_slots_zero_and_out_of_range():
-    """A rank whose rows hold no slot of its experts: zeros (a buffer of one row); rows are rounded up to 8 but
+    """A rank whose rows hold no slot of its experts: zeros (a buffer of one row); rows are rounded up to 16 but
     never past M*k; a wrong count is refused."""
     ex = make_experts(4, R)
     M = 5
@@ -182,7 +182,7 @@ def test_valid_slots_zero_and_out_of_range():
     for name, g in got.items():
         assert g.abs().max() == 0, name
     assert sort_slots(torch.full((M, 2), -1), 4, valid_slots=0).capacity == 1
-    assert (slot_capacity(64, 17), slot_capacity(10, 9), slot_capacity(0, 0)) == (24, 10, 0)
+    assert (slot_capacity(64, 17), slot_capacity(10, 9), slot_capacity(0, 0)) == (32, 10, 0)
     with pytest.raises(ValueError, match="valid_slots=11 outside"):
         sort_slots(torch.zeros(M, 2, dtype=torch.long), 4, valid_slots=11)
 
