@@ -92,6 +92,7 @@ class Run:
     lora_rank: int = 0                # 0: a full fine-tune, every parameter trains
     targets: frozenset = frozenset()  # LoRA target modules
     ep: int = 1
+    gathered: bool = False            # the all_gather dispatcher: every token to every EP rank
 
     @property
     def full(self) -> bool:
@@ -103,13 +104,22 @@ class Run:
 
     @property
     def visits(self) -> float:
-        """Rows a token becomes: 1, or under EP the ranks it is sent to (ep_visits)."""
-        return ep_visits(self.q.num_experts_per_tok, self.ep) if self.ep > 1 else 1
+        """Rows a token becomes: 1, or under EP the ranks it is sent to (ep_visits; all of them when gathered)."""
+        if self.ep == 1:
+            return 1
+        return self.ep if self.gathered else ep_visits(self.q.num_experts_per_tok, self.ep)
+
+    @property
+    def slot_buffers(self) -> int:
+        """The expert-sorted buffers' rows per valid slot: 1, or ep when gathered (sized by every received slot:
+        the valid count is on the device only)."""
+        return self.ep if self.gathered else 1
 
 
 def run_of(cfg: Config, qcfg: QwenConfig, cuda: bool, ep: int = 1) -> Run:
     lora = cfg.lora
-    return Run(qcfg, precision(cfg, cuda), lora.rank if lora.enabled else 0, frozenset(lora.target_modules), ep)
+    return Run(qcfg, precision(cfg, cuda), lora.rank if lora.enabled else 0, frozenset(lora.target_modules), ep,
+               gathered=ep > 1 and cfg.parallelism.dispatcher == "all_gather")
 
 
 def ep_visits(num_experts_per_tok: int, ep: int) -> float:
@@ -215,7 +225,7 @@ def _moe(run: Run, records: bool) -> tuple[Count, bool]:
 
     Router: fp32 probabilities, the top-k values and their sum (renormalized), the routing weights (stream
     dtype) the experts keep. Experts, per valid slot (k per token: under EP the dispatcher's valid-slot count
-    sizes them, not the received rows' M*k): gate_up [2I] and the weighted SwiGLU [I] in the compute dtype,
+    sizes them, not the received rows' M*k; all_gather's buffers: every received slot, ep x k per token): gate_up [2I] and the weighted SwiGLU [I] in the compute dtype,
     LoRA's two rank-sized products; per received slot (-1 ones included): the slot maps and the expert ids
     (these on ctx: kept in every mode). Under EP: the received rows in the compute dtype and each sent row's
     source token; selective checkpointing also keeps the exchange's outputs (received rows, weights and ids,
@@ -231,7 +241,8 @@ def _moe(run: Run, records: bool) -> tuple[Count, bool]:
         return Count(matmuls=matmuls), False
     held = k * v * (SLOT_MAPS + INDEX)
     savers = (1 if run.full else 0) + (1 if run.ep == 1 else 0) + (3 if run.full and Is else 0)
-    kept = _input(run, savers) + held + v * s * k + k * c * (3 * I + (2 * run.lora_rank if lora else 0))
+    slots = k * run.slot_buffers
+    kept = _input(run, savers) + held + v * s * k + slots * c * (3 * I + (2 * run.lora_rank if lora else 0))
     if run.ep > 1:
         kept += v * (c * H + INDEX)
     if router:
@@ -310,7 +321,8 @@ def expert_backward_buffers(run: Run, tokens: int) -> float:
     rows [H] per received row."""
     q, c = run.q, run.p.compute
     k, I, H = q.num_experts_per_tok, q.moe_intermediate_size, q.hidden_size
-    per_token = max(k * (3 * I + (H if run.full else 0)), k * (2 * I + H) + run.visits * H)
+    slots = k * run.slot_buffers
+    per_token = max(slots * (3 * I + (H if run.full else 0)), slots * (2 * I + H) + run.visits * H)
     return tokens * c * per_token
 
 
