@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+from moe.dispatch.base import (
+    Dispatcher,
+    Routed,
+    check_combine_shape,
+    check_routing_shapes,
+    local_expert_count,
+)
 from moe.dispatch.collectives import all_gather, reduce_scatter_sum
 from moe.dispatch.load import DeviceLoadLog
 
@@ -79,12 +85,9 @@ class AllGatherDispatcher(Dispatcher):
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, tokens_per_rank: int):
         ep = dist.get_world_size(group)
-        if num_experts % ep != 0:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep}: "
-                             "every EP rank must own the same number of experts")
         self.group = group
         self.ep = ep
-        self.num_local_experts = num_experts // ep
+        self.num_local_experts = local_expert_count(num_experts, ep)
         self.first_expert = dist.get_rank(group) * self.num_local_experts
         self.tokens_per_rank = tokens_per_rank
         self.loads = DeviceLoadLog(ep, _group_device(group))
@@ -106,8 +109,6 @@ class AllGatherDispatcher(Dispatcher):
         return AllGatherRouted(x_MH, torch.where(owned_Mk, local_Mk, -1), w_Mk, T)
 
     def combine(self, y_MH: torch.Tensor, routed: AllGatherRouted) -> torch.Tensor:
-        if y_MH.shape != routed.x_MH.shape:
-            raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
-                             f"{tuple(routed.x_MH.shape)}")
+        check_combine_shape(y_MH, routed)
         out_BH = _SumRows.apply(y_MH, routed.x_MH, routed.weights_Mk, self.group)
         return out_BH[:routed.num_tokens]

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+from moe.dispatch.base import (
+    Dispatcher,
+    Routed,
+    check_combine_shape,
+    check_routing_shapes,
+    local_expert_count,
+)
 from moe.dispatch.collectives import all_to_all as _all_to_all
 from moe.dispatch.load import LoadLog
 
@@ -101,12 +107,9 @@ class AllToAllDispatcher(Dispatcher):
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
         ep = dist.get_world_size(group)
-        if num_experts % ep != 0:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep}: "
-                             "every EP rank must own the same number of experts")
         self.group = group
         self.ep = ep
-        self.num_local_experts = num_experts // ep
+        self.num_local_experts = local_expert_count(num_experts, ep)
         self.loads = LoadLog()
 
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor,
@@ -129,9 +132,7 @@ class AllToAllDispatcher(Dispatcher):
         return AllToAllRouted(x_MH, ids_Mk, w_Mk, token_S, send_splits, recv_splits, T, valid_slots=valid_slots)
 
     def combine(self, y_MH: torch.Tensor, routed: AllToAllRouted) -> torch.Tensor:
-        if y_MH.shape != routed.x_MH.shape:
-            raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
-                             f"{tuple(routed.x_MH.shape)}")
+        check_combine_shape(y_MH, routed)
         return _CombineAllToAll.apply(y_MH, routed.x_MH, routed.weights_Mk, routed.token_S, routed.num_tokens,
                                       routed.send_splits, routed.recv_splits, self.group)
 

@@ -69,3 +69,18 @@ def check_routing_shapes(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_T
     if topk_ids_Tk.shape != topk_w_Tk.shape or topk_ids_Tk.shape[0] != x_TH.shape[0]:
         raise ValueError(f"dispatch: x {tuple(x_TH.shape)}, topk_ids {tuple(topk_ids_Tk.shape)} and "
                          f"topk_w {tuple(topk_w_Tk.shape)} disagree on T or k")
+
+
+def local_expert_count(num_experts: int, ep: int) -> int:
+    """The experts each EP rank owns; every rank must own as many."""
+    if num_experts % ep != 0:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep}: "
+                         "every EP rank must own the same number of experts")
+    return num_experts // ep
+
+
+def check_combine_shape(y_MH: torch.Tensor, routed: Routed) -> None:
+    """combine takes one output row per dispatched row."""
+    if y_MH.shape != routed.x_MH.shape:
+        raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
+                         f"{tuple(routed.x_MH.shape)}")

@@ -57,7 +57,13 @@ from typing import Any
 
 import torch
 
-from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+from moe.dispatch.base import (
+    Dispatcher,
+    Routed,
+    check_combine_shape,
+    check_routing_shapes,
+    local_expert_count,
+)
 from moe.dispatch.load import LoadLog
 
 BUILD_HINT = ("build DeepEP intranode-only for sm90 with benchmarks/build_deepep.sh (`prepare` here from a "
@@ -95,10 +101,7 @@ def check_deepep_shapes(ep: int, num_experts: int, hidden: int | None = None, el
     if ep not in SUPPORTED_EP:
         raise ValueError(f"dispatcher 'deepep' runs DeepEP's intranode kernels, built for EP groups of "
                          f"{list(SUPPORTED_EP)} ranks on one node; this EP group has {ep}: use all_to_all")
-    if num_experts % ep:
-        raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep}: "
-                         "every EP rank must own the same number of experts")
-    if num_experts // ep > MAX_LOCAL_EXPERTS:
+    if local_expert_count(num_experts, ep) > MAX_LOCAL_EXPERTS:
         raise ValueError(f"dispatcher 'deepep': {num_experts // ep} experts per rank, DeepEP takes at most "
                          f"{MAX_LOCAL_EXPERTS}")
     if k is not None and not 0 < k <= MAX_TOPK:
@@ -277,7 +280,5 @@ class DeepEPDispatcher(Dispatcher):
                             self.rank, valid_slots=valid_slots)
 
     def combine(self, y_MH: torch.Tensor, routed: DeepEPRouted) -> torch.Tensor:
-        if y_MH.shape != routed.x_MH.shape:
-            raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
-                             f"{tuple(routed.x_MH.shape)}")
+        check_combine_shape(y_MH, routed)
         return _DeepEPCombine.apply(y_MH, routed.x_MH, routed.weights_Mk, self, routed.handle)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.dispatch.base import Dispatcher, Routed, check_routing_shapes
+from moe.dispatch.base import Dispatcher, Routed, check_combine_shape, check_routing_shapes
 
 
 class LocalDispatcher(Dispatcher):
@@ -18,7 +18,5 @@ class LocalDispatcher(Dispatcher):
         return Routed(x_TH, topk_ids_Tk, topk_w_Tk)
 
     def combine(self, y_MH: torch.Tensor, routed: Routed) -> torch.Tensor:
-        if y_MH.shape != routed.x_MH.shape:
-            raise ValueError(f"combine: y {tuple(y_MH.shape)} does not match the dispatched rows "
-                             f"{tuple(routed.x_MH.shape)}")
+        check_combine_shape(y_MH, routed)
         return y_MH

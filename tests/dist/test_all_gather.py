@@ -10,20 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.backends import expert_backend
 from moe.dispatch import AllGatherDispatcher, LocalDispatcher, build_dispatcher
-from tests.dist.test_dispatch import (
-    CASES,
-    CPU_BACKENDS,
-    E,
-    H,
-    assert_close,
-    full_experts,
-    identity_backend,
-    make_batch,
-    rank_experts,
-    run_moe,
-)
+from tests.dist.test_dispatch import CASES, E, H, check_against_single_process, make_batch
 
 
 def check_case(case, rank: int, ep: int, seed: int) -> float:
@@ -48,23 +36,11 @@ def check_case(case, rank: int, ep: int, seed: int) -> float:
         expected = torch.where((expected >= 0) & (expected < E_local), expected, -1)
         assert torch.equal(routed.expert_ids_Mk[rows], expected)
         assert (routed.expert_ids_Mk[rows.stop:(src + 1) * bound] == -1).all()  # padding routes nowhere
-    full = full_experts(seed)
-    data = (batch.x_NH, batch.topk_ids_Nk, batch.topk_w_Nk, batch.grad_out_NH)
-    for name, backend, experts, ref_experts in [
-            ("identity", identity_backend, None, None),
-            *((n, expert_backend(n), rank_experts(full, rank, ep), full) for n in CPU_BACKENDS)]:
-        what = f"{case.name}, ep={ep}, rank {rank}, {name}"
-        ref = run_moe(LocalDispatcher(), backend, ref_experts, *data)
-        got = run_moe(dispatcher, backend, experts, *(t[mine] for t in data))
-        assert_close(got.out_TH, ref.out_TH[mine], f"{what}: out")
-        assert_close(got.grad_x_TH, ref.grad_x_TH[mine], f"{what}: grad x")
-        assert_close(got.grad_w_Tk, ref.grad_w_Tk[mine], f"{what}: grad topk_w")
-        for pname, grad in got.grad_experts.items():
-            assert_close(grad, ref.grad_experts[pname][rank * E_local:(rank + 1) * E_local], f"{what}: grad {pname}")
+    check_against_single_process(dispatcher, case, batch, rank, ep, seed)  # 3 training dispatches
     reading = dispatcher.load_reading(torch.device("cpu"))
     slots_R = [int((batch.topk_ids_Nk // E_local == r).sum()) for r in range(ep)]
     expected = max(slots_R) * ep / sum(slots_R) if sum(slots_R) else 1.0
-    assert reading.imbalance == pytest.approx(expected, rel=1e-12)  # the 3 logged dispatches, all the same
+    assert reading.imbalance == pytest.approx(expected, rel=1e-12)  # the logged dispatches, all the same
     assert reading.host_skew_s is None and reading.slowest_host is None  # nothing waits on the host
     assert dispatcher.load_reading(torch.device("cpu")) is None  # a read empties the log
     return reading.imbalance

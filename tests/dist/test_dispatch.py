@@ -178,12 +178,21 @@ def check_case(case: Case, rank: int, ep: int, seed: int) -> list[int]:
     """Layout, outputs and gradients of one case on this rank; returns the rows received per source."""
     batch = make_batch(case, ep, seed)
     mine = slice(batch.starts[rank], batch.starts[rank + 1])
-    experts_of_rank = slice(rank * (E // ep), (rank + 1) * (E // ep))
     dispatcher = AllToAllDispatcher(dist.group.WORLD, E)
     with torch.no_grad():
         routed = dispatcher.dispatch(batch.x_NH[mine], batch.topk_ids_Nk[mine],
                                      batch.topk_w_Nk[mine].double())
     check_routed_layout(routed, batch, rank, ep)
+    check_against_single_process(dispatcher, case, batch, rank, ep, seed)
+    check_load_log(dispatcher, batch, ep)
+    return routed.recv_splits
+
+
+def check_against_single_process(dispatcher, case: Case, batch: Batch, rank: int, ep: int, seed: int) -> None:
+    """This rank's outputs and gradients through `dispatcher`, for every CPU backend and the identity, against
+    one process with every expert (LocalDispatcher over the whole batch)."""
+    mine = slice(batch.starts[rank], batch.starts[rank + 1])
+    experts_of_rank = slice(rank * (E // ep), (rank + 1) * (E // ep))
     full = full_experts(seed)
     data = (batch.x_NH, batch.topk_ids_Nk, batch.topk_w_Nk, batch.grad_out_NH)
     for backend_name, backend, experts, ref_experts in [
@@ -200,8 +209,6 @@ def check_case(case: Case, rank: int, ep: int, seed: int) -> list[int]:
         if backend is identity_backend:  # the round trip itself: x * sum of the token's weights
             x_TH, w_Tk = batch.x_NH[mine], batch.topk_w_Nk[mine]
             assert_close(got.out_TH, x_TH * w_Tk.sum(-1, keepdim=True), f"{what}: round trip")
-    check_load_log(dispatcher, batch, ep)
-    return routed.recv_splits
 
 
 def check_load_log(dispatcher: AllToAllDispatcher, batch: Batch, ep: int) -> None:
