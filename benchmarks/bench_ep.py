@@ -137,9 +137,9 @@ def peak_gib(run: Run) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if run.device == "cuda" else None
 
 
-def make_dispatcher(run: Run, group, num_experts: int, num_sms: int | None):
+def make_dispatcher(run: Run, group, num_experts: int, tokens: int, num_sms: int | None):
     if num_sms is None:
-        return build_dispatcher(run.dispatcher, group, num_experts)
+        return build_dispatcher(run.dispatcher, group, num_experts, tokens_per_rank=tokens)
     from moe.dispatch.deepep import DeepEPDispatcher
 
     return DeepEPDispatcher(group, num_experts, num_sms=num_sms)
@@ -154,7 +154,7 @@ def bench(ep: int, shape: str, tokens: int, run: Run, num_sms: int | None = None
     experts = GroupedExperts(E // ep, H, I, device=run.device, dtype=run.dtype, expert_offset=rank_in_group * E // ep)
     if run.compile:
         compile_experts(experts)
-    dispatcher = make_dispatcher(run, group, E, num_sms)
+    dispatcher = make_dispatcher(run, group, E, tokens, num_sms)
     x = torch.randn(tokens, H, device=run.device, dtype=run.dtype, requires_grad=True)
     logits = torch.randn(tokens, E, device=run.device)
     w, ids = torch.topk(torch.softmax(logits, -1), K)
@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument("--backend", default="grouped_mm", help="expert backend of the layer")
     p.add_argument("--compile", action="store_true", help="compile the expert compute as training does under EP")
     p.add_argument("--dry", action="store_true", help="gloo on the CPU, tiny shape, fp32, eager experts")
-    p.add_argument("--dispatcher", default="all_to_all", help="all_to_all | deepep (parallelism.dispatcher)")
+    p.add_argument("--dispatcher", default="all_to_all", help="all_to_all | all_gather | deepep (parallelism.dispatcher)")
     p.add_argument("--deepep-sms", type=lambda s: [int(x) for x in s.split(",")], default=[None],
                    help="with --dispatcher deepep: SM counts for its kernels, comma-separated (even numbers)")
     p.add_argument("--trace", help="a folder for one traced layer step per ep (GPU): a Chrome trace per rank")
