@@ -27,8 +27,8 @@ from moe.dispatch.deepep import deepep_unavailable_reason
 from moe.dispatch.load import LoadReading
 from moe.dispatch.local import LocalDispatcher
 
-__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "Dispatcher", "LoadReading", "LocalDispatcher", "Routed",
-           "build_dispatcher"]
+__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "Dispatcher", "LoadReading",
+           "LocalDispatcher", "Routed", "build_dispatcher"]
 
 # (EP group or None, num_experts, tokens per rank per forward or None) -> a dispatcher for the blocks of one model
 DispatcherFactory = Callable[[dist.ProcessGroup | None, int, int | None], Dispatcher]

@@ -101,11 +101,11 @@ class AllGatherDispatcher(Dispatcher):
                              "(train.micro_batch_size * data.seq_len / parallelism.cp); use "
                              "parallelism.dispatcher=all_to_all for batches of other sizes")
         pad = (0, 0, 0, B - T)  # padding rows route nowhere
-        ids_MK = all_gather(F.pad(topk_ids_Tk, pad, value=-1), self.group)
+        ids_Mk = all_gather(F.pad(topk_ids_Tk, pad, value=-1), self.group)
         x_MH, w_Mk = _GatherRows.apply(F.pad(x_TH, pad), F.pad(topk_w_Tk, pad), self.group)
-        local_Mk = ids_MK - self.first_expert
+        local_Mk = ids_Mk - self.first_expert
         owned_Mk = (local_Mk >= 0) & (local_Mk < self.num_local_experts)
-        self.loads.add(ids_MK, self.num_local_experts)
+        self.loads.add(ids_Mk, self.num_local_experts)
         return AllGatherRouted(x_MH, torch.where(owned_Mk, local_Mk, -1), w_Mk, T)
 
     def combine(self, y_MH: torch.Tensor, routed: AllGatherRouted) -> torch.Tensor:
