@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench_e2e import COLUMNS, qwen3_moe_config, token_ids
 from benchmarks.harness import Report, device_info
 from benchmarks.peers_table import main, table
 
@@ -25,8 +24,9 @@ NOTE = "trains 110.3M float32, experts grouped_mm, attn sdpa, loss chunked"
 
 def write_e2e(out: Path, ours: tuple, base: tuple | None, layers: int = 8, seq: int = 8192, warmup: int = 3,
               steps: int = 9, ours_error: str | None = None) -> Path:
-    """A bench_e2e JSON through bench_e2e's own Report, rows composed as its compare() does; ours/base: (ms, GiB)."""
-    report = Report(f"bench_e2e_L{layers}", COLUMNS, str(out), printing=False)
+    """A bench_e2e JSON through the Report bench_e2e writes with, rows composed as its compare() does;
+    ours/base: (ms, GiB)."""
+    report = Report(f"bench_e2e_L{layers}", [], str(out), printing=False)  # columns only print
     report.meta.update(preset="qwen3-30b-a3b", layers=layers, seq=seq, steps=steps, warmup=warmup)
     sides = {"ours": ours} if base is None else {"ours": ours, "baseline": base}
     for side, (ms, gib) in sides.items():
@@ -152,6 +152,7 @@ def test_cli_prints_the_table(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_table_from_a_real_dry_run(tmp_path):
+    _bench_e2e()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "peers", "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -169,6 +170,13 @@ def test_table_from_a_real_dry_run(tmp_path):
     assert rows[layers, "ours"]["trains M"] == rows[layers, "transformers+PEFT"]["trains M"] == "0.1"
 
 
+def _bench_e2e():
+    pytest.importorskip("peft")  # bench_e2e imports its transformers+PEFT baseline
+    from benchmarks import bench_e2e
+
+    return bench_e2e
+
+
 def _dims():
     spec = importlib.util.spec_from_file_location("peers_unsloth_dims", UNSLOTH_DIR / "dims.py")
     module = importlib.util.module_from_spec(spec)
@@ -177,15 +185,15 @@ def _dims():
 
 
 def test_unsloth_runs_the_work_of_bench_e2e():
-    dims = _dims()
-    ours = qwen3_moe_config(8)
+    dims, bench = _dims(), _bench_e2e()
+    ours = bench.qwen3_moe_config(8)
     assert {k: v for k, v in dims.QWEN3_30B_A3B.items() if k in ours} == {k: v for k, v in ours.items()
                                                                           if k != "num_hidden_layers"}
-    assert torch.equal(dims.token_ids(151936, 8192), token_ids(151936, 8192))
+    assert torch.equal(dims.token_ids(151936, 8192), bench.token_ids(151936, 8192))
 
 
 def test_make_ckpt_writes_a_checkpoint_with_bench_e2e_ids(tmp_path):
-    pytest.importorskip("transformers")
+    token_ids = _bench_e2e().token_ids
     out = tmp_path / "ckpt"
     proc = subprocess.run([sys.executable, str(UNSLOTH_DIR / "make_ckpt.py"), "--tiny", "--device", "cpu", "--layers",
                            "2", "--seq", "64", "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
