@@ -14,9 +14,22 @@
 #   against  ours only, this tree against an older one carried as OLD=<ignored folder> (`git archive REV | tar x -C
 #         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
 #         again, so drift between the runs shows
+#   peers  issue 43's LoRA peers at PEERS_LAYERS (8) layers, in this order in one call: ours (default config) and
+#         transformers+PEFT (bench_e2e, as `lora` but 3 warmup + 9 timed steps, no profile), then Unsloth on the same
+#         work (benchmarks/peers/unsloth/run_unsloth.sh: wheels, a random-init checkpoint ~11 GB at 8 layers, ~1 min,
+#         step 1 compiles ~50 s), then benchmarks/peers_table.py's markdown table (ratios, issue 43's targets). Run
+#         it alone: it budgets the call's 600 s (bench_e2e at most 300 s, Unsloth what is left up to 580 s from the
+#         start). Same on all three: dims, the 8192 token ids (bench_e2e.token_ids), bf16 base, LoRA r=16 alpha=32
+#         on q,k,v,o + experts, micro-batch 1, no AC, bf16 autocast, grad clip 1.0, fused AdamW lr 1e-5 betas
+#         (0.9, 0.95), 3 warmup + 9 steps each between CUDA events from an idle GPU, their median (steps 4-12),
+#         peak = max allocated over the whole process. Differences: Unsloth loads a seed-0 bf16 checkpoint (ours
+#         and PEFT init in place, so the random weights differ); Unsloth gives the fused gate_up rank 2r (r for gate,
+#         r for up: seen through its CPU fallback) where ours and PEFT give it r, so it trains more (the table's
+#         `trains M` column); the LoRA dtypes are each side's own (notes). Needs .whl-unsloth, made where PyPI is
+#         reachable by `bash benchmarks/peers/unsloth/wheels.sh`; carry [".whl", ".whl-unsloth"].
 # One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
 # (~1 min per side: imports, build, 7 steps).
-# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles]`.
+# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles] [against] [peers]`.
 # Memory: 8 full layers are 5.6 G parameters; fp32 masters + grads + AdamW states take 16 B each, ~90 GB:
 # over an 80 GB H100 (that row then reads OutOfMemoryError), within an H200. FULL_LAYERS=4 fits either.
 # Logs per run in $OUT/e2e_<tag>.log, rows in $OUT/bench_e2e_<tag>.json; the summary table comes last.
@@ -67,6 +80,17 @@ if [[ $parts == *against* ]]; then
         "${masters[@]}" --no-baseline --tag "$mode-$round" --out "$OUT") > "$OUT/e2e_$mode-$round.log" 2>&1
     done
   done
+fi
+if [[ $parts == *peers* ]]; then
+  PEERS_LAYERS=${PEERS_LAYERS:-8}
+  echo "== peers: $PEERS_LAYERS layers LoRA: ours and transformers+PEFT (bench_e2e), then Unsloth, then the table"
+  tags+=(peers)
+  timeout 300 python -m benchmarks.bench_e2e --mode lora --layers "$PEERS_LAYERS" --warmup 3 --steps 9 --tag peers \
+    --out "$OUT" > "$OUT/e2e_peers.log" 2>&1 || echo "bench_e2e exit code $? (124: past its 300 s)"
+  grep -E "^== |failed:" "$OUT/e2e_peers.log"
+  echo "[bench_e2e done at $SECONDS s]"
+  T=$(( 580 - SECONDS )) bash benchmarks/peers/unsloth/run_unsloth.sh "$PEERS_LAYERS" experts | tee "$OUT/unsloth_peers.txt"
+  python -m benchmarks.peers_table --e2e "$OUT/bench_e2e_peers.json" --unsloth "$OUT/unsloth_peers.txt"
 fi
 echo "== summary (tag: side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
 for tag in "${tags[@]}"; do

@@ -1,0 +1,208 @@
+"""Issue 43's peer baseline: benchmarks/peers_table.py reads bench_e2e's JSON (written by its own Report, and by a
+real --dry run) and unsloth_train.py's JSON lines, and computes the steps/s ratios and the targets right; the
+Unsloth scripts run the same work as bench_e2e (dims, token ids)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.harness import Report, device_info
+from benchmarks.peers_table import main, table
+
+ROOT = Path(__file__).resolve().parents[2]
+UNSLOTH_DIR = ROOT / "benchmarks/peers/unsloth"
+DEVICE = device_info()["device"]  # what Report records as the card
+NOTE = "trains 110.3M float32, experts grouped_mm, attn sdpa, loss chunked"
+
+
+def write_e2e(out: Path, ours: tuple, base: tuple | None, layers: int = 8, seq: int = 8192, warmup: int = 3,
+              steps: int = 9, ours_error: str | None = None) -> Path:
+    """A bench_e2e JSON through the Report bench_e2e writes with, rows composed as its compare() does;
+    ours/base: (ms, GiB)."""
+    report = Report(f"bench_e2e_L{layers}", [], str(out), printing=False)  # columns only print
+    report.meta.update(preset="qwen3-30b-a3b", layers=layers, seq=seq, steps=steps, warmup=warmup)
+    sides = {"ours": ours} if base is None else {"ours": ours, "baseline": base}
+    for side, (ms, gib) in sides.items():
+        r = {"ms": ms, "tok_s": seq / ms * 1e3, "peak_gib": gib, "note": NOTE}
+        if side == "ours" and ours_error:
+            r = {"error": ours_error, "peak_gib": gib}
+        report.add({"side": side, "mode": "lora", **r, "note": r.get("error") or r.get("note")})
+    return report.path
+
+
+def unsloth_line(ms: float, gib: float | None, layers: int = 8, seq: int = 8192, who: str = "unsloth-lora",
+                 gpu: str = DEVICE, warmup: int = 3, steps: int = 9, trainable: int = 170_000_000) -> str:
+    """One line as unsloth_train.py prints it (the fields the table reads, and a few it does not)."""
+    return json.dumps({"who": who, "layers": layers, "seq": seq, "warmup": warmup, "steps": steps,
+                       "step_ms_median": ms, "tok_s": round(seq / ms * 1e3), "trainable": trainable, "peak_gib": gib,
+                       "loss": 11.9, "first_step_s": 49.0, "gpu": gpu, "unsloth": "2026.10.9",
+                       "moe_backend": "grouped_mm", "attn": "sdpa", "lora_dtype": ["bfloat16"]})
+
+
+def write_unsloth(out: Path, *lines: str) -> Path:
+    """run_unsloth.sh's output: progress lines around the JSON lines."""
+    path = out / "unsloth_peers.txt"
+    path.write_text("\n".join(["NVIDIA H200, 1980 MHz, 120 W", "[wheels installed 4 s]", *lines,
+                               "[experts rc=0 118 s]", "[unsloth_train   12.0s] step 1: 49012 ms, loss 11.9"]) + "\n")
+    return path
+
+
+def parse(markdown: str) -> dict[tuple[str, str], dict[str, str]]:
+    """(layers, run) -> {column header: cell} of the printed markdown table."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert set(lines[1].replace("|", "").replace("-", "").replace(":", "")) == set()  # the alignment row
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[(cells["layers"], cells["run"])] = cells
+    return rows
+
+
+def test_ratios_and_targets_pass(tmp_path):
+    e2e = write_e2e(tmp_path, ours=(100.0, 19.0), base=(250.0, 46.4))
+    rows = parse(table([e2e], [write_unsloth(tmp_path, unsloth_line(130.0, 19.5))]))
+    assert list(rows) == [("8", "transformers+PEFT"), ("8", "Unsloth"), ("8", "ours")]
+    ours, uns, peft = rows["8", "ours"], rows["8", "Unsloth"], rows["8", "transformers+PEFT"]
+    assert (ours["ms/step"], ours["peak GiB"], ours["tokens/s"], ours["trains M"]) == ("100.0", "19.00", "81920", "110.3")
+    assert (ours["vs Unsloth"], ours["vs transformers+PEFT"]) == ("1.30x", "2.50x")
+    assert (uns["vs Unsloth"], uns["vs transformers+PEFT"], uns["trains M"]) == ("-", "1.92x", "170.0")
+    assert (peft["vs Unsloth"], peft["vs transformers+PEFT"]) == ("0.52x", "1.00x")
+    assert ours[">= 1.25x Unsloth at <= its peak"] == "PASS" and ours[">= 2.4x transformers+PEFT"] == "PASS"
+    assert uns[">= 1.25x Unsloth at <= its peak"] == "-" and "moe grouped_mm" in uns["note"]
+
+
+@pytest.mark.parametrize(("uns_ms", "uns_gib", "peft_ms", "want_uns", "want_peft"), [
+    (125.0, 19.0, 240.0, "PASS", "PASS"),  # both exactly on the target, the same peak
+    (124.0, 19.5, 239.0, "FAIL (1.24x)", "FAIL (2.39x)"),
+    (130.0, 18.9, 300.0, "FAIL (peak 19.0 > 18.9 GiB)", "PASS"),  # fast enough, over Unsloth's memory
+    (110.0, 18.0, 200.0, "FAIL (1.10x, peak 19.0 > 18.0 GiB)", "FAIL (2.00x)"),
+])
+def test_target_edges(tmp_path, uns_ms, uns_gib, peft_ms, want_uns, want_peft):
+    e2e = write_e2e(tmp_path, ours=(100.0, 19.0), base=(peft_ms, 46.4))
+    ours = parse(table([e2e], [write_unsloth(tmp_path, unsloth_line(uns_ms, uns_gib))]))["8", "ours"]
+    assert ours[">= 1.25x Unsloth at <= its peak"] == want_uns
+    assert ours[">= 2.4x transformers+PEFT"] == want_peft
+
+
+def test_a_failed_or_missing_side_is_a_row_not_a_crash(tmp_path):
+    e2e = write_e2e(tmp_path, ours=(100.0, 79.1), base=(250.0, 46.4), ours_error="OutOfMemoryError: CUDA out of memory")
+    # Unsloth ended without its JSON line (run_unsloth.sh printed the log's tail); its attention-only line is other work.
+    log = write_unsloth(tmp_path, "--- last lines of /tmp/out/unsloth_experts.log:", "RuntimeError: boom",
+                        unsloth_line(90.0, 12.0, who="unsloth-lora-attn"))
+    rows = parse(table([e2e], [log]))
+    ours, uns = rows["8", "ours"], rows["8", "Unsloth"]
+    assert ours["ms/step"] == "-" and ours["peak GiB"] == "79.10" and "OutOfMemoryError" in ours["note"]
+    assert ours["vs transformers+PEFT"] == "-" and ours[">= 2.4x transformers+PEFT"] == "n/a"
+    assert uns["ms/step"] == "-" and f"no result in {log}" in uns["note"]
+
+
+def test_no_baseline_row_and_cpu_peaks(tmp_path):
+    e2e = write_e2e(tmp_path, ours=(100.0, None), base=None)
+    rows = parse(table([e2e], [write_unsloth(tmp_path, unsloth_line(140.0, None))]))
+    assert rows["8", "transformers+PEFT"]["ms/step"] == "-"
+    ours = rows["8", "ours"]
+    assert ours[">= 1.25x Unsloth at <= its peak"] == "n/a (1.40x, no peak)" and ours[">= 2.4x transformers+PEFT"] == "n/a"
+
+
+def test_several_layer_counts_in_one_table(tmp_path):
+    e2e = [write_e2e(tmp_path, ours=(170.0, 28.0), base=(316.0, 60.0), layers=12),
+           write_e2e(tmp_path, ours=(100.0, 19.0), base=(250.0, 46.4), layers=8)]
+    lines = write_unsloth(tmp_path, unsloth_line(160.0, 27.0, layers=12), unsloth_line(130.0, 19.5))
+    rows = parse(table(e2e, [lines]))
+    assert [k for k in rows] == [(str(n), run) for n in (8, 12) for run in ("transformers+PEFT", "Unsloth", "ours")]
+    assert rows["12", "ours"]["vs Unsloth"] == "0.94x" and rows["8", "ours"]["vs Unsloth"] == "1.30x"
+    assert rows["12", "ours"][">= 1.25x Unsloth at <= its peak"] == "FAIL (0.94x, peak 28.0 > 27.0 GiB)"
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    (unsloth_line(130.0, 19.5, seq=4096), "not the same seq"),
+    (unsloth_line(130.0, 19.5, gpu="NVIDIA H200 (another)"), "not the same device"),
+    (unsloth_line(130.0, 19.5, warmup=1, steps=11), "not the same timed"),
+])
+def test_other_work_is_refused(tmp_path, line, message):
+    e2e = write_e2e(tmp_path, ours=(100.0, 19.0), base=(250.0, 46.4))
+    with pytest.raises(SystemExit, match=message):
+        table([e2e], [write_unsloth(tmp_path, line)])
+
+
+def test_two_results_for_one_layer_count_are_refused(tmp_path):
+    e2e = write_e2e(tmp_path, ours=(100.0, 19.0), base=(250.0, 46.4))
+    with pytest.raises(SystemExit, match="2 Unsloth results for 8 layers"):
+        table([e2e], [write_unsloth(tmp_path, unsloth_line(130.0, 19.5), unsloth_line(131.0, 19.5))])
+    with pytest.raises(SystemExit, match="bench_e2e did not finish"):
+        table([tmp_path / "bench_e2e_peers.json"], [write_unsloth(tmp_path, unsloth_line(130.0, 19.5))])
+
+
+def test_cli_prints_the_table(tmp_path, capsys):
+    e2e = write_e2e(tmp_path, ours=(100.0, 19.0), base=(250.0, 46.4))
+    main(["--e2e", str(e2e), "--unsloth", str(write_unsloth(tmp_path, unsloth_line(130.0, 19.5)))])
+    out = capsys.readouterr().out
+    assert parse(out)["8", "ours"]["vs Unsloth"] == "1.30x"
+    assert out.rstrip().endswith(f"{DEVICE}, 8192 tokens, median of steps 4-12; ratios are steps/s (the row's over "
+                                 "the column's).")
+
+
+@pytest.mark.slow
+def test_table_from_a_real_dry_run(tmp_path):
+    _bench_e2e()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "peers", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    e2e = tmp_path / "bench_e2e_peers.json"
+    record = json.loads(e2e.read_text())
+    ours, base = (next(r for r in record["rows"] if r["side"] == side) for side in ("ours", "baseline"))
+    line = unsloth_line(ours["ms"] * 1.3, None, layers=record["layers"], seq=record["seq"], gpu=record["device"],
+                        warmup=record["warmup"], steps=record["steps"])
+    rows = parse(table([e2e], [write_unsloth(tmp_path, line)]))
+    layers = str(record["layers"])
+    assert rows[layers, "ours"]["ms/step"] == f"{ours['ms']:.1f}"
+    assert rows[layers, "ours"]["vs Unsloth"] == "1.30x"
+    assert rows[layers, "ours"]["vs transformers+PEFT"] == f"{base['ms'] / ours['ms']:.2f}x"
+    assert rows[layers, "Unsloth"]["vs transformers+PEFT"] == f"{base['ms'] / (ours['ms'] * 1.3):.2f}x"
+    assert rows[layers, "ours"]["trains M"] == rows[layers, "transformers+PEFT"]["trains M"] == "0.1"
+
+
+def _bench_e2e():
+    pytest.importorskip("peft")  # bench_e2e imports its transformers+PEFT baseline
+    from benchmarks import bench_e2e
+
+    return bench_e2e
+
+
+def _dims():
+    spec = importlib.util.spec_from_file_location("peers_unsloth_dims", UNSLOTH_DIR / "dims.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unsloth_runs_the_work_of_bench_e2e():
+    dims, bench = _dims(), _bench_e2e()
+    ours = bench.qwen3_moe_config(8)
+    assert {k: v for k, v in dims.QWEN3_30B_A3B.items() if k in ours} == {k: v for k, v in ours.items()
+                                                                          if k != "num_hidden_layers"}
+    assert torch.equal(dims.token_ids(151936, 8192), bench.token_ids(151936, 8192))
+
+
+def test_make_ckpt_writes_a_checkpoint_with_bench_e2e_ids(tmp_path):
+    token_ids = _bench_e2e().token_ids
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(UNSLOTH_DIR / "make_ckpt.py"), "--tiny", "--device", "cpu", "--layers",
+                           "2", "--seq", "64", "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["layers"] == 2
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == ("qwen3_moe", 2, 1024)
+    assert torch.equal(torch.load(out / "ids_64.pt"), token_ids(1024, 64))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert next(model.parameters()).dtype == torch.bfloat16 and len(model.model.layers) == 2
