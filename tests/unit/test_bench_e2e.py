@@ -19,6 +19,7 @@ from benchmarks.bench_e2e import PRESETS, our_config, parse_args, qwen3_5_moe_co
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.models.factory import build_model
+from tests.unit.test_peers import check_table_of_a_real_dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,6 +39,7 @@ def test_dry_run_end_to_end(tmp_path):
     # The same ids and the same mean next-token cross-entropy on both sides (the inits differ).
     assert abs(rows[0]["loss1"] - rows[1]["loss1"]) < 0.1
     assert "sdpa grouped_mm" in rows[1]["note"] and "peft" in rows[1]["note"]
+    check_table_of_a_real_dry_run(tmp_path / "bench_e2e_t.json", tmp_path)  # issue 43's peers table, on this run
 
 
 def _trainable(model):

@@ -1,5 +1,5 @@
 """Issue 43's peer baseline: benchmarks/peers_table.py reads bench_e2e's JSON (written by its own Report, and by a
-real --dry run) and unsloth_train.py's JSON lines, and computes the steps/s ratios and the targets right; the
+real --dry run: test_bench_e2e's, through check_table_of_a_real_dry_run) and unsloth_train.py's JSON lines, and computes the steps/s ratios and the targets right; the
 Unsloth scripts run the same work as bench_e2e (dims, token ids)."""
 
 from __future__ import annotations
@@ -150,18 +150,13 @@ def test_cli_prints_the_table(tmp_path, capsys):
                                  "the column's).")
 
 
-@pytest.mark.slow
-def test_table_from_a_real_dry_run(tmp_path):
-    _bench_e2e()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "peers", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    e2e = tmp_path / "bench_e2e_peers.json"
+def check_table_of_a_real_dry_run(e2e: Path, out: Path) -> None:
+    """peers_table over a real bench_e2e --dry JSON (test_bench_e2e's run) and an Unsloth line 1.3x slower."""
     record = json.loads(e2e.read_text())
     ours, base = (next(r for r in record["rows"] if r["side"] == side) for side in ("ours", "baseline"))
     line = unsloth_line(ours["ms"] * 1.3, None, layers=record["layers"], seq=record["seq"], gpu=record["device"],
                         warmup=record["warmup"], steps=record["steps"])
-    rows = parse(table([e2e], [write_unsloth(tmp_path, line)]))
+    rows = parse(table([e2e], [write_unsloth(out, line)]))
     layers = str(record["layers"])
     assert rows[layers, "ours"]["ms/step"] == f"{ours['ms']:.1f}"
     assert rows[layers, "ours"]["vs Unsloth"] == "1.30x"
