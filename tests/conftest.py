@@ -148,6 +148,29 @@ def _outside_the_checkout(tmp_path_factory):
     os.chdir(home)
 
 
+_CORPORA: dict = {}
+
+
+@pytest.fixture
+def tokenize_once(monkeypatch):
+    """runtime.data.loader.build_corpus memoized for the session by data config, tokenizer and file: the tiny
+    example's 3,000 chat records cost ~2 s of CPU to tokenize in every process that builds a loader (each rank
+    and the single-process reference of a parity case), and give the same corpus every time. Ranks forked
+    after this process built it (run the reference first) reuse it. What tokenizing and packing do is
+    tests/unit/test_data.py's; a hit skips the corpus's log lines."""
+    from runtime.data import loader
+
+    build = loader.build_corpus
+
+    def memoized(cfg, tokenizer):
+        source = Path(cfg.path).stat()
+        key = (cfg.model_dump_json(), tokenizer.name_or_path, source.st_mtime_ns, source.st_size)
+        if key not in _CORPORA:
+            _CORPORA[key] = build(cfg, tokenizer)
+        return _CORPORA[key]
+    monkeypatch.setattr(loader, "build_corpus", memoized)
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_moe")
