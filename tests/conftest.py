@@ -157,8 +157,10 @@ def tokenize_once(monkeypatch):
     example's 3,000 chat records cost ~2 s of CPU to tokenize in every process that builds a loader (each rank
     and the single-process reference of a parity case), and give the same corpus every time. Ranks forked
     after this process built it (run the reference first) reuse it. What tokenizing and packing do is
-    tests/unit/test_data.py's; a hit skips the corpus's log lines."""
+    tests/unit/test_data.py's; a hit skips the corpus's log lines. Returns prime(cfg): builds the corpus of a
+    run config here, before ranks are forked."""
     from runtime.data import loader
+    from runtime.data.chat import load_tokenizer
 
     build = loader.build_corpus
 
@@ -169,6 +171,7 @@ def tokenize_once(monkeypatch):
             _CORPORA[key] = build(cfg, tokenizer)
         return _CORPORA[key]
     monkeypatch.setattr(loader, "build_corpus", memoized)
+    return lambda cfg: memoized(cfg.data, load_tokenizer(cfg.data.tokenizer or cfg.model.path))
 
 
 @pytest.fixture(scope="session")
