@@ -21,6 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # so it is set here, before any test module imports a kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: the same kernels, a fifth less time
+    from tests.triton_interpreter import install
+
+    install()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 TINY_MOE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -146,6 +150,32 @@ def _outside_the_checkout(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(home)
+
+
+_CORPORA: dict = {}
+
+
+@pytest.fixture
+def tokenize_once(monkeypatch):
+    """runtime.data.loader.build_corpus memoized for the session by data config, tokenizer and file: the tiny
+    example's 3,000 chat records cost ~2 s of CPU to tokenize in every process that builds a loader (each rank
+    and the single-process reference of a parity case), and give the same corpus every time. Ranks forked
+    after this process built it (run the reference first) reuse it. What tokenizing and packing do is
+    tests/unit/test_data.py's; a hit skips the corpus's log lines. Returns prime(cfg): builds the corpus of a
+    run config here, before ranks are forked."""
+    from runtime.data import loader
+    from runtime.data.chat import load_tokenizer
+
+    build = loader.build_corpus
+
+    def memoized(cfg, tokenizer):
+        source = Path(cfg.path).stat()
+        key = (cfg.model_dump_json(), tokenizer.name_or_path, source.st_mtime_ns, source.st_size)
+        if key not in _CORPORA:
+            _CORPORA[key] = build(cfg, tokenizer)
+        return _CORPORA[key]
+    monkeypatch.setattr(loader, "build_corpus", memoized)
+    return lambda cfg: memoized(cfg.data, load_tokenizer(cfg.data.tokenizer or cfg.model.path))
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,9 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
+        # Rank 0 hosts the store: no rank may end (and rank 0 take the store down) while a peer still uses it,
+        # e.g. to set up a process group rank 0 is not in ("Connection reset by peer" there).
+        dist.barrier()
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
         # Kept for the parent: the first rank to fail holds the cause, the others mostly report

@@ -14,6 +14,7 @@ from runtime.config import load_config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.train import train
+from tests.conftest import small_chat_data
 from tests.dist.test_parity import EXAMPLE
 
 
@@ -21,7 +22,8 @@ def _layout(rank, world_size, ep, frozen_dense, out):
     cfg = load_config(EXAMPLE, {"data.seq_len": 32, "train.micro_batch_size": 1, "train.max_steps": 1,
                                 "optim.warmup_steps": 0, "logging.progress_bar": False, "parallelism.ep": ep,
                                 "checkpoint.save_final": False, "lora.enabled": True, "lora.rank": 4,
-                                "parallelism.frozen_dense": frozen_dense, "train.output_dir": out})
+                                "parallelism.frozen_dense": frozen_dense, "train.output_dir": out,
+                                "data.path": small_chat_data()})
     dims = ParallelDims.resolve(1, -1, 1, ep, world_size)
     seen = {}
 

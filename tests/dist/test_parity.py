@@ -17,6 +17,8 @@ from tests.conftest import TINY_HYBRID
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 STEPS = 3
+# Every case trains on the tiny example's data: tokenized once (tests.conftest.tokenize_once), not per rank.
+pytestmark = pytest.mark.usefixtures("tokenize_once")
 
 
 def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant: str = "none",
@@ -62,12 +64,13 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
                  model: dict | None = None, timeout_s: float = 60, reference: dict | None = None) -> None:
     """STEPS distributed steps on `world` gloo ranks against the single-process run of the same config
     (with `reference`'s parallelism keys changed, e.g. another expert backend)."""
-    dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model,
-                          timeout_s=timeout_s)[0]
     cfg = tiny_config(lora, str(tmp_path / "ref"), quant=quant, model=model, **{**parallelism, **(reference or {})})
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    ok, lines = compare(dist_steps, reference_run(cfg, dims, STEPS, torch.device("cpu")), "float32")
+    ref_steps = reference_run(cfg, dims, STEPS, torch.device("cpu"))  # first: the ranks fork with its corpus
+    dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model,
+                          timeout_s=timeout_s)[0]
+    ok, lines = compare(dist_steps, ref_steps, "float32")
     print("\n".join(lines))
     assert ok, "\n".join(lines)
     assert len(dist_steps) == STEPS and all(s["grads"] for s in dist_steps)

@@ -18,6 +18,9 @@ from runtime.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
+# The example's data tokenized once, here (tests.conftest.tokenize_once), not in every rank of every run: the
+# reshard comparison's 1e-6 floor was measured on it.
+pytestmark = pytest.mark.usefixtures("tokenize_once")
 
 
 class Stop(Exception):
@@ -50,7 +53,8 @@ def _run(rank, world_size, out, ep, stop_at, resume, extra=None):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical(run_dist, tmp_path):
+def test_resume_is_bit_identical(run_dist, tmp_path, tokenize_once):
+    tokenize_once(config(str(tmp_path)))
     full = run_dist(_run, 2, str(tmp_path / "a"), 2, 0, False)[0]
     run_dist(_run, 2, str(tmp_path / "b"), 2, 4, False)  # dies in step 4, after the step-3 checkpoint
     assert (tmp_path / "b" / "checkpoints" / "step_00000003").is_dir()
@@ -79,7 +83,7 @@ def _final_model(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "lora-nvfp4"])  # lora-nvfp4 holds LoRA's factors too
-def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, variant):
+def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, variant, tokenize_once):
     """ep=2 on 2 ranks to step 2, ep=1 in one process to step 4, ep=4 on 4 ranks to step 6: the same
     losses and final weights (with LoRA: the trained factors, experts' included) as one uninterrupted
     process (global batch 4 rows throughout). FP4-packed experts are not in the checkpoint: each run
@@ -92,6 +96,7 @@ def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, variant):
                  **({"lora.enabled": True, "lora.rank": 4} if lora else {})}
         return run_dist(_run, world, str(out), ep, stop_at, resume, extra)[0]
 
+    tokenize_once(config(str(tmp_path)))
     full = run(1, 1, 0, False, tmp_path / "ref")
     out = tmp_path / "resharded"
     run(2, 2, 3, False, out)  # dies in step 3, after the step-2 checkpoint

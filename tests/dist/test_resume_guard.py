@@ -15,6 +15,7 @@ from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.guard.failures import RunContext, describe
 from runtime.train import train
+from tests.conftest import small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -23,7 +24,7 @@ EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
 def config(out: str, **extra):
     overrides = {"data.seq_len": 64, "train.micro_batch_size": 1, "optim.warmup_steps": 0, "train.max_steps": 2,
                  "checkpoint.every_n_steps": 1, "train.output_dir": out, "logging.progress_bar": False,
-                 "parallelism.dp_shard": -1, **extra}
+                 "parallelism.dp_shard": -1, "data.path": small_chat_data(), **extra}
     return load_config(EXAMPLE, overrides)
 
 

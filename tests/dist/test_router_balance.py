@@ -30,7 +30,8 @@ def _ep_imbalance(rank, world_size, tmp, model_overrides):
     return [r["ep_imbalance"] for r in records]
 
 
-def test_forced_balanced_routing_gives_every_ep_rank_the_same_slots(run_dist, tmp_path):
+def test_forced_balanced_routing_gives_every_ep_rank_the_same_slots(run_dist, tmp_path, tokenize_once):
+    tokenize_once(tiny_config(False, str(tmp_path)))  # here, once, not in every rank of both runs
     forced = run_dist(_ep_imbalance, 2, str(tmp_path / "forced"), {"router_force_balanced": True}, timeout_s=120)
     assert all(v == 1.0 for ranks in forced for v in ranks), forced
     routed = run_dist(_ep_imbalance, 2, str(tmp_path / "routed"), {}, timeout_s=120)
@@ -78,11 +79,12 @@ def _train_biases(rank, world_size, out, ep, extra, resume=False):
     return biases(seen["model"]), seen["first"]
 
 
-def test_bias_is_identical_on_every_rank_saved_restored_across_ep_and_exported(run_dist, tmp_path):
+def test_bias_is_identical_on_every_rank_saved_restored_across_ep_and_exported(run_dist, tmp_path, tokenize_once):
     """ep=2 on 2 ranks, 4 steps with the bias on: every rank holds the same bias, that of one process over
     the same global batch; the HF export leaves it out and writes it beside; a resume on 4 ranks with ep=4
     starts from it."""
     out = tmp_path / "ep2"
+    tokenize_once(bias_config(str(out), 2))  # here, once, not in every rank of the three runs
     ranks = run_dist(_train_biases, 2, str(out), 2, {"checkpoint.export_hf": True}, timeout_s=120)
     final = ranks[0][0]
     assert len(final) == 2 and all(b.abs().max() > 0 for b in final.values())
@@ -106,11 +108,15 @@ DEMO_STEPS = 120
 DEMO_RATE = 1e-3  # the paper's gamma
 
 
+def _demo_config(out: str, ep: int, rate: float):
+    return load_config(EXAMPLE, {"train.max_steps": DEMO_STEPS, "train.output_dir": out,
+                                 "logging.progress_bar": False, "checkpoint.every_n_steps": 0,
+                                 "checkpoint.save_final": False,
+                                 "parallelism.ep": ep, "model.router_bias_update_rate": rate})
+
+
 def _demo_run(rank, world_size, out, rate):
-    cfg = load_config(EXAMPLE, {"train.max_steps": DEMO_STEPS, "train.output_dir": out,
-                                "logging.progress_bar": False, "checkpoint.every_n_steps": 0,
-                                "checkpoint.save_final": False,
-                                "parallelism.ep": world_size, "model.router_bias_update_rate": rate})
+    cfg = _demo_config(out, world_size, rate)
     dims = ParallelDims.resolve(1, -1, 1, world_size, world_size)
     train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, dims.build_meshes("cpu"))
 
@@ -126,10 +132,11 @@ def _mean(values: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_bias_balancing_evens_the_ep_load_of_the_tiny_example(run_dist, tmp_path):
+def test_bias_balancing_evens_the_ep_load_of_the_tiny_example(run_dist, tmp_path, tokenize_once):
     """The example as written (router_aux_loss_coef 0.001) at ep=4, 120 steps, without and with the bias at
     rate 1e-3: the mean ep_imbalance of the last 40 steps falls to <= 1.10 with it and stays above 1.15
     without; the loss of the last 10 steps stays within 10% of the run without."""
+    tokenize_once(_demo_config(str(tmp_path), 4, 0.0))  # here, once, not in every rank of both runs
     for name, rate in (("plain", 0.0), ("bias", DEMO_RATE)):
         run_dist(_demo_run, 4, str(tmp_path / name), rate, timeout_s=600)
     (plain_imb, plain_loss), (bias_imb, bias_loss) = _metrics(tmp_path / "plain"), _metrics(tmp_path / "bias")

@@ -22,14 +22,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import small_chat_data
+
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads worker pids from /proc")]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
-# Beyond the timeout: the watchdog's own delay (2 heartbeats: 2 s at timeout 10, 1 s at 5), process
+# Beyond the timeout: the watchdog's own delay (2 heartbeats: 1 s at timeouts of 5 s and less), process
 # exit, and a loaded 2-core CI machine.
 MARGIN_S = 20
+# The scripts' timeout: short (CI time), yet six heartbeats long (heartbeat_interval's 0.5 s floor).
+SCRIPT_TIMEOUT_S = 3
 STALL_LINE = "stopped responding for"
 
 # Several modes of a small job around init_distributed, run by torchrun like runtime.launch.
@@ -175,7 +179,8 @@ def _wait_for(condition, what: str, proc: Torchrun, timeout_s: float = 180) -> N
 def _launch_args(tmp_path: Path, timeout_s: int, max_steps: int) -> list[str]:
     return ["-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(tmp_path / "run"),
             "--set", f"parallelism.collective_timeout_s={timeout_s}", "--set", f"train.max_steps={max_steps}",
-            "--set", "optim.warmup_steps=1", "--set", "logging.progress_bar=false"]
+            "--set", "optim.warmup_steps=1", "--set", "logging.progress_bar=false",
+            "--set", f"data.path={small_chat_data()}"]
 
 
 def _script_args(tmp_path: Path, mode: str, timeout_s: int) -> list[str]:
@@ -190,7 +195,7 @@ def _metrics_lines(path: Path) -> int:
 
 @pytest.mark.slow
 def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
-    timeout_s = 10
+    timeout_s = 5  # the least parallelism.collective_timeout_s takes
     run = Torchrun(tmp_path, _launch_args(tmp_path, timeout_s, max_steps=200))
     pids = {}
     try:
@@ -200,7 +205,7 @@ def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
         _signal(pids[1], signal.SIGSTOP)
         frozen_at = time.monotonic()
         exited = _wait_gone([pids[0]], frozen_at, timeout_s + MARGIN_S)
-        # Not before rank 1 was silent for about the timeout (one heartbeat of slack, 1 s here).
+        # Not before rank 1 was silent for about the timeout (2 s of slack).
         assert exited[pids[0]] >= timeout_s - 2, exited
         steps_before = _metrics_lines(metrics)
         _signal(pids[1], signal.SIGKILL)  # torchrun's SIGTERM waits while it is stopped; 30 s, then SIGKILL
@@ -218,7 +223,7 @@ def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
 def test_slow_ranks_and_a_late_finisher_are_not_stalls(tmp_path):
     """Rank 1 busy in Python and rank 0 asleep, both longer than the timeout, then rank 0 works on
     alone for longer than the timeout after rank 1 has ended: no watchdog line, exit 0."""
-    timeout_s = 5
+    timeout_s = SCRIPT_TIMEOUT_S
     run = Torchrun(tmp_path, _script_args(tmp_path, "slow", timeout_s))
     started = time.monotonic()
     try:
@@ -232,7 +237,7 @@ def test_slow_ranks_and_a_late_finisher_are_not_stalls(tmp_path):
 
 def test_a_frozen_store_ends_every_rank(tmp_path):
     """torchrun hosts the store: frozen, no heartbeat can be read, and each rank says so and exits."""
-    timeout_s = 5
+    timeout_s = SCRIPT_TIMEOUT_S
     run = Torchrun(tmp_path, _script_args(tmp_path, "loop", timeout_s))
     pids = {}
     try:
@@ -255,7 +260,7 @@ def test_a_frozen_store_ends_every_rank(tmp_path):
 def test_a_collective_timeout_on_live_ranks_names_the_key(tmp_path):
     """Both ranks beat, rank 0 waits in a collective rank 1 never joins: gloo raises after the timeout
     plus the watchdog's grace, and collective_error_message turns it into one line naming the key."""
-    timeout_s = 5
+    timeout_s = SCRIPT_TIMEOUT_S
     run = Torchrun(tmp_path, _script_args(tmp_path, "out_of_step", timeout_s))
     try:
         assert run.wait(120) != 0
@@ -263,5 +268,5 @@ def test_a_collective_timeout_on_live_ranks_names_the_key(tmp_path):
         run.kill_all([])
     err = run.stderr()
     assert STALL_LINE not in err, err
-    assert (f"a collective waited longer than 7.5 s (parallelism.collective_timeout_s={timeout_s} plus 2.5 s "
+    assert (f"a collective waited longer than 5.5 s (parallelism.collective_timeout_s={timeout_s} plus 2.5 s "
             "of watchdog grace)") in err, err

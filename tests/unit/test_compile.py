@@ -26,14 +26,25 @@ from runtime.models import from_pretrained
 from tests.conftest import label_loss_sum, write_hf_checkpoint
 
 
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    """One tiny Qwen3.5-MoE checkpoint for the module: each test builds its own models from it."""
+    path = tmp_path_factory.mktemp("qwen3_5_moe")
+    write_hf_checkpoint(path, "qwen3_5_moe")
+    return path
+
+
 def _loss_and_grads(model, ids, pos, labels):
     loss = label_loss_sum(model(ids, position_ids=pos), labels) / labels.numel()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-# bias: aux-loss-free balancing on (model.router_bias_update_rate): the routers add their slot counts to a buffer
-COMPILE_CASES = [("none", False), ("full", False), ("selective", False), ("full", True), ("selective", True)]
+# bias: aux-loss-free balancing on (model.router_bias_update_rate): the routers add their slot counts to a buffer.
+# Each checkpointing mode runs with the bias (its recompute counts the slots again): the same checkpointed blocks
+# as without it, plus the count, and every assertion of a case without it; "none" without the bias is the plain
+# compile (CI time: full and selective without the bias were two more compiles of each test).
+COMPILE_CASES = [("none", False), ("full", True), ("selective", True)]
 
 
 def _counts(model) -> list[torch.Tensor]:
@@ -42,10 +53,9 @@ def _counts(model) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
-def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac, bias):
+def test_compiled_hybrid_blocks_have_no_graph_breaks(hybrid_ckpt, ac, bias):
     # aot_eager traces exactly what inductor would (dynamo + AOT autograd) without C++ codegen on CPU;
     # the GPU test compiles with inductor.
-    write_hf_checkpoint(tmp_path, "qwen3_5_moe")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 320, (2, 24), generator=g)
     pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)  # two documents per row
@@ -53,7 +63,7 @@ def test_compiled_hybrid_blocks_have_no_graph_breaks(tmp_path, ac, bias):
     results, counts = [], []
     for compiled in (False, True):
         # bf16: torch._grouped_mm's compile-time (fake) rule accepts only bf16, whatever the device
-        model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
+        model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
                                 router_aux_loss_coef=0.01, router_bias_update_rate=0.01 if bias else 0.0)
         apply_activation_checkpointing(model, ac)
         if compiled:
@@ -110,16 +120,15 @@ def _batch(seed: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ac,bias", COMPILE_CASES, ids=[f"{ac}{'-bias' if b else ''}" for ac, b in COMPILE_CASES])
-def test_blocks_compile_around_an_untraceable_exchange(tmp_path, ac, bias):
+def test_blocks_compile_around_an_untraceable_exchange(hybrid_ckpt, ac, bias):
     """With a dispatcher that is not traceable each block compiles in fullgraph regions around the
     exchange (a whole-block trace would fail on its host sync): compiled equals eager over two steps of
     different routing, one graph per region kind, and the second step compiles nothing new although
     every layer and step dispatches a different number of rows."""
-    write_hf_checkpoint(tmp_path, "qwen3_5_moe")
     batches = [_batch(0), _batch(1)]
     results, graphs, counts = [], [], []
     for compiled in (False, True):
-        model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
+        model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
                                 router_aux_loss_coef=0.01, router_bias_update_rate=0.01 if bias else 0.0)
         dispatcher = _HalvesDispatcher(model.config.num_experts)
         for block in model.moe_blocks():
@@ -285,11 +294,10 @@ def _graphs_per_step(model) -> list[int]:
     return graphs
 
 
-def test_changing_packing_does_not_recompile_gdn_blocks(tmp_path):
+def test_changing_packing_does_not_recompile_gdn_blocks(hybrid_ckpt):
     """GDN blocks read cu_seqlens inside the compiled block: a new document count every step reuses the
     first step's graphs (one per block kind) instead of recompiling."""
-    write_hf_checkpoint(tmp_path, "qwen3_5_moe")
-    model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch")
+    model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch")
     graphs = _graphs_per_step(model)
     assert graphs == [2] * len(PACKINGS), graphs
 

@@ -103,7 +103,8 @@ def interrupted_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("interrupted") / "run"
     log = out.parent / "stderr.txt"
     cmd = [sys.executable, "-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(out), "--max-steps", "500",
-           "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false"]
+           "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false",
+           "--set", f"data.path={small_chat_data()}"]
     with log.open("w") as err:
         # SIGINT as in a terminal: under a background pytest the child would inherit it ignored.
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True,
@@ -129,7 +130,9 @@ def test_sigint_says_where_to_resume(interrupted_run):
     assert m[2] == str(newest) and int(m[1]) >= int(newest.name.removeprefix("step_"))
     assert m[3].startswith("python -m runtime.launch ") and m[3].endswith(f"--output-dir {out} --max-steps 500 "
                                                                             "--set checkpoint.every_n_steps=1 "
-                                                                            "--set logging.progress_bar=false --resume")
+                                                                            "--set logging.progress_bar=false "
+                                                                            f"--set data.path={small_chat_data()} "
+                                                                            "--resume")
 
 
 def test_corrupted_checkpoint_is_one_error_line(interrupted_run):

@@ -127,21 +127,35 @@ def test_each_cross_check_is_one_line(case):
     assert "\n" not in text and message in text, text
 
 
-@pytest.mark.parametrize("sets", [["model.expert_backend=scattermoe"],
-                                  ["model.expert_backend=scattermoe", "quant.base_weights=mxfp4", "lora.enabled=true"]])
-def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(tmp_path, sets):
+# In the subprocess, outside the interpreter: the first --set list through the command, the other (FP4 + LoRA
+# on the same backend) through runtime.plan, which the command calls first (one Python start for both).
+_SCATTERMOE_ON_CPU = """
+import sys
+from runtime.config import ConfigError, load_config
+from runtime.plan import plan
+try:
+    plan(load_config(sys.argv[1], dict(item.split("=", 1) for item in sys.argv[2].split(","))), 1, "cpu")
+except ConfigError as err:
+    print(f"error: {err}", flush=True)
+from runtime.launch import main
+main(sys.argv[3:])
+"""
+SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and this machine "
+                     "has cpu; choose one of ['eager', 'grouped_mm'] (or auto)")
+
+
+def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(tmp_path):
     """Outside the tests' Triton interpreter a CPU machine cannot run the Triton backend: the launch says so at
-    plan time (it used to die at step 1 in gpu/launch.py as an internal error)."""
+    plan time (it used to die at step 1 in gpu/launch.py as an internal error), with FP4 experts and LoRA too."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    argv = [sys.executable, "-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(tmp_path / "run")]
-    for item in sets:
-        argv += ["--set", item]
+    argv = [sys.executable, "-c", _SCATTERMOE_ON_CPU, str(EXAMPLE),
+            "model.expert_backend=scattermoe,quant.base_weights=mxfp4,lora.enabled=true",
+            str(EXAMPLE), "--output-dir", str(tmp_path / "run"), "--set", "model.expert_backend=scattermoe"]
     done = subprocess.run(argv, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1] == (
-        "error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and this machine has cpu; "
-        "choose one of ['eager', 'grouped_mm'] (or auto)")
+    assert done.stdout.strip() == SCATTERMOE_ON_CPU  # plan, FP4 + LoRA
+    assert done.stderr.strip().splitlines()[-1] == SCATTERMOE_ON_CPU  # the command
     assert not (tmp_path / "run").exists()  # nothing ran
 
 

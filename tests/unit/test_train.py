@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -63,11 +61,12 @@ def _config_with(tmp_path: Path, extra_yaml: str) -> Path:
     return path
 
 
-def test_cli_error_is_one_clean_message(tmp_path):
+def test_cli_error_is_one_clean_message(tmp_path, cli):
+    """runtime.launch's main in this process (the config error class through the real command:
+    tests/reliability/test_user_faults.py::test_config_error_through_the_command)."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(EXAMPLE.read_text().replace("lr: 3.0e-3", "lr: -1"))
-    proc = subprocess.run([sys.executable, "-m", "runtime.launch", str(bad)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = cli([bad])
     assert proc.returncode != 0
     assert "optim.lr: Input should be greater than 0" in proc.stderr
     assert "Traceback" not in proc.stderr
