@@ -14,6 +14,10 @@ import torch.distributed as dist
 from moe.dispatch import AllGatherDispatcher, LocalDispatcher, build_dispatcher
 from tests.dist.test_dispatch import CASES, E, H, check_against_single_process, make_batch
 
+# Training trains on the tiny example's data, tokenized once (tests.conftest.tokenize_once): the references run
+# first, the ranks fork with it.
+pytestmark = pytest.mark.usefixtures("tokenize_once")
+
 
 def check_case(case, rank: int, ep: int, seed: int) -> float:
     """Outputs and gradients of one case on this rank against the single process; returns the load reading."""
@@ -88,13 +92,14 @@ def test_compiled_blocks_trace_whole_through_the_exchange(run_dist, tmp_path):
     """The dispatcher traces, so every MoE block compiles as one fullgraph region with its exchange inside: one
     graph for the blocks (not test_compile_ep's four regions around an exchange), no graph break, no recompile
     after the first step, and the compiled run matches eager and the single process (bf16 tolerances)."""
-    from tests.dist.test_compile_ep import _eager_and_compiled, check_against_eager_and_reference
+    from tests.dist.test_compile_ep import _eager_and_compiled, check_against_eager_and_reference, reference
 
     parallelism = {"ep": 2, "dispatcher": "all_gather"}
+    ref = reference(tmp_path, 2, parallelism)  # first: the forked ranks reuse its tokenized data
     results = run_dist(_eager_and_compiled, 2, str(tmp_path / "dist"), parallelism, timeout_s=240)
     for _, compiled, graphs, breaks in results:
         assert not breaks, breaks
         assert graphs == [1] * len(graphs), f"compiled graphs after each step: {graphs}"
         imbalances = [step["ep_load"][0] for step in compiled]
         assert all(i >= 1.0 for i in imbalances), imbalances  # logged from inside the compiled blocks
-    check_against_eager_and_reference(results, tmp_path, 2, parallelism)
+    check_against_eager_and_reference(results, ref)
