@@ -185,6 +185,83 @@ def tiny_moe_ckpt(tmp_path_factory):
     return path
 
 
+def _forked_python(code: str, stderr_path: str, new_session: bool) -> None:
+    """The child of Forked: `code` as `python -c code` runs it, then the exit (os._exit: no teardown of the
+    test session it was forked from)."""
+    if new_session:
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even under a background pytest
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    err = open(stderr_path, "w", buffering=1)  # noqa: SIM115 (open until os._exit)
+    null = open(os.devnull, "w")  # noqa: SIM115
+    os.dup2(err.fileno(), 2)
+    os.dup2(null.fileno(), 1)
+    sys.stderr, sys.stdout = err, null
+    logging.root.handlers.clear()  # the session's capture handlers: a fresh process has none
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 of the tests' subprocesses
+    exit_code = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 (the test's own code)
+    except SystemExit as done:
+        exit_code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 (as Python reports an uncaught error)
+        import traceback
+
+        traceback.print_exc()
+        exit_code = 1
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+class Forked:
+    """Python code run as `python -c CODE` would run it, in a child forked from this process instead of a new
+    Python: torch, transformers and the runtime are imported already (~3 s less per run). Its own pid, process
+    group (new_session) and signals; stderr in a file, stdout dropped; the session's log handlers dropped (a
+    fresh process's logging). Popen's subset the tests use: pid, poll, wait, communicate, send_signal, kill,
+    returncode (-N: ended by signal N)."""
+
+    def __init__(self, code: str, stderr_path, new_session: bool = False):
+        import multiprocessing
+
+        self.stderr_path = Path(stderr_path)
+        self._process = multiprocessing.get_context("fork").Process(
+            target=_forked_python, args=(code, str(self.stderr_path), new_session))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            import subprocess
+
+            raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout)
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return "", self.stderr_path.read_text()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def forked_launch(args: list, stderr_path, new_session: bool = False) -> Forked:
+    """`python -m runtime.launch ARGS` in a forked child (Forked)."""
+    return Forked(f"import sys\nfrom runtime.launch import main\nsys.exit(main({[str(a) for a in args]!r}))",
+                  stderr_path, new_session)
+
+
 @dataclass
 class Finished:
     """How a run of the command ended: its exit code and what it printed on stderr."""

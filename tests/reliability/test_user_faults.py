@@ -4,10 +4,11 @@ tokenizer folders, DCP checkpoints), real signals to real processes.
 Most cases run runtime.launch's main in this process (the `cli` fixture): the same argv parsing, config
 check, preflight, training and failure report (runtime.guard.failure_report.guarded_main) as the command, its
 closing os._exit turned into a return, so a case costs what it checks and not a Python start with torch.
-A subprocess is kept where a process is the point (signals, a killed rank, a concurrent run on the same
-folder, a torn save by kill -9, torchrun) and for one error of each class through the real command:
-config here; data, checkpoint, interrupt, internal and torchrun's printed-once in
-tests/unit/test_launch_errors.py; a frozen rank in tests/dist/test_watchdog.py.
+A process of its own is kept where a process is the point (signals, a concurrent run on the same folder, a
+torn save by kill -9: children forked from this process, tests.conftest.Forked; a killed rank and a resume
+on two ranks: torchrun) and for one error of each class through the real command: config here; checkpoint
+and torchrun's printed-once in tests/unit/test_launch_errors.py (interrupt and internal in forked
+children there); a frozen rank in tests/dist/test_watchdog.py.
 
 Every case ends in one of two outcomes, and the test asserts which:
 - a clear error: exit code != 0, no traceback, one `error:` line (from rank 0 only) that matches
@@ -32,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import small_chat_data
+from tests.conftest import forked_launch, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
@@ -81,7 +82,13 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start(args: list[str], nproc: int = 1) -> subprocess.Popen:
+def start(args: list[str], nproc: int = 1):
+    """The command in the background, in a process group of its own. One process: runtime.launch's main in a
+    child forked from this one (tests.conftest.Forked: no Python start, the same signals and exit codes; the
+    command's own start is test_config_error_through_the_command's); torchrun: the real command."""
+    if nproc == 1:
+        return forked_launch(args, Path(str(args[0])).parent / f"stderr-{time.monotonic_ns()}.txt",
+                             new_session=True)
     return subprocess.Popen(command([str(a) for a in args], nproc), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True,
                             preexec_fn=default_sigint)  # noqa: PLW1509 (no threads in the test process)

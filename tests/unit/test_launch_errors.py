@@ -1,10 +1,10 @@
 """How a run ends when it fails, as a user sees it (runtime.launch's guarded_main, runtime.guard.preflight).
 
 On real files: every user error ends in exactly one `error:` line from rank 0, no traceback unless
---debug, exit 1 (runtime.launch's main in process, the `cli` fixture); as subprocesses, one case of each
-class through the real command: Ctrl-C says where to resume; a corrupted DCP checkpoint names the
-checkpoint; a bug keeps its traceback under one summary line; under torchrun a data error is printed
-once. In process too: describe() on errors hard to cause for real (a full disk), the PeerBoard protocol
+--debug, exit 1 (runtime.launch's main in process, the `cli` fixture); in processes of their own, one case
+of each class: Ctrl-C says where to resume and a bug keeps its traceback under one summary line (children
+forked from this process, tests.conftest.Forked); the printed resume hint, run as the real command after a
+shard was cut, names the corrupted checkpoint; under torchrun a data error is printed once. In process too: describe() on errors hard to cause for real (a full disk), the PeerBoard protocol
 on a shared store, the preflight checks and the checkpoint-size estimate.
 """
 
@@ -30,7 +30,7 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
-from tests.conftest import small_chat_data
+from tests.conftest import Forked, forked_launch, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -99,22 +99,19 @@ def test_debug_env_var():
 
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory):
-    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output dir)."""
+    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output dir).
+    runtime.launch's main in a child forked from this process (tests.conftest.Forked: a process of its own
+    without a Python start); the printed hint then runs as the real command."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     log = out.parent / "stderr.txt"
-    cmd = [sys.executable, "-m", "runtime.launch", str(EXAMPLE), "--output-dir", str(out), "--max-steps", "500",
-           "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false",
-           "--set", f"data.path={small_chat_data()}"]
-    with log.open("w") as err:
-        # SIGINT as in a terminal: under a background pytest the child would inherit it ignored.
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
-        deadline = time.monotonic() + 120
-        while not (out / "checkpoints" / "step_00000002").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+    proc = forked_launch([EXAMPLE, "--output-dir", out, "--max-steps", "500", "--set", "checkpoint.every_n_steps=1",
+                          "--set", "logging.progress_bar=false", "--set", f"data.path={small_chat_data()}"], log)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step_00000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
     return proc, log.read_text(), out
 
 
@@ -153,18 +150,19 @@ def test_corrupted_checkpoint_is_one_error_line(interrupted_run):
 # --- a bug ------------------------------------------------------------------------------------------------
 
 def test_internal_error_keeps_its_traceback(tmp_path):
+    """The script as `python -c` runs it, in a child forked from this process (tests.conftest.Forked)."""
     script = ("import runtime.train\n"
               "def broken(*args, **kwargs):\n"
               "    raise RuntimeError('boom')\n"
               "runtime.train.train = broken\n"
               "from runtime.launch import main\n"
               f"main({[str(EXAMPLE), *FAST, '--output-dir', str(tmp_path / 'run')]!r})\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert proc.returncode == EXIT_INTERNAL_ERROR, proc.stderr
-    assert "Traceback" in proc.stderr
-    last = proc.stderr.rstrip().splitlines()[-1]
-    assert error_lines(proc.stderr) == [last]
+    proc = Forked(script, tmp_path / "stderr.txt")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERNAL_ERROR, stderr
+    assert "Traceback" in stderr
+    last = stderr.rstrip().splitlines()[-1]
+    assert error_lines(stderr) == [last]
     assert re.fullmatch(r"error: internal error \(RuntimeError: boom, at <string>:3\); this is a bug: .*", last), last
 
 

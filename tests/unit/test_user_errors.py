@@ -3,7 +3,6 @@ names the file or key and the fix, through the same failure mapping runtime.laun
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -100,20 +99,20 @@ def _lora_run(out: Path, steps: int = 2) -> None:
 
 def test_export_of_a_torn_checkpoint_is_one_error_line(tmp_path):
     """`python -m runtime.export` reports through the failure mapping runtime.launch uses: a torn shard is one
-    line naming the checkpoint and the older one to export, exit 1, no traceback."""
-    import subprocess
-    import sys
+    line naming the checkpoint and the older one to export, exit 1, no traceback. Its main in a process of its
+    own, forked from this one (tests.conftest.Forked): the failure report ends the process."""
+    from tests.conftest import Forked
 
     run = tmp_path / "run"
     _lora_run(run)
     shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
-    proc = subprocess.run([sys.executable, "-m", "runtime.export", str(run), "--merged", str(tmp_path / "merged")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    argv = [str(run), "--merged", str(tmp_path / "merged")]
+    proc = Forked(f"import sys\nfrom runtime.export import main\nsys.exit(main({argv!r}))", tmp_path / "stderr.txt")
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [(f"error: checkpoint {shard.parent} is unreadable (EOFError: the data ends early, a truncated "
-                       "file); export the one before it with --step 1")], proc.stderr
+                       "file); export the one before it with --step 1")], stderr
     assert not (tmp_path / "merged").exists()
