@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # so it is set here, before any test module imports a kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: the same kernels, a fifth less time
+if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: the same kernels, less time
     from tests.triton_interpreter import install
 
     install()
@@ -190,7 +190,7 @@ def _forked_python(code: str, stderr_path: str, new_session: bool) -> None:
     test session it was forked from)."""
     if new_session:
         os.setsid()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even under a background pytest
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, also in background
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     err = open(stderr_path, "w", buffering=1)  # noqa: SIM115 (open until os._exit)
     null = open(os.devnull, "w")  # noqa: SIM115

@@ -22,7 +22,8 @@ from runtime.verify import TOLERANCES, compare, full_grads, reference_run
 from tests.dist.test_parity import tiny_config
 
 STEPS = 4
-# The tiny example's data, tokenized once (tests.conftest.tokenize_once): the reference runs first, the ranks fork with it.
+# The tiny example's data, tokenized once (tests.conftest.tokenize_once): the reference runs first, the ranks
+# fork with it.
 pytestmark = pytest.mark.usefixtures("tokenize_once")
 # One graph per region kind (mix, router, experts, shared expert + sum), shared by the two layers.
 REGIONS = 4

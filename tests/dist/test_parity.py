@@ -102,7 +102,8 @@ def test_scattermoe_under_ep_matches_single_process(run_dist, tmp_path):
     long and timed out at 90 s in a full run), rows of 32 tokens (CI time); the interpreter still needs a
     longer timeout. Two steps: forward and backward at the initial and the updated weights (the third step of
     the other cases checks the optimizer's carried state, which no expert backend touches)."""
-    check_parity(run_dist, tmp_path, 2, True, {"ep": 2, "expert_backend": "scattermoe", "seq_len": 32, "steps": 2},
+    check_parity(run_dist, tmp_path, 2, True,
+                 {"ep": 2, "expert_backend": "scattermoe", "seq_len": 32, "steps": 2},
                  timeout_s=300, reference={"expert_backend": "grouped_mm"})
 
 

@@ -255,7 +255,8 @@ def _out_of_step(tmp_path: Path) -> tuple[int, str]:
     return code, run.stderr()
 
 
-JOBS = {"frozen_rank": _frozen_rank, "slow": _slow, "frozen_store": _frozen_store, "out_of_step": _out_of_step}
+JOBS = {"frozen_rank": _frozen_rank, "slow": _slow, "frozen_store": _frozen_store,
+        "out_of_step": _out_of_step}
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +277,8 @@ def test_a_frozen_rank_ends_every_rank_naming_it(jobs):
     assert exited[pids[0]] >= LAUNCH_TIMEOUT_S - 2, exited
     stall = [line for line in err.splitlines() if STALL_LINE in line]
     assert len(stall) == 1, err
-    assert stall[0].startswith(f"error: rank 1 (host {socket.gethostname()}, pid {pids[1]}) stopped responding")
+    host = socket.gethostname()
+    assert stall[0].startswith(f"error: rank 1 (host {host}, pid {pids[1]}) stopped responding")
     assert f"(parallelism.collective_timeout_s={LAUNCH_TIMEOUT_S}); every rank stops now" in stall[0]
     assert steps_before < 200  # it stopped the run, not the end of training
 
@@ -297,7 +299,8 @@ def test_a_frozen_store_ends_every_rank(jobs):
     assert min(exited.values()) >= SCRIPT_TIMEOUT_S - 1, exited
     lost = [line for line in err.splitlines() if "lost the rendezvous store at" in line]
     assert sorted(re.findall(r"error: rank (\d+) lost the rendezvous store at", err)) == ["0", "1"], err
-    assert all(f", parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S}); every rank stops now" in line for line in lost)
+    assert all(f", parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S}); every rank stops now" in line
+               for line in lost)
 
 
 def test_a_collective_timeout_on_live_ranks_names_the_key(jobs):
@@ -306,5 +309,5 @@ def test_a_collective_timeout_on_live_ranks_names_the_key(jobs):
     code, err = jobs["out_of_step"].result()
     assert code != 0
     assert STALL_LINE not in err, err
-    assert (f"a collective waited longer than 5.5 s (parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S} plus 2.5 s "
-            "of watchdog grace)") in err, err
+    assert (f"a collective waited longer than 5.5 s (parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S} "
+            "plus 2.5 s of watchdog grace)") in err, err

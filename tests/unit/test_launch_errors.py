@@ -4,8 +4,9 @@ On real files: every user error ends in exactly one `error:` line from rank 0, n
 --debug, exit 1 (runtime.launch's main in process, the `cli` fixture); in processes of their own, one case
 of each class: Ctrl-C says where to resume and a bug keeps its traceback under one summary line (children
 forked from this process, tests.conftest.Forked); the printed resume hint, run as the real command after a
-shard was cut, names the corrupted checkpoint; under torchrun a data error is printed once. In process too: describe() on errors hard to cause for real (a full disk), the PeerBoard protocol
-on a shared store, the preflight checks and the checkpoint-size estimate.
+shard was cut, names the corrupted checkpoint; under torchrun a data error is printed once. In process too:
+describe() on errors hard to cause for real (a full disk), the PeerBoard protocol on a shared store, the
+preflight checks and the checkpoint-size estimate.
 """
 
 from __future__ import annotations
@@ -99,13 +100,14 @@ def test_debug_env_var():
 
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory):
-    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output dir).
-    runtime.launch's main in a child forked from this process (tests.conftest.Forked: a process of its own
-    without a Python start); the printed hint then runs as the real command."""
+    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output
+    dir). runtime.launch's main in a child forked from this process (tests.conftest.Forked: a process of its
+    own without a Python start); the printed hint then runs as the real command."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     log = out.parent / "stderr.txt"
-    proc = forked_launch([EXAMPLE, "--output-dir", out, "--max-steps", "500", "--set", "checkpoint.every_n_steps=1",
-                          "--set", "logging.progress_bar=false", "--set", f"data.path={small_chat_data()}"], log)
+    proc = forked_launch([EXAMPLE, "--output-dir", out, "--max-steps", "500",
+                          "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false",
+                          "--set", f"data.path={small_chat_data()}"], log)
     deadline = time.monotonic() + 120
     while not (out / "checkpoints" / "step_00000002").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -125,11 +127,9 @@ def test_sigint_says_where_to_resume(interrupted_run):
     assert m, hints[0]
     newest = max((out / "checkpoints").glob("step_*"))
     assert m[2] == str(newest) and int(m[1]) >= int(newest.name.removeprefix("step_"))
-    assert m[3].startswith("python -m runtime.launch ") and m[3].endswith(f"--output-dir {out} --max-steps 500 "
-                                                                            "--set checkpoint.every_n_steps=1 "
-                                                                            "--set logging.progress_bar=false "
-                                                                            f"--set data.path={small_chat_data()} "
-                                                                            "--resume")
+    tail = (f"--output-dir {out} --max-steps 500 --set checkpoint.every_n_steps=1 "
+            f"--set logging.progress_bar=false --set data.path={small_chat_data()} --resume")
+    assert m[3].startswith("python -m runtime.launch ") and m[3].endswith(tail)
 
 
 def test_corrupted_checkpoint_is_one_error_line(interrupted_run):

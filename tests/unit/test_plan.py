@@ -140,13 +140,14 @@ except ConfigError as err:
 from runtime.launch import main
 main(sys.argv[3:])
 """
-SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and this machine "
-                     "has cpu; choose one of ['eager', 'grouped_mm'] (or auto)")
+SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and "
+                     "this machine has cpu; choose one of ['eager', 'grouped_mm'] (or auto)")
 
 
 def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(tmp_path):
     """Outside the tests' Triton interpreter a CPU machine cannot run the Triton backend: the launch says so at
-    plan time (it used to die at step 1 in gpu/launch.py as an internal error), with FP4 experts and LoRA too."""
+    plan time (it used to die at step 1 in gpu/launch.py as an internal error), with FP4 experts and LoRA
+    too."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     argv = [sys.executable, "-c", _SCATTERMOE_ON_CPU, str(EXAMPLE),
             "model.expert_backend=scattermoe,quant.base_weights=mxfp4,lora.enabled=true",
