@@ -226,6 +226,9 @@ class Forked:
 
         self.stderr_path = Path(stderr_path)
         self.stdout_path = Path(stdout_path) if stdout_path else None
+        for path in (self.stderr_path, self.stdout_path):
+            if path:
+                path.touch()  # readable (empty) before the child opens it
         self._process = multiprocessing.get_context("fork").Process(
             target=_forked_python, args=(code, str(self.stderr_path), new_session,
                                          str(self.stdout_path or os.devnull)))
