@@ -268,6 +268,16 @@ def forked_launch(args: list, stderr_path, new_session: bool = False) -> Forked:
                   stderr_path, new_session)
 
 
+def forked_torchrun(args: list, stderr_path, new_session: bool = False, env: dict | None = None) -> Forked:
+    """`python -m torch.distributed.run ARGS` (torchrun's agent) in a forked child (Forked) working in the
+    checkout, with `env` added to its environment; the workers it starts are fresh processes, as with the
+    command."""
+    checkout = str(Path(__file__).resolve().parents[1])
+    return Forked(f"import os\nos.chdir({checkout!r})\nos.environ.update({env or {}!r})\n"
+                  f"from torch.distributed.run import main\nmain({[str(a) for a in args]!r})",
+                  stderr_path, new_session)
+
+
 @dataclass
 class Finished:
     """How a run of the command ended: its exit code and what it printed on stderr."""

@@ -31,7 +31,7 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
-from tests.conftest import Forked, forked_launch, small_chat_data
+from tests.conftest import Forked, forked_launch, forked_torchrun, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -170,17 +170,18 @@ def test_internal_error_keeps_its_traceback(tmp_path):
 
 def test_torchrun_two_ranks_print_the_error_once(tmp_path):
     """Both ranks raise the same DataError after the process group exists; rank 0 prints it, rank 1 learns
-    so through the PeerBoard and stays silent. (torchrun's agent prints its own ChildFailedError report.)"""
+    so through the PeerBoard and stays silent. (torchrun's agent, forked from this process, prints its own
+    ChildFailedError report.)"""
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "runtime.launch", str(EXAMPLE),
-                           *FAST, "--set", f"data.path={empty}", "--output-dir", str(tmp_path / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    proc = forked_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "runtime.launch", EXAMPLE, *FAST,
+                            "--set", f"data.path={empty}", "--output-dir", tmp_path / "run"], tmp_path / "stderr.txt")
+    _, stderr = proc.communicate(timeout=180)
     assert proc.returncode != 0
     expected = (f"error: {empty}: no usable records (0 skipped as bad); check data.path, data.kind and "
                 "data.text_field / data.messages_field")
-    assert error_lines(proc.stderr) == [expected], proc.stderr
-    assert str(ROOT / "runtime") not in proc.stderr, proc.stderr  # no worker traceback
+    assert error_lines(stderr) == [expected], stderr
+    assert str(ROOT / "runtime") not in stderr, stderr  # no worker traceback
 
 
 # --- describe(): errors that are hard to cause for real --------------------------------------------------------
