@@ -3,8 +3,8 @@
 On real files: every user error ends in exactly one `error:` line from rank 0, no traceback unless
 --debug, exit 1 (runtime.launch's main in process, the `cli` fixture); in processes of their own, one case
 of each class: Ctrl-C says where to resume and a bug keeps its traceback under one summary line (children
-forked from this process, tests.conftest.Forked); the printed resume hint, run as the real command after a
-shard was cut, names the corrupted checkpoint; under torchrun a data error is printed once. In process too:
+forked from this process, tests.conftest.Forked); the printed resume hint, run with its arguments after a
+shard was cut (forked too), names the corrupted checkpoint; under torchrun a data error is printed once. In process too:
 describe() on errors hard to cause for real (a full disk), the PeerBoard protocol on a shared store, the
 preflight checks and the checkpoint-size estimate.
 """
@@ -17,8 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
-from tests.conftest import Forked, forked_launch, forked_torchrun, small_chat_data
+from tests.conftest import Finished, Forked, forked_launch, forked_torchrun, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -102,7 +100,7 @@ def test_debug_env_var():
 def interrupted_run(tmp_path_factory):
     """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output
     dir). runtime.launch's main in a child forked from this process (tests.conftest.Forked: a process of its
-    own without a Python start); the printed hint then runs as the real command."""
+    own without a Python start)."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     log = out.parent / "stderr.txt"
     proc = forked_launch([EXAMPLE, "--output-dir", out, "--max-steps", "500",
@@ -142,9 +140,11 @@ def test_corrupted_checkpoint_is_one_error_line(interrupted_run):
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size // 3)
     argv = shlex.split(command)
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert_one_clean_error(proc, f"checkpoint {newest} is unreadable (", f"to resume from {older.name}")
+    assert argv[:3] == ["python", "-m", "runtime.launch"], command
+    proc = forked_launch(argv[3:], out.parent / "resume.stderr")  # the command's own start: test_user_faults
+    _, stderr = proc.communicate(timeout=120)
+    assert_one_clean_error(Finished(proc.returncode, stderr), f"checkpoint {newest} is unreadable (",
+                           f"to resume from {older.name}")
 
 
 # --- a bug ------------------------------------------------------------------------------------------------
