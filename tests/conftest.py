@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # so it is set here, before any test module imports a kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: the same kernels, a fifth less time
+if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: the same kernels, less time
     from tests.triton_interpreter import install
 
     install()
@@ -185,18 +185,18 @@ def tiny_moe_ckpt(tmp_path_factory):
     return path
 
 
-def _forked_python(code: str, stderr_path: str, new_session: bool) -> None:
+def _forked_python(code: str, stderr_path: str, new_session: bool, stdout_path: str) -> None:
     """The child of Forked: `code` as `python -c code` runs it, then the exit (os._exit: no teardown of the
     test session it was forked from)."""
     if new_session:
         os.setsid()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even under a background pytest
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, also in background
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     err = open(stderr_path, "w", buffering=1)  # noqa: SIM115 (open until os._exit)
-    null = open(os.devnull, "w")  # noqa: SIM115
+    out = open(stdout_path, "w", buffering=1)  # noqa: SIM115
     os.dup2(err.fileno(), 2)
-    os.dup2(null.fileno(), 1)
-    sys.stderr, sys.stdout = err, null
+    os.dup2(out.fileno(), 1)
+    sys.stderr, sys.stdout = err, out
     logging.root.handlers.clear()  # the session's capture handlers: a fresh process has none
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 of the tests' subprocesses
     exit_code = 0
@@ -209,6 +209,7 @@ def _forked_python(code: str, stderr_path: str, new_session: bool) -> None:
 
         traceback.print_exc()
         exit_code = 1
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
 
@@ -216,16 +217,21 @@ def _forked_python(code: str, stderr_path: str, new_session: bool) -> None:
 class Forked:
     """Python code run as `python -c CODE` would run it, in a child forked from this process instead of a new
     Python: torch, transformers and the runtime are imported already (~3 s less per run). Its own pid, process
-    group (new_session) and signals; stderr in a file, stdout dropped; the session's log handlers dropped (a
-    fresh process's logging). Popen's subset the tests use: pid, poll, wait, communicate, send_signal, kill,
-    returncode (-N: ended by signal N)."""
+    group (new_session) and signals; stderr in a file, stdout in one or dropped; the session's log handlers
+    dropped (a fresh process's logging). Popen's subset the tests use: pid, poll, wait, communicate,
+    send_signal, kill, returncode (-N: ended by signal N)."""
 
-    def __init__(self, code: str, stderr_path, new_session: bool = False):
+    def __init__(self, code: str, stderr_path, new_session: bool = False, stdout_path=None):
         import multiprocessing
 
         self.stderr_path = Path(stderr_path)
+        self.stdout_path = Path(stdout_path) if stdout_path else None
+        for path in (self.stderr_path, self.stdout_path):
+            if path:
+                path.touch()  # readable (empty) before the child opens it
         self._process = multiprocessing.get_context("fork").Process(
-            target=_forked_python, args=(code, str(self.stderr_path), new_session))
+            target=_forked_python, args=(code, str(self.stderr_path), new_session,
+                                         str(self.stdout_path or os.devnull)))
         self._process.start()
         self.pid = self._process.pid
 
@@ -246,7 +252,7 @@ class Forked:
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
-        return "", self.stderr_path.read_text()
+        return self.stdout_path.read_text() if self.stdout_path else "", self.stderr_path.read_text()
 
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
@@ -259,6 +265,16 @@ class Forked:
 def forked_launch(args: list, stderr_path, new_session: bool = False) -> Forked:
     """`python -m runtime.launch ARGS` in a forked child (Forked)."""
     return Forked(f"import sys\nfrom runtime.launch import main\nsys.exit(main({[str(a) for a in args]!r}))",
+                  stderr_path, new_session)
+
+
+def forked_torchrun(args: list, stderr_path, new_session: bool = False, env: dict | None = None) -> Forked:
+    """`python -m torch.distributed.run ARGS` (torchrun's agent) in a forked child (Forked) working in the
+    checkout, with `env` added to its environment; the workers it starts are fresh processes, as with the
+    command."""
+    checkout = str(Path(__file__).resolve().parents[1])
+    return Forked(f"import os\nos.chdir({checkout!r})\nos.environ.update({env or {}!r})\n"
+                  f"from torch.distributed.run import main\nmain({[str(a) for a in args]!r})",
                   stderr_path, new_session)
 
 

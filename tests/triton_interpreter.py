@@ -27,7 +27,8 @@ def install() -> bool:
     except ImportError:
         return False
     needed = ("GridExecutor", "InterpretedFunction", "InterpreterError", "_patch_lang", "ReduceOps")
-    if (not all(hasattr(interp, name) for name in needed) or not hasattr(interp.InterpretedFunction, "rewrite")
+    if (not all(hasattr(interp, name) for name in needed)
+            or not hasattr(interp.InterpretedFunction, "rewrite")
             or not hasattr(interp.ReduceOps, "apply_impl") or not hasattr(tl.standard, "_xor_combine")):
         return False
     if getattr(interp.InterpretedFunction.__call__, "_skips_repatching", False):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.dist.test_compile_ep import _eager_and_compiled, check_against_eager_and_reference, reference
 
-pytestmark = pytest.mark.usefixtures("tokenize_once")  # the reference runs first, the ranks fork with its corpus
+pytestmark = pytest.mark.usefixtures("tokenize_once")  # the reference runs first, the ranks fork with it
 
 MESHES = {
     "cp2": (2, {"cp": 2}),

@@ -5,15 +5,12 @@ write loop (where a save spends its time) when the signal comes, so the order of
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
+import time
 from pathlib import Path
 
+from tests.conftest import Forked
 from tests.dist.conftest import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 RANK = r'''
 import datetime, os, sys, time
@@ -41,17 +38,25 @@ sys.exit(guarded_main(save, context))
 '''
 
 
+def _rank(rank: int, port: str, out: Path, tmp_path: Path) -> Forked:
+    """RANK as `python -c RANK rank port out` with RANK and WORLD_SIZE set, in a child forked from this process
+    (tests.conftest.Forked: a process of its own, without a Python start)."""
+    setup = (f"import os, sys\nos.environ.update(RANK='{rank}', WORLD_SIZE='2')\n"
+             "os.environ.pop('TORCHELASTIC_RUN_ID', None)\n"
+             f"sys.argv = ['-c', '{rank}', '{port}', {str(out)!r}]\n")
+    return Forked(setup + RANK, tmp_path / f"stderr{rank}.txt", stdout_path=tmp_path / f"stdout{rank}.txt")
+
+
 def test_sigterm_to_one_rank_mid_save_is_reported_as_the_interrupt(tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "step_00000002").mkdir(parents=True)
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, str(out)], cwd=tmp_path,
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    ranks = [_rank(r, port, out, tmp_path) for r in range(2)]
     try:
-        assert ranks[1].stdout.readline().strip() == "writing", ranks[1].communicate(timeout=60)
+        deadline = time.monotonic() + 60
+        while ranks[1].stdout_path.read_text().strip() != "writing":
+            assert ranks[1].poll() is None and time.monotonic() < deadline, ranks[1].stderr_path.read_text()
+            time.sleep(0.05)
         ranks[1].send_signal(signal.SIGTERM)
         _, err1 = ranks[1].communicate(timeout=60)
         _, err0 = ranks[0].communicate(timeout=60)

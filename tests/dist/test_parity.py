@@ -61,6 +61,22 @@ MESHES = {
 }
 
 
+# Single-process references by what they train (the config as reference_run runs it, the global batch, the
+# steps): cases whose meshes differ only in how they split that run share it (CI time).
+_REFERENCES: dict = {}
+
+
+def shared_reference(cfg, dims: ParallelDims, steps: int) -> list[dict]:
+    """reference_run(cfg, dims, steps, cpu), computed once per distinct single-process run."""
+    single = cfg.model_copy(update={
+        "parallelism": cfg.parallelism.model_copy(update={"dp_replicate": 1, "dp_shard": 1, "cp": 1, "ep": 1}),
+        "train": cfg.train.model_copy(update={"output_dir": ""})})
+    key = (single.model_dump_json(), dims.dp_world, steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(cfg, dims, steps, torch.device("cpu"))
+    return _REFERENCES[key]
+
+
 def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, quant: str = "none",
                  model: dict | None = None, timeout_s: float = 60, reference: dict | None = None) -> None:
     """STEPS distributed steps (or parallelism's "steps") on `world` gloo ranks against the single-process run
@@ -69,7 +85,7 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
     cfg = tiny_config(lora, str(tmp_path / "ref"), quant=quant, model=model, **{**parallelism, **(reference or {})})
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
-    ref_steps = reference_run(cfg, dims, steps, torch.device("cpu"))  # first: the ranks fork with its corpus
+    ref_steps = shared_reference(cfg, dims, steps)  # first: the ranks fork with its corpus
     dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model,
                           timeout_s=timeout_s)[0]
     ok, lines = compare(dist_steps, ref_steps, "float32")
@@ -80,8 +96,9 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
 
 # LoRA changes which parameters train and reduce, not how a mesh splits the work: it runs on one mesh of each
 # kind (EP, FSDP x EP, HSDP, cp x EP, Ulysses, full checkpointing) rather than on all twelve (CI time), with
-# its frozen dense weights replicated (parallelism.frozen_dense auto on the CPU), and sharded once.
-LORA_MESHES = ("ep2", "ep4", "fsdp4_ep2", "hsdp2x2_ep2", "cp2_ep2", "cp4_ulysses", "ep2_full_ac",
+# its frozen dense weights replicated (parallelism.frozen_dense auto on the CPU), and sharded once. EP: ep2
+# (the expert factors split by EP; ep4 splits them the same way, four ways).
+LORA_MESHES = ("ep2", "fsdp4_ep2", "hsdp2x2_ep2", "cp2_ep2", "cp4_ulysses", "ep2_full_ac",
                "fsdp4_ep2_frozen_shard")
 CASES = ([(mesh, False) for mesh in sorted(MESHES) if "frozen" not in mesh]
          + [(mesh, True) for mesh in LORA_MESHES])
@@ -102,7 +119,8 @@ def test_scattermoe_under_ep_matches_single_process(run_dist, tmp_path):
     long and timed out at 90 s in a full run), rows of 32 tokens (CI time); the interpreter still needs a
     longer timeout. Two steps: forward and backward at the initial and the updated weights (the third step of
     the other cases checks the optimizer's carried state, which no expert backend touches)."""
-    check_parity(run_dist, tmp_path, 2, True, {"ep": 2, "expert_backend": "scattermoe", "seq_len": 32, "steps": 2},
+    check_parity(run_dist, tmp_path, 2, True,
+                 {"ep": 2, "expert_backend": "scattermoe", "seq_len": 32, "steps": 2},
                  timeout_s=300, reference={"expert_backend": "grouped_mm"})
 
 

@@ -79,7 +79,8 @@ def _train_biases(rank, world_size, out, ep, extra, resume=False):
     return biases(seen["model"]), seen["first"]
 
 
-def test_bias_is_identical_on_every_rank_saved_restored_across_ep_and_exported(run_dist, tmp_path, tokenize_once):
+def test_bias_is_identical_on_every_rank_saved_restored_across_ep_and_exported(run_dist, tmp_path,
+                                                                                 tokenize_once):
     """ep=2 on 2 ranks, 4 steps with the bias on: every rank holds the same bias, that of one process over
     the same global batch; the HF export leaves it out and writes it beside; a resume on 4 ranks with ep=4
     starts from it."""

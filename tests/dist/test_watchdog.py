@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -193,10 +194,13 @@ def _metrics_lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.mark.slow
-def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
-    timeout_s = 5  # the least parallelism.collective_timeout_s takes
-    run = Torchrun(tmp_path, _launch_args(tmp_path, timeout_s, max_steps=200))
+LAUNCH_TIMEOUT_S = 5  # the least parallelism.collective_timeout_s takes
+
+
+def _frozen_rank(tmp_path: Path) -> tuple[dict[int, int], dict[int, float], int, int, str]:
+    """The launch stopped by freezing rank 1 after its first step: ({rank: pid}, {rank 0's pid: seconds from
+    the freeze to its exit}, metrics lines by then, torchrun's exit code, stderr)."""
+    run = Torchrun(tmp_path, _launch_args(tmp_path, LAUNCH_TIMEOUT_S, max_steps=200))
     pids = {}
     try:
         pids = run.workers()
@@ -204,69 +208,106 @@ def test_a_frozen_rank_ends_every_rank_naming_it(tmp_path):
         _wait_for(lambda: _metrics_lines(metrics) >= 1, "training step in metrics.jsonl", run)
         _signal(pids[1], signal.SIGSTOP)
         frozen_at = time.monotonic()
-        exited = _wait_gone([pids[0]], frozen_at, timeout_s + MARGIN_S)
-        # Not before rank 1 was silent for about the timeout (2 s of slack).
-        assert exited[pids[0]] >= timeout_s - 2, exited
+        exited = _wait_gone([pids[0]], frozen_at, LAUNCH_TIMEOUT_S + MARGIN_S)
         steps_before = _metrics_lines(metrics)
         _signal(pids[1], signal.SIGKILL)  # torchrun's SIGTERM waits while it is stopped; 30 s, then SIGKILL
-        assert run.wait(60) != 0
+        code = run.wait(60)
     finally:
         run.kill_all(pids.values())
-    err = run.stderr()
-    stall = [line for line in err.splitlines() if STALL_LINE in line]
-    assert len(stall) == 1, err
-    assert stall[0].startswith(f"error: rank 1 (host {socket.gethostname()}, pid {pids[1]}) stopped responding")
-    assert f"(parallelism.collective_timeout_s={timeout_s}); every rank stops now" in stall[0]
-    assert steps_before < 200  # it stopped the run, not the end of training
+    return pids, exited, steps_before, code, run.stderr()
 
 
-def test_slow_ranks_and_a_late_finisher_are_not_stalls(tmp_path):
-    """Rank 1 busy in Python and rank 0 asleep, both longer than the timeout, then rank 0 works on
-    alone for longer than the timeout after rank 1 has ended: no watchdog line, exit 0."""
-    timeout_s = SCRIPT_TIMEOUT_S
-    run = Torchrun(tmp_path, _script_args(tmp_path, "slow", timeout_s))
+def _slow(tmp_path: Path) -> tuple[int, float, str]:
+    """(exit code, seconds from start to exit, stderr) of the "slow" job."""
+    run = Torchrun(tmp_path, _script_args(tmp_path, "slow", SCRIPT_TIMEOUT_S))
     started = time.monotonic()
     try:
-        assert run.wait(120) == 0, run.stderr()
+        code = run.wait(120)
     finally:
         run.kill_all([])
-    assert time.monotonic() - started > 2.4 * timeout_s
-    err = run.stderr()
-    assert STALL_LINE not in err and "error" not in err.lower(), err
+    return code, time.monotonic() - started, run.stderr()
 
 
-def test_a_frozen_store_ends_every_rank(tmp_path):
-    """torchrun hosts the store: frozen, no heartbeat can be read, and each rank says so and exits."""
-    timeout_s = SCRIPT_TIMEOUT_S
-    run = Torchrun(tmp_path, _script_args(tmp_path, "loop", timeout_s))
+def _frozen_store(tmp_path: Path) -> tuple[dict[int, float], int, str]:
+    """({worker pid: seconds from freezing torchrun to its exit}, torchrun's exit code, stderr)."""
+    run = Torchrun(tmp_path, _script_args(tmp_path, "loop", SCRIPT_TIMEOUT_S))
     pids = {}
     try:
         pids = run.workers()
         _wait_for(lambda: run.out.read_text().count("ready") == 2, "ready workers", run)
         _signal(run.proc.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
-        exited = _wait_gone(list(pids.values()), frozen_at, timeout_s + MARGIN_S)
+        exited = _wait_gone(list(pids.values()), frozen_at, SCRIPT_TIMEOUT_S + MARGIN_S)
         _signal(run.proc.pid, signal.SIGCONT)
-        assert run.wait(60) != 0
+        code = run.wait(60)
     finally:
         run.kill_all(pids.values())
-    assert min(exited.values()) >= timeout_s - 1, exited
-    lost = [line for line in run.stderr().splitlines() if "lost the rendezvous store at" in line]
-    assert sorted(re.findall(r"error: rank (\d+) lost the rendezvous store at", run.stderr())) == ["0", "1"], \
-        run.stderr()
-    assert all(f", parallelism.collective_timeout_s={timeout_s}); every rank stops now" in line for line in lost)
+    return exited, code, run.stderr()
 
 
-def test_a_collective_timeout_on_live_ranks_names_the_key(tmp_path):
-    """Both ranks beat, rank 0 waits in a collective rank 1 never joins: gloo raises after the timeout
-    plus the watchdog's grace, and collective_error_message turns it into one line naming the key."""
-    timeout_s = SCRIPT_TIMEOUT_S
-    run = Torchrun(tmp_path, _script_args(tmp_path, "out_of_step", timeout_s))
+def _out_of_step(tmp_path: Path) -> tuple[int, str]:
+    """(exit code, stderr) of the "out_of_step" job."""
+    run = Torchrun(tmp_path, _script_args(tmp_path, "out_of_step", SCRIPT_TIMEOUT_S))
     try:
-        assert run.wait(120) != 0
+        code = run.wait(120)
     finally:
         run.kill_all([])
-    err = run.stderr()
+    return code, run.stderr()
+
+
+JOBS = {"frozen_rank": _frozen_rank, "slow": _slow, "frozen_store": _frozen_store,
+        "out_of_step": _out_of_step}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The four torchrun jobs, started together: most of their time goes to starting Python and to waiting
+    out a timeout or a sleep, so on CI's two cores they overlap (CI time: one after another took ~40 s).
+    {name: future of the job's outcome}; a test's .result() raises what its job raised."""
+    pool = ThreadPoolExecutor(len(JOBS))
+    yield {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in JOBS.items()}
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_ends_every_rank_naming_it(jobs):
+    pids, exited, steps_before, code, err = jobs["frozen_rank"].result()
+    assert code != 0
+    # Not before rank 1 was silent for about the timeout (2 s of slack).
+    assert exited[pids[0]] >= LAUNCH_TIMEOUT_S - 2, exited
+    stall = [line for line in err.splitlines() if STALL_LINE in line]
+    assert len(stall) == 1, err
+    host = socket.gethostname()
+    assert stall[0].startswith(f"error: rank 1 (host {host}, pid {pids[1]}) stopped responding")
+    assert f"(parallelism.collective_timeout_s={LAUNCH_TIMEOUT_S}); every rank stops now" in stall[0]
+    assert steps_before < 200  # it stopped the run, not the end of training
+
+
+def test_slow_ranks_and_a_late_finisher_are_not_stalls(jobs):
+    """Rank 1 busy in Python and rank 0 asleep, both longer than the timeout, then rank 0 works on
+    alone for longer than the timeout after rank 1 has ended: no watchdog line, exit 0."""
+    code, elapsed, err = jobs["slow"].result()
+    assert code == 0, err
+    assert elapsed > 2.4 * SCRIPT_TIMEOUT_S
+    assert STALL_LINE not in err and "error" not in err.lower(), err
+
+
+def test_a_frozen_store_ends_every_rank(jobs):
+    """torchrun hosts the store: frozen, no heartbeat can be read, and each rank says so and exits."""
+    exited, code, err = jobs["frozen_store"].result()
+    assert code != 0
+    assert min(exited.values()) >= SCRIPT_TIMEOUT_S - 1, exited
+    lost = [line for line in err.splitlines() if "lost the rendezvous store at" in line]
+    assert sorted(re.findall(r"error: rank (\d+) lost the rendezvous store at", err)) == ["0", "1"], err
+    assert all(f", parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S}); every rank stops now" in line
+               for line in lost)
+
+
+def test_a_collective_timeout_on_live_ranks_names_the_key(jobs):
+    """Both ranks beat, rank 0 waits in a collective rank 1 never joins: gloo raises after the timeout
+    plus the watchdog's grace, and collective_error_message turns it into one line naming the key."""
+    code, err = jobs["out_of_step"].result()
+    assert code != 0
     assert STALL_LINE not in err, err
-    assert (f"a collective waited longer than 5.5 s (parallelism.collective_timeout_s={timeout_s} plus 2.5 s "
-            "of watchdog grace)") in err, err
+    assert (f"a collective waited longer than 5.5 s (parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S} "
+            "plus 2.5 s of watchdog grace)") in err, err

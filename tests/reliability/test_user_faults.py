@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import forked_launch, small_chat_data
+from tests.conftest import Finished, forked_launch, forked_torchrun, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
@@ -60,38 +60,36 @@ def write_config(tmp: Path, cfg: dict | str, name: str = "cfg.yaml") -> Path:
     return path
 
 
-def command(args: list[str], nproc: int) -> list[str]:
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S):
+    """The command run to its end: one process, `python -m runtime.launch` itself; several, torchrun's agent
+    forked from this process (forked_torchrun) and its workers, fresh processes. .returncode and .stderr."""
     if nproc == 1:
-        return [sys.executable, "-m", "runtime.launch", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "runtime.launch", *args]
+        return subprocess.run([sys.executable, "-m", "runtime.launch", *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **CHILD_ENV},
+                              check=False)
+    proc = _torchrun(args, nproc, new_session=False)
+    _, stderr = proc.communicate(timeout)
+    return Finished(proc.returncode, stderr)
 
 
-def child_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(command([str(a) for a in args], nproc), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=child_env(), check=False)
-
-
-def default_sigint() -> None:
-    """Ctrl-C as in a terminal: pytest run as a background job inherits SIGINT ignored, and so would the
-    run (Python only turns SIGINT into KeyboardInterrupt when it starts with the default action)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _torchrun(args: list[str], nproc: int, new_session: bool):
+    stderr = Path(str(args[0])).parent / f"torchrun-{time.monotonic_ns()}.stderr"
+    return forked_torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "runtime.launch", *args], stderr,
+                           new_session, env=CHILD_ENV)
 
 
 def start(args: list[str], nproc: int = 1):
-    """The command in the background, in a process group of its own. One process: runtime.launch's main in a
-    child forked from this one (tests.conftest.Forked: no Python start, the same signals and exit codes; the
-    command's own start is test_config_error_through_the_command's); torchrun: the real command."""
+    """The command in the background, in a process group of its own, in a child forked from this process
+    (tests.conftest.Forked: no Python start, the same signals and exit codes; the command's own start is
+    test_config_error_through_the_command's): runtime.launch's main, or torchrun's agent whose workers are
+    fresh processes."""
     if nproc == 1:
         return forked_launch(args, Path(str(args[0])).parent / f"stderr-{time.monotonic_ns()}.txt",
                              new_session=True)
-    return subprocess.Popen(command([str(a) for a in args], nproc), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True,
-                            preexec_fn=default_sigint)  # noqa: PLW1509 (no threads in the test process)
+    return _torchrun(args, nproc, new_session=True)
 
 
 _AGENT_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")

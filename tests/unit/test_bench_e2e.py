@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +16,20 @@ from benchmarks.bench_e2e import PRESETS, our_config, parse_args, qwen3_5_moe_co
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.models.factory import build_model
+from tests.conftest import Forked
 from tests.unit.test_peers import check_table_of_a_real_dry_run
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "t", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ratio ours/baseline tokens/s = " in proc.stdout
+    """The bench's parent (`python -m benchmarks.bench_e2e --dry`) in a child forked from this process
+    (tests.conftest.Forked: no Python start of its own); each side in a fresh process, as the bench starts it."""
+    argv = ["benchmarks.bench_e2e", "--dry", "--tag", "t", "--out", str(tmp_path)]
+    proc = Forked(f"import sys\nsys.argv = {argv!r}\nfrom benchmarks.bench_e2e import main\nmain()",
+                  tmp_path / "stderr.txt", stdout_path=tmp_path / "stdout.txt")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "ratio ours/baseline tokens/s = " in stdout
     rows = json.loads((tmp_path / "bench_e2e_t.json").read_text())["rows"]
     assert [r["side"] for r in rows] == ["ours", "baseline"]
     for r in rows:

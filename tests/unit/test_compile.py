@@ -40,10 +40,10 @@ def _loss_and_grads(model, ids, pos, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-# bias: aux-loss-free balancing on (model.router_bias_update_rate): the routers add their slot counts to a buffer.
-# Each checkpointing mode runs with the bias (its recompute counts the slots again): the same checkpointed blocks
-# as without it, plus the count, and every assertion of a case without it; "none" without the bias is the plain
-# compile (CI time: full and selective without the bias were two more compiles of each test).
+# bias: aux-loss-free balancing on (model.router_bias_update_rate): the routers add their slot counts to a
+# buffer. Each checkpointing mode runs with the bias (its recompute counts the slots again): the same
+# checkpointed blocks as without it, plus the count, and every assertion of a case without it; "none" without
+# the bias is the plain compile (CI time: full and selective without the bias were two more compiles each).
 COMPILE_CASES = [("none", False), ("full", True), ("selective", True)]
 
 
@@ -63,8 +63,9 @@ def test_compiled_hybrid_blocks_have_no_graph_breaks(hybrid_ckpt, ac, bias):
     results, counts = [], []
     for compiled in (False, True):
         # bf16: torch._grouped_mm's compile-time (fake) rule accepts only bf16, whatever the device
-        model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
-                                router_aux_loss_coef=0.01, router_bias_update_rate=0.01 if bias else 0.0)
+        model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm",
+                                norm_rope_impl="torch", router_aux_loss_coef=0.01,
+                                router_bias_update_rate=0.01 if bias else 0.0)
         apply_activation_checkpointing(model, ac)
         if compiled:
             torch._dynamo.reset()
@@ -128,8 +129,9 @@ def test_blocks_compile_around_an_untraceable_exchange(hybrid_ckpt, ac, bias):
     batches = [_batch(0), _batch(1)]
     results, graphs, counts = [], [], []
     for compiled in (False, True):
-        model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
-                                router_aux_loss_coef=0.01, router_bias_update_rate=0.01 if bias else 0.0)
+        model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm",
+                                norm_rope_impl="torch", router_aux_loss_coef=0.01,
+                                router_bias_update_rate=0.01 if bias else 0.0)
         dispatcher = _HalvesDispatcher(model.config.num_experts)
         for block in model.moe_blocks():
             block.wire(dispatcher, balance_group=None, aux_grad_scale=1.0)
@@ -297,7 +299,8 @@ def _graphs_per_step(model) -> list[int]:
 def test_changing_packing_does_not_recompile_gdn_blocks(hybrid_ckpt):
     """GDN blocks read cu_seqlens inside the compiled block: a new document count every step reuses the
     first step's graphs (one per block kind) instead of recompiling."""
-    model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch")
+    model = from_pretrained(hybrid_ckpt, dtype=torch.bfloat16, expert_backend="grouped_mm",
+                            norm_rope_impl="torch")
     graphs = _graphs_per_step(model)
     assert graphs == [2] * len(PACKINGS), graphs
 

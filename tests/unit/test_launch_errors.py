@@ -3,9 +3,10 @@
 On real files: every user error ends in exactly one `error:` line from rank 0, no traceback unless
 --debug, exit 1 (runtime.launch's main in process, the `cli` fixture); in processes of their own, one case
 of each class: Ctrl-C says where to resume and a bug keeps its traceback under one summary line (children
-forked from this process, tests.conftest.Forked); the printed resume hint, run as the real command after a
-shard was cut, names the corrupted checkpoint; under torchrun a data error is printed once. In process too: describe() on errors hard to cause for real (a full disk), the PeerBoard protocol
-on a shared store, the preflight checks and the checkpoint-size estimate.
+forked from this process, tests.conftest.Forked); the printed resume hint, run with its arguments after a
+shard was cut (forked too), names the corrupted checkpoint; under torchrun a data error is printed once. In process too:
+describe() on errors hard to cause for real (a full disk), the PeerBoard protocol on a shared store, the
+preflight checks and the checkpoint-size estimate.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
-from tests.conftest import Forked, forked_launch, small_chat_data
+from tests.conftest import Finished, Forked, forked_launch, forked_torchrun, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -99,13 +98,14 @@ def test_debug_env_var():
 
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory):
-    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output dir).
-    runtime.launch's main in a child forked from this process (tests.conftest.Forked: a process of its own
-    without a Python start); the printed hint then runs as the real command."""
+    """A run saving every step, stopped with SIGINT once it has two checkpoints: (process, stderr, output
+    dir). runtime.launch's main in a child forked from this process (tests.conftest.Forked: a process of its
+    own without a Python start)."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     log = out.parent / "stderr.txt"
-    proc = forked_launch([EXAMPLE, "--output-dir", out, "--max-steps", "500", "--set", "checkpoint.every_n_steps=1",
-                          "--set", "logging.progress_bar=false", "--set", f"data.path={small_chat_data()}"], log)
+    proc = forked_launch([EXAMPLE, "--output-dir", out, "--max-steps", "500",
+                          "--set", "checkpoint.every_n_steps=1", "--set", "logging.progress_bar=false",
+                          "--set", f"data.path={small_chat_data()}"], log)
     deadline = time.monotonic() + 120
     while not (out / "checkpoints" / "step_00000002").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -125,11 +125,9 @@ def test_sigint_says_where_to_resume(interrupted_run):
     assert m, hints[0]
     newest = max((out / "checkpoints").glob("step_*"))
     assert m[2] == str(newest) and int(m[1]) >= int(newest.name.removeprefix("step_"))
-    assert m[3].startswith("python -m runtime.launch ") and m[3].endswith(f"--output-dir {out} --max-steps 500 "
-                                                                            "--set checkpoint.every_n_steps=1 "
-                                                                            "--set logging.progress_bar=false "
-                                                                            f"--set data.path={small_chat_data()} "
-                                                                            "--resume")
+    tail = (f"--output-dir {out} --max-steps 500 --set checkpoint.every_n_steps=1 "
+            f"--set logging.progress_bar=false --set data.path={small_chat_data()} --resume")
+    assert m[3].startswith("python -m runtime.launch ") and m[3].endswith(tail)
 
 
 def test_corrupted_checkpoint_is_one_error_line(interrupted_run):
@@ -142,9 +140,11 @@ def test_corrupted_checkpoint_is_one_error_line(interrupted_run):
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size // 3)
     argv = shlex.split(command)
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert_one_clean_error(proc, f"checkpoint {newest} is unreadable (", f"to resume from {older.name}")
+    assert argv[:3] == ["python", "-m", "runtime.launch"], command
+    proc = forked_launch(argv[3:], out.parent / "resume.stderr")  # the command's own start: test_user_faults
+    _, stderr = proc.communicate(timeout=120)
+    assert_one_clean_error(Finished(proc.returncode, stderr), f"checkpoint {newest} is unreadable (",
+                           f"to resume from {older.name}")
 
 
 # --- a bug ------------------------------------------------------------------------------------------------
@@ -170,17 +170,18 @@ def test_internal_error_keeps_its_traceback(tmp_path):
 
 def test_torchrun_two_ranks_print_the_error_once(tmp_path):
     """Both ranks raise the same DataError after the process group exists; rank 0 prints it, rank 1 learns
-    so through the PeerBoard and stays silent. (torchrun's agent prints its own ChildFailedError report.)"""
+    so through the PeerBoard and stays silent. (torchrun's agent, forked from this process, prints its own
+    ChildFailedError report.)"""
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "runtime.launch", str(EXAMPLE),
-                           *FAST, "--set", f"data.path={empty}", "--output-dir", str(tmp_path / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    proc = forked_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "runtime.launch", EXAMPLE, *FAST,
+                            "--set", f"data.path={empty}", "--output-dir", tmp_path / "run"], tmp_path / "stderr.txt")
+    _, stderr = proc.communicate(timeout=180)
     assert proc.returncode != 0
     expected = (f"error: {empty}: no usable records (0 skipped as bad); check data.path, data.kind and "
                 "data.text_field / data.messages_field")
-    assert error_lines(proc.stderr) == [expected], proc.stderr
-    assert str(ROOT / "runtime") not in proc.stderr, proc.stderr  # no worker traceback
+    assert error_lines(stderr) == [expected], stderr
+    assert str(ROOT / "runtime") not in stderr, stderr  # no worker traceback
 
 
 # --- describe(): errors that are hard to cause for real --------------------------------------------------------

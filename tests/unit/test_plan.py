@@ -127,11 +127,15 @@ def test_each_cross_check_is_one_line(case):
     assert "\n" not in text and message in text, text
 
 
-# In the subprocess, outside the interpreter: the first --set list through the command, the other (FP4 + LoRA
-# on the same backend) through runtime.plan, which the command calls first (one Python start for both).
-_SCATTERMOE_ON_CPU = """
+# One fresh Python, outside the tests' interpreter, for two tests: first `import runtime.config` alone (then the
+# kernel modules loaded, one per line, on stdout), then the FP4 + LoRA --set list through runtime.plan, which the
+# command calls first, then the other through the command itself.
+_FRESH_PROCESS = """
 import sys
 from runtime.config import ConfigError, load_config
+print("\\n".join(sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "moe.kernels",
+                                                                                 "attention.kernels")))))
+print("--", flush=True)
 from runtime.plan import plan
 try:
     plan(load_config(sys.argv[1], dict(item.split("=", 1) for item in sys.argv[2].split(","))), 1, "cpu")
@@ -140,23 +144,32 @@ except ConfigError as err:
 from runtime.launch import main
 main(sys.argv[3:])
 """
-SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and this machine "
-                     "has cpu; choose one of ['eager', 'grouped_mm'] (or auto)")
+SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: it runs on cuda only, and "
+                     "this machine has cpu; choose one of ['eager', 'grouped_mm'] (or auto)")
 
 
-def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(tmp_path):
-    """Outside the tests' Triton interpreter a CPU machine cannot run the Triton backend: the launch says so at
-    plan time (it used to die at step 1 in gpu/launch.py as an internal error), with FP4 experts and LoRA too."""
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory):
+    """(the run of _FRESH_PROCESS, the command's output dir)."""
+    out = tmp_path_factory.mktemp("fresh") / "run"
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    argv = [sys.executable, "-c", _SCATTERMOE_ON_CPU, str(EXAMPLE),
+    argv = [sys.executable, "-c", _FRESH_PROCESS, str(EXAMPLE),
             "model.expert_backend=scattermoe,quant.base_weights=mxfp4,lora.enabled=true",
-            str(EXAMPLE), "--output-dir", str(tmp_path / "run"), "--set", "model.expert_backend=scattermoe"]
+            str(EXAMPLE), "--output-dir", str(out), "--set", "model.expert_backend=scattermoe"]
     done = subprocess.run(argv, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=300, check=False)
+    return done, out
+
+
+def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(fresh_process):
+    """Outside the tests' Triton interpreter a CPU machine cannot run the Triton backend: the launch says so at
+    plan time (it used to die at step 1 in gpu/launch.py as an internal error), with FP4 experts and LoRA
+    too."""
+    done, out = fresh_process
     assert done.returncode != 0
-    assert done.stdout.strip() == SCATTERMOE_ON_CPU  # plan, FP4 + LoRA
+    assert done.stdout.split("--\n", 1)[1].strip() == SCATTERMOE_ON_CPU, done.stdout  # plan, FP4 + LoRA
     assert done.stderr.strip().splitlines()[-1] == SCATTERMOE_ON_CPU  # the command
-    assert not (tmp_path / "run").exists()  # nothing ran
+    assert not out.exists()  # nothing ran
 
 
 def test_sonicmoe_is_refused_eager_only_under_compile_on_cuda_terms():
@@ -187,8 +200,7 @@ def test_context_parallel_checks(case):
         check_context_parallel(cfg, model_config(cfg))
 
 
-def test_import_runtime_config_loads_no_kernel():
-    code = ("import runtime.config, sys; assert not any(m == 'triton' or m.startswith(('triton.', 'moe.kernels', "
-            "'attention.kernels')) for m in sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**__import__("os").environ,
-                                                                           "PYTHONPATH": str(ROOT)})
+def test_import_runtime_config_loads_no_kernel(fresh_process):
+    done, _ = fresh_process
+    assert "--\n" in done.stdout, done.stderr[-3000:]
+    assert done.stdout.split("--\n", 1)[0].strip() == "", done.stdout  # no kernel module after the import

@@ -312,14 +312,15 @@ def test_import_without_interpreter():
 # ----------------------------------------------------------------------------- torch.compile (opaque ops)
 
 
-@pytest.mark.parametrize("rank", [0, 4])
-def test_compiled_backend_equals_eager_without_graph_breaks(rank):
+def test_compiled_backend_equals_eager_without_graph_breaks():
     """Under torch.compile(fullgraph=True) the backend runs as the moert::scattermoe_* custom ops: no
-    graph break, and the same output and gradients as the eager autograd path (the same kernels)."""
+    graph break, and the same output and gradients as the eager autograd path (the same kernels). A full
+    fine-tune with buffers of M*k rows; LoRA (rank 4) under fullgraph compile, buffers of valid_slots rows:
+    test_compiled_backend_takes_valid_slots_that_change_per_call (CI time: rank 4 here was one more compile)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    ex = make_experts(8, rank)
+    ex = make_experts(8, 0)
     ids, w = routing(6, 8, 2)
     ids[1, 0] = -1  # a sentinel slot, as EP produces
     x = torch.randn(6, H, requires_grad=True)

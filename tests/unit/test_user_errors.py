@@ -108,7 +108,8 @@ def test_export_of_a_torn_checkpoint_is_one_error_line(tmp_path):
     shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
     argv = [str(run), "--merged", str(tmp_path / "merged")]
-    proc = Forked(f"import sys\nfrom runtime.export import main\nsys.exit(main({argv!r}))", tmp_path / "stderr.txt")
+    proc = Forked(f"import sys\nfrom runtime.export import main\nsys.exit(main({argv!r}))",
+                  tmp_path / "stderr.txt")
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 1, stderr
     assert "Traceback" not in stderr, stderr
