@@ -29,8 +29,9 @@
 #   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, eager, ep=1 against ep=N on the same
 #               machine in one call, each with forced-balanced routing (model.router_force_balanced) and the
 #               random-init router; modes EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and
-#               "<mode>-compiled"); EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default
-#               all_to_all; e.g. "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
+#               "<mode>-compiled", "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 ..
+#               N); EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default
+#               auto; e.g. "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
 #               side onto free GPUs in order; every run traces step 6: per layer the experts' kernels, the exchange,
 #               the host gaps and idle GPU (runtime.timeline)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
@@ -236,6 +237,7 @@ if [[ $parts == *hostbound* ]]; then
 fi
 if [[ $parts == *epbench* ]]; then
   layers=${EPBENCH_LAYERS:-8}
+  eps=${EPBENCH_EPS:-$(for ((ep = 1; ep <= N; ep *= 2)); do echo $ep; done)}
   queue=()  # "world<TAB>tag<TAB>flags" of every run, packed onto the GPUs below
   for mode in ${EPBENCH_MODES:-full-fp32 lora}; do
     flags="--set model.num_layers_override=$layers --set parallelism.activation_checkpoint=none"
@@ -246,14 +248,16 @@ if [[ $parts == *epbench* ]]; then
       lora*) flags+=" --set lora.enabled=true --set optim.master_dtype=fp32" ;;
     esac
     [[ $mode == *-compiled ]] && flags+=" --set compile.enabled=true"
+    # inductor's CUDA graphs: the benchmark's rows are one document each, so every compiled region keeps its shapes
+    [[ $mode == *-graphs ]] && flags+=' --set compile.enabled=true --set compile.inductor_options={"triton.cudagraphs":true}'
     [[ ep-$mode =~ ${ONLY:-.} ]] || continue
-    for ((ep = 1; ep <= N; ep *= 2)); do
+    for ep in $eps; do
       for routing in ${EPBENCH_ROUTING:-balanced random}; do
         route=""
         [ "$routing" = balanced ] && route=" --set model.router_force_balanced=true"
         if [ "$ep" = 1 ]; then queue+=("1	ep-$mode-L$layers-ep1-$routing	$flags$route"); continue; fi
-        for disp in ${EPBENCH_DISPATCHERS:-all_to_all}; do
-          name=$mode; [ "$disp" = all_to_all ] || name=$mode+$disp  # ep_table compares a +dispatcher to its mode's ep1
+        for disp in ${EPBENCH_DISPATCHERS:-auto}; do
+          name=$mode; [ "$disp" = auto ] || name=$mode+$disp  # ep_table compares a +dispatcher to its mode's ep1
           queue+=("$ep	ep-$name-L$layers-ep$ep-$routing	$flags$route --ep $ep --set parallelism.dispatcher=$disp")
         done
       done
@@ -269,7 +273,7 @@ if [[ $parts == *epbench* ]]; then
     free=$((free + world))
   done
   wait
-  summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --eps $(for ((ep = 1; ep <= N; ep *= 2)); do echo $ep; done))")
+  summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --eps $eps)")
 fi
 if [[ $parts == *deepep* ]]; then
   # the 8-layer step at ep=N on DeepEP's dispatcher (its wheel: benchmarks/build_deepep.sh; carry .whl-deepep)

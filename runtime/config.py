@@ -145,9 +145,10 @@ class ParallelismConfig(Section):
     cp_gdn: Literal["heads", "state"] = Field("heads", description=(
         "GDN layers under cp > 1: head-parallel (cp divides linear_num_key_heads), or state passing (any cp)"))
     ep: int = Field(1, ge=1, description="expert parallelism: ranks the experts are split over (divides dp_shard*cp)")
-    dispatcher: str = Field("all_to_all", description=(
-        "the token exchange under ep > 1 (local: ep 1 only; all_gather: no host sync, more memory: "
-        "docs/config-auto.md); every dispatcher is the identity at ep 1"))
+    dispatcher: str = Field("auto", description=(
+        "the token exchange under ep > 1 (local: ep 1 only; all_gather: no host sync, more memory; auto: "
+        "all_gather for LoRA at ep <= 4 where it fits, else all_to_all: docs/config-auto.md); every dispatcher "
+        "is the identity at ep 1"))
     activation_checkpoint: Literal["none", "full", "selective"] = Field("none", description=(
         "recompute in backward: none, whole blocks (full), or all but matmul/attention outputs and EP exchanges"))
     fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description=(

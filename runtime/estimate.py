@@ -45,12 +45,11 @@ from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 from quant import FP4Weight
 from runtime.config import Config
-from runtime.distributed.fsdp import frozen_dense_placement
+from runtime.distributed.fsdp import frozen_dense_placement, fsdp_gather_dtype
 from runtime.distributed.mesh import ParallelDims
 from runtime.loss import default_chunk_size
 from runtime.models.factory import meta_model, model_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
-from runtime.plan import fsdp_gather_dtype
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from runtime.choices import MODEL_CHOICES, Needs, choose, device_type, registry
@@ -30,19 +31,6 @@ from runtime.config import Config, ConfigError
 log = logging.getLogger("runtime")
 
 RESOLVED_FILE = "resolved.yaml"  # in the run folder, beside config.yaml (what the user wrote)
-
-def model_config(cfg: Config, **names):
-    """The model's QwenConfig from model.path's config.json or model.config, with the run's choices
-    (`names` overrides the implementation names of cfg.model)."""
-    from runtime.models.hf import config_from_hf, read_hf_config
-
-    hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
-    choices = {field: getattr(cfg.model, field) for field in MODEL_CHOICES}
-    return config_from_hf(hf, **{**choices, **names}, router_aux_loss_coef=cfg.model.router_aux_loss_coef,
-                          router_force_balanced=cfg.model.router_force_balanced,
-                          router_bias_update_rate=cfg.model.router_bias_update_rate,
-                          num_layers=cfg.model.num_layers_override)
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -71,13 +59,18 @@ class Plan:
         return path
 
 
-def plan(cfg: Config, world: int, device=None) -> Plan:
+def plan(cfg: Config, world: int, device=None, device_memory: int | None = None) -> Plan:
     """Resolves every `auto` of `cfg` for `world` ranks on `device` (a device type or torch.device; None: this
-    machine's) and runs every cross-check, before any process group. Raises ConfigError / MeshError."""
+    machine's) and runs every cross-check, before any process group. Raises ConfigError / MeshError.
+    device_memory: one device's memory in bytes (None: this machine's CUDA device's, where there is one)."""
+    from runtime.distributed.fsdp import fsdp_gather_dtype
     from runtime.distributed.mesh import ParallelDims
+    from runtime.models.hf import model_config
 
     check_combinations(cfg)
     dev = device_type(device)
+    if device_memory is None and dev == "cuda" and torch.cuda.is_available():  # --estimate: maybe no GPU here
+        device_memory = device_memory_bytes(dev)
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.ep, world)
     qcfg = model_config(cfg)  # names as written; only shapes are read here
@@ -98,7 +91,8 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
             names[field] = registry("model.gdn_op_set").reference()  # no GDN layer: nothing to choose
             continue
         names[field], notes[field] = choose(f"model.{field}", name, needs, uses)
-    dispatcher, _ = choose("parallelism.dispatcher", p.dispatcher, needs, {"ep"})
+    dispatcher, _ = choose("parallelism.dispatcher", auto_dispatcher(cfg, dims, dev, device_memory),
+                           needs, {"ep"})
     if hybrid and notes["gdn_op_set"] and m.gdn_op_set == "auto":
         warnings.warn(f"model.gdn_op_set auto: using op set {names['gdn_op_set']!r}, because "
                       f"{'; '.join(notes['gdn_op_set'])}", stacklevel=2)
@@ -116,6 +110,37 @@ def plan(cfg: Config, world: int, device=None) -> Plan:
     resolved.parallelism.dispatcher = dispatcher
     resolved.parallelism.fsdp_param_dtype = fsdp_dtype
     return Plan(user_config=cfg, config=resolved, dims=dims, device=dev)
+
+
+def device_memory_bytes(device_type: str) -> int | None:
+    """This process's accelerator memory; None on the CPU (frozen_dense_placement's fixed cap applies)."""
+    if device_type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+# all_gather sends every token to every EP rank: past ep 4 that is 1.5x all_to_all's bytes (moe/dispatch/all_gather.py)
+GATHER_MAX_EP = 4
+# The share of device memory all_gather's estimated peak may take (the estimate's error, the allocator's slack)
+GATHER_MEMORY_SHARE = 0.9
+
+
+def auto_dispatcher(cfg: Config, dims, device: str, device_memory_bytes: int | None) -> str:
+    """parallelism.dispatcher resolved: a named one as written; auto is all_gather for LoRA on CUDA at
+    1 < ep <= GATHER_MAX_EP where the estimated peak with it fits GATHER_MEMORY_SHARE of the device (no host
+    sync: faster there, docs/config-auto.md), else all_to_all (a full fine-tune: all_gather's bytes share NCCL
+    with FSDP's gathers and measured slower)."""
+    name = cfg.parallelism.dispatcher
+    if name != "auto":
+        return name
+    if not (cfg.lora.enabled and device == "cuda" and 1 < dims.ep <= GATHER_MAX_EP and device_memory_bytes):
+        return "all_to_all"
+    from runtime.estimate import estimate
+
+    gathered = cfg.model_copy(deep=True)
+    gathered.parallelism.dispatcher = "all_gather"
+    peak = estimate(gathered, dims, cuda=True, device_memory_bytes=device_memory_bytes).peak
+    return "all_gather" if peak <= GATHER_MEMORY_SHARE * device_memory_bytes else "all_to_all"
 
 
 def check_combinations(cfg: Config) -> None:
@@ -148,15 +173,6 @@ def check_combinations(cfg: Config) -> None:
         if shard_cp % p.ep:
             raise ConfigError(f"parallelism.ep ({p.ep}) must divide dp_shard*cp ({p.dp_shard}*{p.cp}); "
                               "experts are carved out of the FSDP ranks")
-
-
-def fsdp_gather_dtype(setting: str, ep: int) -> str:
-    """parallelism.fsdp_param_dtype resolved: auto is fp32 under EP, where the experts (the bulk of the bytes)
-    gather in their own bf16 units and fp32 gathers of the rest cost nothing measurable, and bf16 without EP,
-    where the experts would gather in fp32 with their block (slower: docs/benchmarks.md#fsdp-gathers)."""
-    if setting != "auto":
-        return setting
-    return "fp32" if ep > 1 else "bf16"
 
 
 def _model_key(cfg: Config, field: str) -> str:

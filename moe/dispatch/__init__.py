@@ -32,7 +32,8 @@ __all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "Dispatch
 
 # (EP group or None, num_experts, tokens per rank per forward or None) -> a dispatcher for the blocks of one model
 DispatcherFactory = Callable[[dist.ProcessGroup | None, int, int | None], Dispatcher]
-DISPATCHERS: Registry[DispatcherFactory] = Registry("dispatcher", "parallelism.dispatcher")
+# auto is resolved by runtime.plan (memory and LoRA decide, not capabilities alone)
+DISPATCHERS: Registry[DispatcherFactory] = Registry("dispatcher", "parallelism.dispatcher", auto=True)
 
 
 def _ep_size(ep_group: dist.ProcessGroup | None) -> int:

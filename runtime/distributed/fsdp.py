@@ -71,6 +71,15 @@ def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh) -> list[nn.Par
 FROZEN_DENSE_CAP = 8 * 2**30
 
 
+def fsdp_gather_dtype(setting: str, ep: int) -> str:
+    """parallelism.fsdp_param_dtype resolved: auto is fp32 under EP, where the experts (the bulk of the bytes)
+    gather in their own bf16 units and fp32 gathers of the rest cost nothing measurable, and bf16 without EP,
+    where the experts would gather in fp32 with their block (slower: docs/benchmarks.md#fsdp-gathers)."""
+    if setting != "auto":
+        return setting
+    return "fp32" if ep > 1 else "bf16"
+
+
 def frozen_dense_placement(setting: str, lora_enabled: bool, frozen_dense_bytes: int,
                            device_memory_bytes: int | None) -> str:
     """parallelism.frozen_dense resolved to "replicate" or "shard". auto replicates under LoRA when the frozen

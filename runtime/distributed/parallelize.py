@@ -9,7 +9,6 @@ the same global batch, for dense, expert, router and LoRA parameters alike.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from runtime.config import Config
@@ -17,31 +16,27 @@ from runtime.distributed.activation_checkpoint import apply_activation_checkpoin
 from runtime.distributed.compile import apply_compile
 from runtime.distributed.context_parallel import ContextParallel
 from runtime.distributed.expert_parallel import wire_moe_blocks
-from runtime.distributed.fsdp import apply_fsdp, frozen_dense_bytes, frozen_dense_placement
+from runtime.distributed.fsdp import apply_fsdp, frozen_dense_bytes, frozen_dense_placement, fsdp_gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
-from runtime.plan import fsdp_gather_dtype
+from runtime.plan import auto_dispatcher, device_memory_bytes
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
                 autocast: bool = True) -> QwenForCausalLM:
     """`model`, wired and wrapped in place (module docstring). `autocast`: the step computes in bf16 on CUDA
     (FSDP gathers bf16 parameters)."""
-    moe_groups = wire_moe_blocks(model, dims, meshes, cfg)  # EP: dispatcher over the EP group
+    device = meshes.world.device_type if meshes is not None else "cpu"
+    # plan() passes a concrete dispatcher; a model built without it gets plan's choice
+    dispatcher = auto_dispatcher(cfg, dims, device, device_memory_bytes(device))
+    moe_groups = wire_moe_blocks(model, dims, meshes, cfg, dispatcher)  # EP: dispatcher over the EP group
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint, keep_groups=moe_groups)
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
         frozen_dense = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled,
-                                              frozen_dense_bytes(model), device_memory_bytes(meshes.world.device_type))
+                                              frozen_dense_bytes(model), device_memory_bytes(device))
         apply_fsdp(model, meshes, meshes.world.device_type, autocast,
                    fsdp_gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep), frozen_dense)
     return model
-
-
-def device_memory_bytes(device_type: str) -> int | None:
-    """This rank's accelerator memory; None on the CPU (frozen_dense_placement's fixed cap applies)."""
-    if device_type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

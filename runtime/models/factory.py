@@ -18,9 +18,9 @@ from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.lora import apply_lora, seed_lora_A
 from runtime.models.build import build
+from runtime.models.hf import model_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
 from runtime.optim import apply_master_dtype
-from runtime.plan import model_config
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from torch import nn
 from attention.rope import RopeConfig
 from moe.experts import PROJECTIONS, GroupedExperts
 from quant import FP4Weight
+from runtime.choices import MODEL_CHOICES
 from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM
 
 log = logging.getLogger("runtime")
@@ -136,6 +137,17 @@ def missing_keys(hf: dict) -> list[str]:
     if "num_local_experts" in present:  # transformers' other name for num_experts
         present.add("num_experts")
     return [k for k in required if k not in present]
+
+
+def model_config(cfg, **names) -> QwenConfig:
+    """The model's QwenConfig from model.path's config.json or model.config of `cfg` (a runtime.config.Config,
+    which imports this module), with the run's choices (`names` overrides the implementation names of cfg.model)."""
+    hf = read_hf_config(cfg.model.path) if cfg.model.path else dict(cfg.model.config)
+    choices = {field: getattr(cfg.model, field) for field in MODEL_CHOICES}
+    return config_from_hf(hf, **{**choices, **names}, router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                          router_force_balanced=cfg.model.router_force_balanced,
+                          router_bias_update_rate=cfg.model.router_bias_update_rate,
+                          num_layers=cfg.model.num_layers_override)
 
 
 def config_from_hf(hf: dict, **runtime_options) -> QwenConfig:

@@ -10,8 +10,8 @@ from runtime.distributed.fsdp import (
     _expert_mp_policy,
     _mp_policy,
     frozen_dense_placement,
+    fsdp_gather_dtype,
 )
-from runtime.plan import fsdp_gather_dtype
 
 
 def test_gathers_follow_autocast():

@@ -56,6 +56,28 @@ def test_fsdp_gather_dtype_auto_follows_ep():
     assert p.config.parallelism.fsdp_param_dtype == "fp32" and p.dims.ep == 2
 
 
+def test_dispatcher_auto_gathers_for_lora_on_cuda_where_the_estimate_fits():
+    """auto: all_gather for LoRA on CUDA at 1 < ep <= 4 when runtime.estimate's peak with it fits 90% of the
+    device; all_to_all for a full fine-tune, past ep 4, on the CPU, or where it would not fit."""
+    from runtime.estimate import estimate
+
+    def pick(world, device="cuda", memory=None, lora=True, ep=None):
+        cfg = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=ep or world, dispatcher="auto"),
+                                r.setdefault("lora", {}).update(enabled=lora)))
+        return plan(cfg, world, device, device_memory=memory).config.parallelism.dispatcher
+
+    lora_ep2 = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=2, dispatcher="all_gather"),
+                                 r.setdefault("lora", {}).update(enabled=True)))
+    peak = estimate(lora_ep2, plan(lora_ep2, 2, "cuda", device_memory=2**40).dims, cuda=True,
+                    device_memory_bytes=2**40).peak
+    assert pick(2, memory=int(peak / 0.9) + 1) == "all_gather"
+    assert pick(2, memory=int(peak / 0.9) - 2**20) == "all_to_all"  # it would not fit
+    assert pick(2, memory=2**40, lora=False) == "all_to_all"
+    assert pick(8, memory=2**40) == "all_to_all"
+    assert pick(2, device="cpu") == "all_to_all"
+    assert pick(1, memory=2**40) == "all_to_all"  # the identity at ep 1 either way
+
+
 def test_frozen_dense_replicate_needs_lora():
     with pytest.raises(ConfigError, match="parallelism.frozen_dense: replicate needs lora.enabled"):
         plan(cfg_of(set_("parallelism", frozen_dense="replicate")), 1, "cpu")
@@ -68,7 +90,7 @@ def test_resolved_yaml_beside_the_config(tmp_path):
 
 
 def test_layers_built_from_the_plan_never_see_auto():
-    from runtime.plan import model_config
+    from runtime.models.hf import model_config
 
     p = plan(cfg_of(hybrid=True), 1, "cpu")
     from runtime.models.qwen import QwenForCausalLM
@@ -194,7 +216,7 @@ def test_context_parallel_checks(case):
     cfg = cfg_of(lambda r: (r.update(parallelism=parallelism), edit and edit(r)), hybrid=True)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         plan(cfg, parallelism["cp"], "cpu")
-    from runtime.plan import model_config
+    from runtime.models.hf import model_config
 
     with pytest.raises(ConfigError):
         check_context_parallel(cfg, model_config(cfg))
