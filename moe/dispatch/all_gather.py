@@ -6,8 +6,8 @@ group, M = R * B rows every rank computes, H hidden, k top-k, E experts in all.
 Placement: rank r of the group owns the global experts [r * E/ep, (r+1) * E/ep), as under all_to_all.
 
 Dispatch: every rank pads its tokens to B rows (padding rows route nowhere: ids -1) and all-gathers x,
-  weights and ids over the group; each rank keeps the slots of its own experts (local ids) and marks the
-  others -1. Combine: the backend's rows (each the weighted sum over this rank's valid slots of the row,
+  weights and ids over the group (one all-gather of each row's bytes); each rank keeps the slots of its own
+  experts (local ids) and marks the others -1. Combine: the backend's rows (each the weighted sum over this rank's valid slots of the row,
   zero where it has none) are reduce-scattered, so rank r receives the sum over the group of its own B rows.
 Every size is known on the host before any data moves (B, R), so nothing waits for the device: the host runs
   ahead of the GPU through every layer, and dispatch and combine trace into a fullgraph torch.compile region.
@@ -42,18 +42,37 @@ class AllGatherRouted(Routed):
     num_tokens: int  # T of this rank: combine's output keeps the first T of its B rows
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[B, n] of any dtype as [B, n * itemsize] uint8 (one row's values as its bytes)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _unpack(rows_MP: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The [M, n] tensors of `like`'s dtypes and widths, cut back out of gathered byte rows."""
+    out, start = [], 0
+    for t in like:
+        width = t.shape[1] * t.element_size()
+        out.append(rows_MP[:, start:start + width].contiguous().view(t.dtype))
+        start += width
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
-    """Every rank's rows (x and weights) to every rank; their gradients summed back to their owners."""
+    """Every rank's rows (x, weights and ids, as bytes in one all-gather: one collective's launch and latency
+    instead of three) to every rank; the gradients of x and weights summed back to their owners."""
 
     @staticmethod
-    def forward(ctx, x_BH, w_Bk, group):
+    def forward(ctx, x_BH, w_Bk, ids_Bk, group):
         ctx.group = group
-        return all_gather(x_BH, group), all_gather(w_Bk, group)
+        rows_MP = all_gather(torch.cat([_bytes(x_BH), _bytes(w_Bk), _bytes(ids_Bk)], dim=1), group)
+        x_MH, w_Mk, ids_Mk = _unpack(rows_MP, (x_BH, w_Bk, ids_Bk))
+        ctx.mark_non_differentiable(ids_Mk)
+        return x_MH, w_Mk, ids_Mk
 
     @staticmethod
-    def backward(ctx, grad_x_MH, grad_w_Mk):
+    def backward(ctx, grad_x_MH, grad_w_Mk, _):
         # Both travel even where this rank's are zeros: every rank issues the same collectives in the same order.
-        return reduce_scatter_sum(grad_x_MH, ctx.group), reduce_scatter_sum(grad_w_Mk, ctx.group), None
+        return reduce_scatter_sum(grad_x_MH, ctx.group), reduce_scatter_sum(grad_w_Mk, ctx.group), None, None
 
 
 class _SumRows(torch.autograd.Function):
@@ -101,8 +120,8 @@ class AllGatherDispatcher(Dispatcher):
                              "(train.micro_batch_size * data.seq_len / parallelism.cp); use "
                              "parallelism.dispatcher=all_to_all for batches of other sizes")
         pad = (0, 0, 0, B - T)  # padding rows route nowhere
-        ids_Mk = all_gather(F.pad(topk_ids_Tk, pad, value=-1), self.group)
-        x_MH, w_Mk = _GatherRows.apply(F.pad(x_TH, pad), F.pad(topk_w_Tk, pad), self.group)
+        x_MH, w_Mk, ids_Mk = _GatherRows.apply(F.pad(x_TH, pad), F.pad(topk_w_Tk, pad),
+                                               F.pad(topk_ids_Tk, pad, value=-1), self.group)
         local_Mk = ids_Mk - self.first_expert
         owned_Mk = (local_Mk >= 0) & (local_Mk < self.num_local_experts)
         self.loads.add(ids_Mk, self.num_local_experts)
