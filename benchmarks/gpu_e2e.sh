@@ -14,6 +14,9 @@
 #   against  ours only, this tree against an older one carried as OLD=<ignored folder> (`git archive REV | tar x -C
 #         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
 #         again, so drift between the runs shows
+#   kernels  issue 43's profile: ours (eager, then compiled) and Unsloth at PEERS_LAYERS (8) layers, 2 traced steps
+#         each after 3 warmup + 3 timed, benchmarks/kernel_split.py's table of kernel classes (forward / backward)
+#         and each side's largest kernels (carry [".whl", ".whl-unsloth"], as peers)
 #   peers  issue 43's LoRA peers at PEERS_LAYERS (8) layers, in this order in one call: ours (default config) and
 #         transformers+PEFT (bench_e2e, as `lora` but 3 warmup + 9 timed steps, no profile), then Unsloth on the same
 #         work (benchmarks/peers/unsloth/run_unsloth.sh: wheels, a random-init checkpoint ~11 GB at 8 layers, ~1 min,
@@ -29,7 +32,7 @@
 #         reachable by `bash benchmarks/peers/unsloth/wheels.sh`; carry [".whl", ".whl-unsloth"].
 # One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
 # (~1 min per side: imports, build, 7 steps).
-# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles] [against] [peers]`.
+# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles] [against] [peers] [kernels]`.
 # Memory: 8 full layers are 5.6 G parameters; fp32 masters + grads + AdamW states take 16 B each, ~90 GB:
 # over an 80 GB H100 (that row then reads OutOfMemoryError), within an H200. FULL_LAYERS=4 fits either.
 # Logs per run in $OUT/e2e_<tag>.log, rows in $OUT/bench_e2e_<tag>.json; the summary table comes last.
@@ -80,6 +83,20 @@ if [[ $parts == *against* ]]; then
         "${masters[@]}" --no-baseline --tag "$mode-$round" --out "$OUT") > "$OUT/e2e_$mode-$round.log" 2>&1
     done
   done
+fi
+if [[ $parts == *kernels* ]]; then
+  PEERS_LAYERS=${PEERS_LAYERS:-8}
+  echo "== kernels: $PEERS_LAYERS layers LoRA, 2 traced steps each: ours eager, ours compiled, Unsloth"
+  for c in eager compiled; do
+    timeout 200 python -m benchmarks.bench_e2e --mode lora --layers "$PEERS_LAYERS" --warmup 3 --steps 3 --no-baseline \
+      --profile --tag "k$c" --out "$OUT" $([ "$c" = compiled ] && echo --compile) > "$OUT/e2e_k$c.log" 2>&1
+    grep -E "^ours|GPU busy" "$OUT/e2e_k$c.log"
+  done
+  TRACE=$OUT/unsloth STEPS=3 T=$(( 580 - SECONDS )) bash benchmarks/peers/unsloth/run_unsloth.sh "$PEERS_LAYERS" experts \
+    | grep -E '^\{"who"|rc='
+  python -m benchmarks.kernel_split ours="$OUT/bench_e2e_keager_trace.json.gz" \
+    ours-compiled="$OUT/bench_e2e_kcompiled_trace.json.gz" unsloth="$OUT/unsloth.experts.json.gz" --steps 2 \
+    | tee "$OUT/kernel_split.md"
 fi
 if [[ $parts == *peers* ]]; then
   PEERS_LAYERS=${PEERS_LAYERS:-8}
