@@ -30,11 +30,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 
 import torch
 
-from gpu.registry import Capabilities, Registry
+from gpu.registry import TRITON_DEVICES, Capabilities, Registry, triton_missing
 
 # name -> fn(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, launch_settings) -> (q, k)
 NORM_ROPE_IMPLS = Registry("norm/RoPE impl", "model.norm_rope_impl", auto=True)
@@ -119,10 +118,6 @@ def _torch_impl(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, launch_set
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, unit_offset)
 
 
-def _triton_missing() -> str | None:
-    return None if importlib.util.find_spec("triton") else "the triton package is not installed (pip install triton)"
-
-
 def _load_triton():
     kernels = importlib.import_module("attention.kernels.norm_rope")
 
@@ -132,7 +127,5 @@ def _load_triton():
     return triton_impl
 
 
-# TRITON_INTERPRET=1 runs the kernel on the CPU (tests, fp32).
-_TRITON_DEVICES = ("cpu", "cuda") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
-NORM_ROPE_IMPLS.declare("triton", Capabilities(devices=_TRITON_DEVICES, unavailable=_triton_missing, auto_on=("cuda",),
+NORM_ROPE_IMPLS.declare("triton", Capabilities(devices=TRITON_DEVICES, unavailable=triton_missing, auto_on=("cuda",),
                                                priority=1), _load_triton)

@@ -17,11 +17,21 @@ inside torch.compile; the first `get` (at layer construction) does the import.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+# Where a Triton kernel runs: TRITON_INTERPRET=1 (tests) runs it on the CPU, in fp32 at tiny shapes.
+TRITON_DEVICES = ("cpu", "cuda") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+
+
+def triton_missing() -> str | None:
+    """Capabilities.unavailable of a Triton implementation."""
+    return None if importlib.util.find_spec("triton") else "the triton package is not installed (pip install triton)"
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,16 @@ Implementations:
 - "chunked": pure torch, CPU and CUDA. Walks the label tokens in chunks and computes, already in forward,
   the loss and the gradients wrt h and weight; only those are kept for backward, which scales them.
   Tokens without a label cost nothing (their loss and gradient are zero). One host sync per call.
+- "triton": "chunked" with each chunk's softmax, loss and logits' gradient in one Triton kernel
+  (runtime/loss_kernel.py) over the matmul-dtype logits, in place: two reads and a write of the chunk instead
+  of six fp32 passes, and no fp32 [chunk, V] buffer.
 - "liger": Liger-Kernel's fused linear cross-entropy (Triton, CUDA), when liger-kernel is installed.
 - "cce": Apple's Cut Cross-Entropy (Triton, CUDA, bf16/fp16 only: under autocast), when installed; its
   gradient filtering is off (filter_eps=None: skipping softmax entries below bf16 resolution moves grad h
   further off). It sums grad h over the vocabulary blocks into a bf16 buffer, one rounding per block, so it
   sits just past the bf16 tolerance the other implementations meet: an opt-in, never "auto"
   (docs/benchmarks.md#loss).
-"auto" is "chunked" (runtime.plan, from the capabilities declared here).
+"auto" is "triton" on CUDA, "chunked" elsewhere (runtime.plan, from the capabilities declared here).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from gpu.device import compute_dtype
-from gpu.registry import Capabilities, Registry
+from gpu.registry import TRITON_DEVICES, Capabilities, Registry, triton_missing
 
 IGNORE_INDEX = -100  # the label of a token without loss (runtime.data.packing writes it)
 LOGITS_CHUNK_BYTES = 1 << 30  # "chunked": one chunk's fp32 logits take about this much memory
@@ -79,12 +82,17 @@ def plain(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -
 def chunked(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
             chunk_size: int | None = None) -> torch.Tensor:
     """Label tokens in chunks of `chunk_size` (default: ~LOGITS_CHUNK_BYTES of fp32 logits per chunk)."""
+    return _chunked(h_TH, weight_VH, labels_T, chunk_size, _chunk_loss_and_grad_logits)
+
+
+def _chunked(h_TH, weight_VH, labels_T, chunk_size: int | None, chunk_fn) -> torch.Tensor:
+    """The chunk loop of "chunked" and "triton", with `chunk_fn` computing each chunk's loss and logits' grad."""
     chunk_size = chunk_size or default_chunk_size(weight_VH.shape[0])
     # Decided here: inside Function.forward grad mode is off, and under no_grad no gradient is wanted.
     grad_h = torch.is_grad_enabled() and h_TH.requires_grad
     grad_w = torch.is_grad_enabled() and weight_VH.requires_grad
     return _ChunkedLinearCrossEntropy.apply(h_TH, weight_VH, labels_T, compute_dtype(h_TH),
-                                            chunk_size, grad_h, grad_w)
+                                            chunk_size, grad_h, grad_w, chunk_fn)
 
 
 def default_chunk_size(vocab: int) -> int:
@@ -96,10 +104,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the (unscaled) input gradients; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h, grad_w):
+    def forward(ctx, h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h, grad_w, chunk_fn):
         with torch.autocast(h_TH.device.type, enabled=False):  # the casts below decide every dtype
             loss, grad_h_TH, grad_w_VH = _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size,
-                                                                 grad_h, grad_w)
+                                                                 grad_h, grad_w, chunk_fn)
         ctx.save_for_backward(grad_h_TH, grad_w_VH)
         return loss
 
@@ -113,10 +121,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h_TH.mul_(grad_loss)
         if grad_w_VH is not None:
             grad_w_VH.mul_(grad_loss)
-        return grad_h_TH, grad_w_VH, None, None, None, None, None
+        return grad_h_TH, grad_w_VH, None, None, None, None, None, None
 
 
-def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h: bool, grad_w: bool):
+def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h: bool, grad_w: bool, chunk_fn):
     """(loss_sum, d loss_sum / d h or None, d loss_sum / d weight or None), visiting label tokens only."""
     rows_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # the host sync: the label count sets the loop
     labels_N = labels_T[rows_N]
@@ -128,8 +136,7 @@ def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h
     for start in range(0, rows_N.numel(), chunk_size):
         rows_C = rows_N[start:start + chunk_size]
         h_CH = h_TH[rows_C].to(dtype)
-        chunk_loss, grad_logits_CV = _chunk_loss_and_grad_logits(h_CH, w_VH, labels_N[start:start + chunk_size],
-                                                                 grad_h or grad_w)
+        chunk_loss, grad_logits_CV = chunk_fn(h_CH, w_VH, labels_N[start:start + chunk_size], grad_h or grad_w)
         loss += chunk_loss
         if grad_h:
             grad_h_TH.index_copy_(0, rows_C, (grad_logits_CV @ w_VH).to(h_TH.dtype))
@@ -149,6 +156,20 @@ def _chunk_loss_and_grad_logits(h_CH, w_VH, labels_C, with_grad: bool):
     probs_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # in place: the fp32 logits are the chunk's largest buffer
     probs_CV.scatter_add_(1, labels_C[:, None], probs_CV.new_full((labels_C.shape[0], 1), -1.0))
     return loss, probs_CV.to(h_CH.dtype)
+
+
+def _load_triton():
+    from runtime.loss_kernel import cross_entropy_rows_
+
+    def chunk_fn(h_CH, w_VH, labels_C, with_grad: bool):
+        """The torch chunk's math in one kernel over the matmul-dtype logits, which become their gradient."""
+        logits_CV = h_CH @ w_VH.T
+        return cross_entropy_rows_(logits_CV, labels_C, with_grad), logits_CV if with_grad else None
+
+    def triton_loss(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+                    chunk_size: int | None = None) -> torch.Tensor:
+        return _chunked(h_TH, weight_VH, labels_T, chunk_size, chunk_fn)
+    return triton_loss
 
 
 def _missing(module: str, pip: str):
@@ -184,6 +205,8 @@ def _load_cce():
 
 
 # Imported when a layer is built (never inside a compiled region), so the config never loads Triton.
+LOSS_IMPLS.declare("triton", Capabilities(devices=TRITON_DEVICES, unavailable=triton_missing, auto_on=("cuda",),
+                                          priority=2), _load_triton)
 LOSS_IMPLS.declare("liger", Capabilities(devices=("cuda",), unavailable=_missing("liger_kernel", "liger-kernel")),
                    _load_liger)
 LOSS_IMPLS.declare("cce", Capabilities(devices=("cuda",), unavailable=_missing("cut_cross_entropy",

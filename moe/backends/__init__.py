@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from gpu.registry import Capabilities, Registry
+from gpu.registry import TRITON_DEVICES, Capabilities, Registry, triton_missing
 
 
 class ExpertBackend(Protocol):
@@ -39,16 +38,10 @@ def _module(name: str, module: str) -> Callable[[], ExpertBackend]:
     return load
 
 
-def _triton_missing() -> str | None:
-    return None if importlib.util.find_spec("triton") else "the triton package is not installed (pip install triton)"
-
-
 def _sonicmoe_missing() -> str | None:
     return importlib.import_module("moe.backends.sonicmoe").unavailable_reason()
 
 
-# TRITON_INTERPRET=1 runs the Triton kernels on the CPU (tests, at tiny shapes, fp32).
-_TRITON_DEVICES = ("cpu", "cuda") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=True)
 # The per-expert loop: the numerical reference (its FP4 path dequantizes by the eager valid count).
@@ -58,7 +51,7 @@ EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), prio
                                                    compile_cpu_dtypes=("bfloat16",)),
                         _module("grouped_mm", "moe.backends.grouped_mm"))
 # Fused Triton kernels, LoRA and FP4 dequant included: the fastest where CUDA and Triton are.
-EXPERT_BACKENDS.declare("scattermoe", Capabilities(devices=_TRITON_DEVICES, unavailable=_triton_missing,
+EXPERT_BACKENDS.declare("scattermoe", Capabilities(devices=TRITON_DEVICES, unavailable=triton_missing,
                                                    auto_on=("cuda",), priority=2),
                         _module("scattermoe", "moe.backends.scattermoe"))
 # Eager only (SonicMoE asserts it is not compiling); slower than scattermoe, so never "auto".

@@ -20,7 +20,7 @@ from runtime.loss import IGNORE_INDEX, LOSS_IMPLS, linear_cross_entropy_sum
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-FUSED_IMPLS = ["chunked", "liger", "cce"]
+FUSED_IMPLS = ["chunked", "triton", "liger", "cce"]
 # CCE 25.1.1 sums grad h over vocabulary blocks into a bf16 buffer (runtime/loss.py): 1.17e-2 unfiltered on an
 # H200; its default filtering measured 1.9e-2, which this bound still catches.
 GRAD_H_TOL = {"cce": 1.5e-2}

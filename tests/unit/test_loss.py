@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from runtime.loss import IGNORE_INDEX, LOSS_IMPLS, chunked, default_chunk_size, linear_cross_entropy_sum
 
 T, H, V = 37, 16, 101
-CPU_IMPLS = ["plain", "chunked"]
+CPU_IMPLS = ["plain", "chunked", "triton"]  # triton: in the Triton interpreter on the CPU
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -70,8 +70,11 @@ def impl_fn(impl, **kwargs):
     impl_fn("chunked", chunk_size=5),
     impl_fn("chunked", chunk_size=8),
     impl_fn("chunked", chunk_size=1000),
+    impl_fn("triton"),
+    impl_fn("triton", chunk_size=5),
     linear_cross_entropy_sum,
-], ids=["plain", "chunked-default", "chunked-1", "chunked-5", "chunked-8", "chunked-1000", "public-auto"])
+], ids=["plain", "chunked-default", "chunked-1", "chunked-5", "chunked-8", "chunked-1000", "triton-default", "triton-5",
+      "public-auto"])
 def test_fp32_matches_oracle(loss_fn):
     inputs = make_inputs()
     loss, grad_h, grad_w = loss_and_grads(loss_fn, *inputs)
@@ -132,7 +135,7 @@ def test_tied_weight_accumulates(impl):
 def test_bf16_inputs(impl):
     """bf16 h and weight outside autocast: bf16 matmuls, fp32 loss, bf16 grads."""
     inputs = make_inputs(dtype=torch.bfloat16)
-    loss, grad_h, grad_w = loss_and_grads(impl_fn(impl, **({"chunk_size": 6} if impl == "chunked" else {})),
+    loss, grad_h, grad_w = loss_and_grads(impl_fn(impl, **({"chunk_size": 6} if impl in ("chunked", "triton") else {})),
                                           *inputs)
     ref_loss, ref_h, ref_w = loss_and_grads(oracle_loss, *inputs)
     assert loss.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == torch.bfloat16
@@ -146,7 +149,7 @@ def test_autocast_matches_linear_under_autocast(impl):
     """fp32 h and master weight under bf16 autocast compute like nn.Linear does there (bf16 matmuls),
     not in fp32; grads come back in fp32."""
     inputs = make_inputs(seed=4)
-    fn = impl_fn(impl, **({"chunk_size": 6} if impl == "chunked" else {}))
+    fn = impl_fn(impl, **({"chunk_size": 6} if impl in ("chunked", "triton") else {}))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, grad_h, grad_w = loss_and_grads(fn, *inputs)
         ref_loss, ref_h, ref_w = loss_and_grads(oracle_loss, *inputs)
@@ -270,12 +273,12 @@ def test_chunked_under_torch_compile():
 # -- registry ----------------------------------------------------------------------------------------
 
 def test_registry_names_and_auto():
-    assert set(LOSS_IMPLS.names()) == {"auto", "plain", "chunked", "liger", "cce"}
+    assert set(LOSS_IMPLS.names()) == {"auto", "plain", "chunked", "triton", "liger", "cce"}
     assert LOSS_IMPLS.config_key == "model.loss_impl"
     from runtime.choices import Needs, choose
 
-    assert choose("model.loss_impl", "auto", Needs("cpu"))[0] == choose("model.loss_impl", "auto", Needs("cuda"))[0] \
-        == "chunked"
+    assert choose("model.loss_impl", "auto", Needs("cpu"))[0] == "chunked"
+    assert choose("model.loss_impl", "auto", Needs("cuda"))[0] == "triton"
     with pytest.raises(ValueError, match="model.loss_impl"):
         LOSS_IMPLS.get("fused")
 
