@@ -36,10 +36,9 @@ def cosine(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def require(impl: str) -> None:
-    try:
-        LOSS_IMPLS.resolve(impl)
-    except RuntimeError as err:
-        pytest.skip(str(err))
+    reason = LOSS_IMPLS.unavailable_reason(impl, "cuda")
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def make_inputs(tokens, hidden, vocab, weight_dtype=torch.float32, ignore_frac=0.25, seed=0):
