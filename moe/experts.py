@@ -151,11 +151,12 @@ class GroupedExperts(nn.Module):
             nn.init.zeros_(self.down_lora_B)
 
     def forward(self, x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                backend: str = "grouped_mm", valid_slots: int | None = None) -> torch.Tensor:
-        """Runs the expert backend `backend` (a concrete name) on these weights (valid_slots: see moe.backends).
+                backend: str = "grouped_mm", valid_slots: int | None = None, bound=None) -> torch.Tensor:
+        """Runs the expert backend `backend` (a concrete name) on these weights (valid_slots, bound: see
+        moe.backends).
         Calling the module (rather than the backend directly) lets wrappers such as FSDP gather the weights
         first."""
-        return expert_backend(backend)(x_MH, expert_ids_Mk, weights_Mk, self, valid_slots=valid_slots)
+        return expert_backend(backend)(x_MH, expert_ids_Mk, weights_Mk, self, valid_slots=valid_slots, bound=bound)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "

@@ -78,7 +78,7 @@ class MoEBlock(nn.Module):
         self.gate.record_counts(routing.counts_E)
         routed = self.dispatcher.dispatch(x_TH, routing.topk_ids_Tk, routing.topk_w_Tk)
         y_MH = self.experts(routed.x_MH, routed.expert_ids_Mk, routed.weights_Mk, backend=self.backend,
-                            valid_slots=routed.valid_slots)
+                            valid_slots=routed.valid_slots, bound=routed.bound)
         out_TH = self.dispatcher.combine(y_MH, routed)
         return self.add_shared(x_TH, out_TH, routing.aux_loss).reshape(shape)
 

@@ -149,6 +149,9 @@ class ParallelismConfig(Section):
         "the token exchange under ep > 1 (local: ep 1 only; all_gather: no host sync, more memory; auto: "
         "all_gather for LoRA at ep <= 4 where it fits, else all_to_all: docs/config-auto.md); every dispatcher "
         "is the identity at ep 1"))
+    gather_capacity: float = Field(1.25, gt=0, description=(
+        "all_gather's first bound on a rank's expert slots in training, in multiples of their count under balanced "
+        "routing (per-slot buffers are sized by it); a step that needs more is computed again with 1.5x"))
     activation_checkpoint: Literal["none", "full", "selective"] = Field("none", description=(
         "recompute in backward: none, whole blocks (full), or all but matmul/attention outputs and EP exchanges"))
     fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description=(

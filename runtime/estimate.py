@@ -92,6 +92,7 @@ class Run:
     targets: frozenset = frozenset()  # LoRA target modules
     ep: int = 1
     gathered: bool = False            # the all_gather dispatcher: every token to every EP rank
+    gather_capacity: float = 1.0      # its bound on the per-slot buffers, x the valid slots (parallelism.*)
 
     @property
     def full(self) -> bool:
@@ -109,16 +110,17 @@ class Run:
         return self.ep if self.gathered else ep_visits(self.q.num_experts_per_tok, self.ep)
 
     @property
-    def slot_buffers(self) -> int:
-        """The expert-sorted buffers' rows per valid slot: 1, or ep when gathered (sized by every received slot:
-        the valid count is on the device only)."""
-        return self.ep if self.gathered else 1
+    def slot_buffers(self) -> float:
+        """The expert-sorted buffers' rows per valid slot: 1, or when gathered the bound's capacity (the valid
+        count is on the device only; at most ep, every received slot). A run whose routing needs more grows it."""
+        return min(self.ep, self.gather_capacity) if self.gathered else 1
 
 
 def run_of(cfg: Config, qcfg: QwenConfig, cuda: bool, ep: int = 1) -> Run:
     lora = cfg.lora
     return Run(qcfg, precision(cfg, cuda), lora.rank if lora.enabled else 0, frozenset(lora.target_modules), ep,
-               gathered=ep > 1 and cfg.parallelism.dispatcher == "all_gather")
+               gathered=ep > 1 and cfg.parallelism.dispatcher == "all_gather",
+               gather_capacity=cfg.parallelism.gather_capacity)
 
 
 def ep_visits(num_experts_per_tok: int, ep: int) -> float:

@@ -27,7 +27,7 @@ from runtime.checkpoint import CheckpointManager, NonFiniteParameters, check_sam
 from runtime.config import Config
 from runtime.data.chat import load_tokenizer
 from runtime.data.loader import build_dataloader, eval_batches
-from runtime.distributed.expert_parallel import ep_load
+from runtime.distributed.expert_parallel import ep_load, moe_dispatcher
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.parallelize import parallelize
@@ -98,6 +98,26 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
         return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")
     compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
                else nullcontext())
+    loss_total = forward_backward(model, batches, env, compute, global_labels)
+    while slots_dropped(model, env):  # the same micro-batches again, the bound grown
+        optimizer.zero_grad(set_to_none=True)
+        loss_total = forward_backward(model, batches, env, compute, global_labels)
+    if on_grads is not None:
+        on_grads(model)
+    grad_norm, grad_scale = grad_norm_and_clip_scale(model, cfg.optim.grad_clip, env.world_size)
+    loss_value = all_reduce_sum(loss_total.item(), env)
+    # Both numbers are global (all-reduced), so every rank takes the same branch.
+    skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
+    if skipped is None:
+        optimizer_step(optimizer, grad_scale)
+    update_router_biases(model, env, applied=skipped is None)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load(model, env.device))
+
+
+def forward_backward(model, batches: list, env: DistEnv, compute, global_labels: int) -> torch.Tensor:
+    """Accumulates the gradients of the step's micro-batches; returns their summed loss (a device scalar)."""
+    cp = model.context_parallel
     loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
     for batch in batches:
         batch = batch.to(env.device)
@@ -111,17 +131,24 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
             loss = loss_sum / global_labels
         loss.backward()
         loss_total += loss.detach()
-    if on_grads is not None:
-        on_grads(model)
-    grad_norm, grad_scale = grad_norm_and_clip_scale(model, cfg.optim.grad_clip, env.world_size)
-    loss_value = all_reduce_sum(loss_total.item(), env)
-    # Both numbers are global (all-reduced), so every rank takes the same branch.
-    skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
-    if skipped is None:
-        optimizer_step(optimizer, grad_scale)
-    update_router_biases(model, env, applied=skipped is None)
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load(model, env.device))
+    return loss_total
+
+
+def slots_dropped(model, env: DistEnv) -> bool:
+    """Whether a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped expert
+    slots on any rank in the micro-batches just run; if so the bound grows (alike on every rank) and the
+    caller computes them again. One host read and a sum over the ranks, only where there is such a bound."""
+    dispatcher = moe_dispatcher(model)
+    if dispatcher is None or dispatcher.dropped is None:
+        return False
+    dropped = all_reduce_sum(dispatcher.dropped.item(), env)
+    dispatcher.dropped.zero_()
+    if not dropped:
+        return False
+    capacity = dispatcher.grow()
+    log.warning("parallelism.gather_capacity: %d expert slots did not fit the bound; computing the step again "
+                "at capacity %.3g (set parallelism.gather_capacity: %.3g to start there)", dropped, capacity, capacity)
+    return True
 
 
 def update_router_biases(model, env: DistEnv, applied: bool) -> None:

@@ -1,12 +1,15 @@
 """Expert compute backends, interchangeable under one contract, in the `EXPERT_BACKENDS` registry.
 
-    y_MH = expert_backend(name)(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None)
+    y_MH = expert_backend(name)(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None, bound=None)
 
 computes y[m] = sum_j weights[m, j] * expert_{ids[m, j]}(x[m]) over slots with id >= 0, where
 expert(x) = down(silu(gate(x)) * up(x)) (+ LoRA). Sentinel-skip: no row is computed for a -1 slot.
 valid_slots: the number of slots with id >= 0 when the caller knows it on the host (the EP dispatchers'
 Routed.valid_slots), else None; it must be exact. scattermoe sizes its per-slot buffers by it (under EP
 most of the M*k slots are -1), grouped_mm takes it instead of reading the count from the device.
+bound: a moe.capacity.SlotCapacity where valid_slots is unknown (the all_gather dispatcher in
+training): scattermoe sizes its buffers by bound.rows and drops (and counts) the valid slots past it; the
+other backends hold every valid slot and ignore it (exact, no memory saved).
 Backends read weights only through `experts.base_weight(name)` and `experts.lora(name)`.
 """
 
@@ -26,7 +29,7 @@ from gpu.registry import TRITON_DEVICES, Capabilities, Registry, triton_missing
 
 class ExpertBackend(Protocol):
     def __call__(self, x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                 experts, valid_slots: int | None = None) -> torch.Tensor: ...
+                 experts, valid_slots: int | None = None, bound=None) -> torch.Tensor: ...
 
 
 def _module(name: str, module: str) -> Callable[[], ExpertBackend]:

@@ -38,7 +38,7 @@ def expert_forward(experts, e: int, x_NH: torch.Tensor) -> torch.Tensor:
 
 @EXPERT_BACKENDS.register("eager")
 def eager_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                  experts, valid_slots: int | None = None) -> torch.Tensor:
+                  experts, valid_slots: int | None = None, bound=None) -> torch.Tensor:
     # Under autocast the expert outputs come out in the compute dtype, not the fp32 stream's.
     y_MH = torch.zeros_like(x_MH, dtype=compute_dtype(x_MH))
     for e in range(experts.num_experts):

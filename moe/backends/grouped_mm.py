@@ -136,7 +136,7 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int):
 
 @EXPERT_BACKENDS.register("grouped_mm")
 def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                       experts, valid_slots: int | None = None) -> torch.Tensor:
+                       experts, valid_slots: int | None = None, bound=None) -> torch.Tensor:
     k = expert_ids_Mk.shape[1]
     slots_N, offs_E, valid_N = sort_slots(expert_ids_Mk, experts.num_experts)
     if torch.compiler.is_compiling():

@@ -1,10 +1,12 @@
 """`scattermoe` expert backend: ScatterMoE-style Triton kernels with fused LoRA and sentinel-skip.
 
-    y_MH = expert_backend("scattermoe")(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None)
+    y_MH = expert_backend("scattermoe")(x_MH, expert_ids_Mk, weights_Mk, experts, valid_slots=None, bound=None)
 
 Shapes: M routed rows, k slots, E local experts, H hidden, I intermediate, r LoRA rank, S the rows of the
 expert-sorted buffers below: the valid slots when the caller passes their number (valid_slots: the EP
-dispatchers know it on the host; at ep=4 with k=8 about 28% of the M*k slots are valid), else M*k.
+dispatchers know it on the host; at ep=4 with k=8 about 28% of the M*k slots are valid), else a SlotCapacity
+bound's rows (the all_gather dispatcher's: valid slots past it are dropped and counted, moe.capacity),
+else M*k.
 Weights are read in the GroupedExperts layout through strides (gate_up [E, 2I, H], down [E, H, I],
 A [E, r, in], B [E, out, r]); the backward's transposes are views, never copies.
 
@@ -56,7 +58,15 @@ from moe.kernels.grouped_linear import (
     swiglu_backward,
 )
 from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
-from moe.kernels.routing import SlotOrder, combine, gather_rows, slot_capacity, sort_slots
+from moe.kernels.routing import (
+    SlotCapacity,
+    SlotOrder,
+    combine,
+    drop_past,
+    gather_rows,
+    slot_capacity,
+    sort_slots,
+)
 from quant import FP4Weight
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
@@ -208,15 +218,18 @@ def _op_format(w_gu, w_down) -> str:
     return formats.pop()
 
 
-@torch.library.custom_op("moert::scattermoe_sort", mutates_args=())
-def _sort_op(ids_Mk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                             torch.Tensor]:
+@torch.library.custom_op("moert::scattermoe_sort", mutates_args=("dropped",))
+def _sort_op(ids_Mk: torch.Tensor, num_experts: int, capacity: int, dropped: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sort_slots; with `dropped` (a SlotCapacity's counter) the valid slots past `capacity` are dropped."""
     slots = sort_slots(ids_Mk, num_experts)
+    if dropped is not None:
+        drop_past(slots.offsets_E1, capacity, dropped)
     return slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S
 
 
 @_sort_op.register_fake
-def _(ids_Mk, num_experts):
+def _(ids_Mk, num_experts, capacity, dropped):
     S = ids_Mk.numel()
     def new(n):
         return ids_Mk.new_empty(n, dtype=torch.int32)
@@ -305,7 +318,7 @@ def _check(experts) -> None:
 
 @EXPERT_BACKENDS.register("scattermoe")
 def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                       experts, valid_slots: int | None = None) -> torch.Tensor:
+                       experts, valid_slots: int | None = None, bound: SlotCapacity | None = None) -> torch.Tensor:
     _check(experts)
     # Under autocast the fp32 residual stream and fp32 master weights enter here; the kernels have no
     # autocast rule, so every operand takes the compute dtype (no copy when it already has it).
@@ -325,11 +338,13 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     if torch.compiler.is_compiling():
         fmt = _op_format(w_gu, w_down)
         (w_gu, *gu_scales), (w_down, *down_scales) = _weight_parts(w_gu), _weight_parts(w_down)
-        order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts)
+        capacity = slot_capacity(expert_ids_Mk.numel(), valid_slots, bound)
+        dropped = bound.dropped if bound is not None and valid_slots is None else None
+        order_S, inv_S, offsets_E1, rows_S = torch.ops.moert.scattermoe_sort(expert_ids_Mk, experts.num_experts,
+                                                                             capacity, dropped)
         return torch.ops.moert.scattermoe_fwd(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down),
                                               *gu_scales, *down_scales, expert_ids_Mk, order_S, inv_S, offsets_E1,
-                                              rows_S, slot_capacity(expert_ids_Mk.numel(), valid_slots),
-                                              experts.lora_scaling, fmt)[0]
-    slots = sort_slots(expert_ids_Mk, experts.num_experts, valid_slots)
+                                              rows_S, capacity, experts.lora_scaling, fmt)[0]
+    slots = sort_slots(expert_ids_Mk, experts.num_experts, valid_slots, bound)
     return _ScatterMoE.apply(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down), slots,
                              experts.lora_scaling)

@@ -229,7 +229,7 @@ def check_inputs(x_MH: torch.Tensor, experts) -> None:
 
 
 def sonicmoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_Mk: torch.Tensor,
-                     experts, valid_slots: int | None = None) -> torch.Tensor:
+                     experts, valid_slots: int | None = None, bound=None) -> torch.Tensor:
     check_inputs(x_MH, experts)
     moe_fn, swiglu = load_sonic()
     return sonicmoe_forward(x_MH, expert_ids_Mk, weights_Mk, experts, moe_fn, swiglu)

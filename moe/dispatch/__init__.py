@@ -1,7 +1,7 @@
 """Token dispatchers behind one contract (see moe/dispatch/base.py), in the `DISPATCHERS` registry
 (config key parallelism.dispatcher).
 
-    dispatcher = build_dispatcher(name, ep_group, num_experts, tokens_per_rank)
+    dispatcher = build_dispatcher(name, ep_group, num_experts, tokens_per_rank, gather_capacity)
 
 `local` keeps every expert on this rank (the identity); `all_to_all` exchanges tokens over the EP
 group, and is the identity too when that group has one rank (nothing to exchange, no collective).
@@ -30,8 +30,8 @@ from moe.dispatch.local import LocalDispatcher
 __all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "Dispatcher", "LoadReading",
            "LocalDispatcher", "Routed", "build_dispatcher"]
 
-# (EP group or None, num_experts, tokens per rank per forward or None) -> a dispatcher for the blocks of one model
-DispatcherFactory = Callable[[dist.ProcessGroup | None, int, int | None], Dispatcher]
+# (EP group or None, num_experts, tokens per rank per forward or None, all_gather's capacity) -> a dispatcher
+DispatcherFactory = Callable[[dist.ProcessGroup | None, int, int | None, float], Dispatcher]
 # auto is resolved by runtime.plan (memory and LoRA decide, not capabilities alone)
 DISPATCHERS: Registry[DispatcherFactory] = Registry("dispatcher", "parallelism.dispatcher", auto=True)
 
@@ -42,24 +42,27 @@ def _ep_size(ep_group: dist.ProcessGroup | None) -> int:
 
 # Every expert on every rank: ep 1 only (runtime.plan refuses it under ep > 1).
 @DISPATCHERS.register("local", Capabilities(ep=False))
-def _local(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None) -> Dispatcher:
+def _local(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None,
+           capacity: float) -> Dispatcher:
     return LocalDispatcher()
 
 
 @DISPATCHERS.register("all_to_all", Capabilities())
-def _all_to_all(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None) -> Dispatcher:
+def _all_to_all(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None,
+                capacity: float) -> Dispatcher:
     if _ep_size(ep_group) == 1:
         return LocalDispatcher()
     return AllToAllDispatcher(ep_group, num_experts)
 
 
 @DISPATCHERS.register("all_gather", Capabilities())
-def _all_gather(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None) -> Dispatcher:
+def _all_gather(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None,
+                capacity: float) -> Dispatcher:
     if _ep_size(ep_group) == 1:
         return LocalDispatcher()
     if tokens_per_rank is None:
         raise ValueError("the all_gather dispatcher pads every rank's tokens to one size: pass tokens_per_rank")
-    return AllGatherDispatcher(ep_group, num_experts, tokens_per_rank)
+    return AllGatherDispatcher(ep_group, num_experts, tokens_per_rank, capacity)
 
 
 def _deepep_missing() -> str | None:
@@ -68,7 +71,8 @@ def _deepep_missing() -> str | None:
 
 
 @DISPATCHERS.register("deepep", Capabilities(devices=("cuda",), unavailable=_deepep_missing))
-def _deepep(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None) -> Dispatcher:
+def _deepep(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_rank: int | None,
+            capacity: float) -> Dispatcher:
     if _ep_size(ep_group) == 1:
         return LocalDispatcher()
     from moe.dispatch.deepep import DeepEPDispatcher  # imports deep_ep (and CUDA) only now
@@ -77,7 +81,8 @@ def _deepep(ep_group: dist.ProcessGroup | None, num_experts: int, tokens_per_ran
 
 
 def build_dispatcher(name: str, ep_group: dist.ProcessGroup | None, num_experts: int,
-                     tokens_per_rank: int | None = None) -> Dispatcher:
+                     tokens_per_rank: int | None = None, gather_capacity: float = 1.25) -> Dispatcher:
     """The dispatcher `name` over `ep_group` (None: no expert parallelism); tokens_per_rank: the most tokens a
-    rank routes in one forward (all_gather pads to it)."""
-    return DISPATCHERS.get(name)(ep_group, num_experts, tokens_per_rank)
+    rank routes in one forward (all_gather pads to it); gather_capacity: all_gather's first bound on a rank's
+    valid slots, in multiples of their balanced count (moe/dispatch/all_gather.py)."""
+    return DISPATCHERS.get(name)(ep_group, num_experts, tokens_per_rank, gather_capacity)

@@ -13,19 +13,25 @@ Every size is known on the host before any data moves (B, R), so nothing waits f
   ahead of the GPU through every layer, and dispatch and combine trace into a fullgraph torch.compile region.
 The price: every token travels to every rank, not only to the ranks that own its experts. With top-k 8 of
   128 experts a token needs nearly every rank at ep 2 and 4 (1 - (1 - 1/ep)^k: 99.6%, 90%), so the bytes are
-  about all_to_all's there; at ep 8 they are 1.5x (66%). The backends size their per-slot buffers by all
-  M * k slots (valid_slots is not known on the host), though they compute only the valid ones.
+  about all_to_all's there; at ep 8 they are 1.5x (66%).
+Buffers: valid_slots is not known on the host, so in training the backend gets a bound instead
+  (moe.capacity.SlotCapacity): capacity x B * k rows, B * k being a rank's valid slots under perfectly balanced
+  routing; the valid slots past it are dropped and counted, and runtime.train grows the bound (`grow`) and
+  computes the step again, so nothing trained ever comes from a dropped slot. Without grad (evaluation) there
+  is no bound: the buffers take all M * k slots for that forward only.
 Autograd: all-gather's backward is a reduce-scatter of the gradients and vice versa.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moe.capacity import SlotCapacity
 from moe.dispatch.base import (
     Dispatcher,
     Routed,
@@ -102,14 +108,26 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
 class AllGatherDispatcher(Dispatcher):
     traceable = True  # no host sync, no size that depends on the routing
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, tokens_per_rank: int):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, tokens_per_rank: int, capacity: float):
         ep = dist.get_world_size(group)
         self.group = group
         self.ep = ep
         self.num_local_experts = local_expert_count(num_experts, ep)
         self.first_expert = dist.get_rank(group) * self.num_local_experts
         self.tokens_per_rank = tokens_per_rank
-        self.loads = DeviceLoadLog(ep, _group_device(group))
+        self.capacity = capacity  # x a rank's valid slots under balanced routing
+        device = _group_device(group)
+        self.loads = DeviceLoadLog(ep, device)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=device)  # valid slots past the bound, since reset
+
+    def bound(self, topk: int) -> SlotCapacity:
+        return SlotCapacity(math.ceil(self.capacity * self.tokens_per_rank * topk), self.dropped)
+
+    def grow(self) -> float:
+        """The capacity x 1.5 (every rank alike, after a step that dropped slots); at most ep: every gathered
+        slot, which nothing exceeds."""
+        self.capacity = min(self.capacity * 1.5, float(self.ep))
+        return self.capacity
 
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor,
                  topk_w_Tk: torch.Tensor) -> AllGatherRouted:
@@ -125,7 +143,9 @@ class AllGatherDispatcher(Dispatcher):
         local_Mk = ids_Mk - self.first_expert
         owned_Mk = (local_Mk >= 0) & (local_Mk < self.num_local_experts)
         self.loads.add(ids_Mk, self.num_local_experts)
-        return AllGatherRouted(x_MH, torch.where(owned_Mk, local_Mk, -1), w_Mk, T)
+        # the bound only where a backward will keep the buffers; a forward without grad sizes them whole
+        bound = self.bound(topk_ids_Tk.shape[1]) if torch.is_grad_enabled() else None
+        return AllGatherRouted(x_MH, torch.where(owned_Mk, local_Mk, -1), w_Mk, T, bound=bound)
 
     def combine(self, y_MH: torch.Tensor, routed: AllGatherRouted) -> torch.Tensor:
         check_combine_shape(y_MH, routed)

@@ -9,7 +9,8 @@ Shapes: T tokens of this rank, H hidden, k top-k, M rows this rank computes.
 `expert_ids_Mk` holds *local* expert ids, or -1 for a slot whose expert lives on another rank;
 backends skip -1 slots. `valid_slots`, where the dispatcher knows it on the host without a sync (an EP
 exchange brings its counts to the host anyway), is the number of slots with an id >= 0: backends size
-their per-slot buffers by it instead of M*k (under EP most slots are -1). None: not known. `y_MH` is
+their per-slot buffers by it instead of M*k (under EP most slots are -1). None: not known; then `bound`
+(a moe.capacity.SlotCapacity) may cap those buffers, dropping and counting the valid slots past it. `y_MH` is
 already the routing-weighted sum over the valid slots of each row, so combine only has to bring rows
 home and add them per token. Both calls are differentiable:
 the backward of dispatch is a combine-shaped op and vice versa, and gradients reach x_TH and
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe.capacity import SlotCapacity
 from moe.dispatch.load import LoadLog, LoadReading
 
 
@@ -38,6 +40,8 @@ class Routed:
     expert_ids_Mk: torch.Tensor  # local expert id per slot, -1 where the expert lives elsewhere
     weights_Mk: torch.Tensor     # routing weights, dtype as given to dispatch; -1 slots are ignored
     valid_slots: int | None = field(default=None, kw_only=True)  # slots with an id >= 0, when known on the host
+    # where valid_slots is not known: the bound a backend may size its buffers by (moe.capacity)
+    bound: SlotCapacity | None = field(default=None, kw_only=True)
 
 
 class Dispatcher(ABC):
@@ -46,6 +50,13 @@ class Dispatcher(ABC):
     # (load_reading)
     group: dist.ProcessGroup | None = None
     loads: LoadLog | None = None
+    # A dispatcher that bounds the backends' buffers (Routed.bound): the valid slots dropped past the bound
+    # since the caller last zeroed it (a device int64 scalar), and `grow` to raise the bound
+    dropped: torch.Tensor | None = None
+
+    def grow(self) -> float:
+        """Raises the bound after a step dropped slots; returns the new one. Only where `dropped` is set."""
+        raise NotImplementedError(f"{type(self).__name__} bounds no buffers")
 
     @abstractmethod
     def dispatch(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_w_Tk: torch.Tensor) -> Routed:

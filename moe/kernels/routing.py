@@ -3,14 +3,15 @@
 Shapes: M routed rows, k slots per row, S = M*k slots (slot s = m*k + j), E local experts, H hidden,
 V valid slots (id >= 0).
 
-    slots = sort_slots(expert_ids_Mk, E, valid_slots=None)  # no host sync: every size is given or a shape
+    slots = sort_slots(expert_ids_Mk, E, valid_slots=None, bound=None)  # no host sync: every size is given
     y_MH = combine(z_VH, slots, weights_Mk)  # y[m] = sum_j w[m,j] * z[pos(m,j)] over slots with id >= 0
     xg_VH = gather_rows(x_MH, slots)         # xg[p] = x[rows[p]] for the valid positions p < offsets[E]
 
 Valid slots (id >= 0) are sorted by expert to the front; -1 slots get the sentinel key E, land behind
 every expert segment and are never read or computed by any kernel. Buffers in expert-sorted order
 (slots.new_rows) have `slots.capacity` rows: V (rounded up to 16) when the caller knows it on the host
-(under EP the dispatcher does, and most slots are -1 there), else S. Rows past the valid positions stay
+(under EP the all_to_all dispatcher does, and most slots are -1 there), else a SlotCapacity bound's rows
+(the valid slots past it are dropped and counted), else S. Rows past the valid positions stay
 unwritten (torch.empty) and are masked out wherever they could be seen; no kernel touches a position
 >= offsets[E].
 
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 
 from gpu.launch import cdiv, launch, next_power_of_2
+from moe.capacity import SlotCapacity
 
 
 @dataclass(frozen=True)
@@ -181,12 +183,14 @@ def _scatter_kernel(ids_ptr, before_ptr, offsets_ptr, order_ptr, rows_ptr, inv_p
 _ROW_ALIGN = 16
 
 
-def slot_capacity(num_slots: int, valid_slots: int | None) -> int:
-    """Rows of the expert-sorted buffers: the valid slots when known (rounded up to _ROW_ALIGN, at most all
-    slots), else all slots; at least one where there are slots (an empty buffer would reach the GEMMs'
-    tensor descriptors). sym_min / sym_max where a count is symbolic under torch.compile: min / max would
+def slot_capacity(num_slots: int, valid_slots: int | None, bound: SlotCapacity | None = None) -> int:
+    """Rows of the expert-sorted buffers: the valid slots when known, else the bound's rows when given
+    (either rounded up to _ROW_ALIGN, at most all slots), else all slots; at least one where there are slots
+    (an empty buffer would reach the GEMMs' tensor descriptors). sym_min / sym_max where a count is symbolic under torch.compile: min / max would
     guard on which side wins (a recompile when it flips); plain ints take min / max (torch 2.11's dynamo refuses
     a torch.sym_* call that returns an int)."""
+    if valid_slots is None and bound is not None:
+        valid_slots = min(bound.rows, num_slots)
     if valid_slots is None:
         return num_slots
     if not 0 <= valid_slots <= num_slots:
@@ -197,11 +201,14 @@ def slot_capacity(num_slots: int, valid_slots: int | None) -> int:
     return torch.sym_min(num_slots, torch.sym_max(rounded, 1))
 
 
-def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int | None = None) -> SlotOrder:
+def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int | None = None,
+               bound: SlotCapacity | None = None) -> SlotOrder:
     """Expert-sorted order of the M*k slots, by three kernels and no host sync.
 
     valid_slots: the number of ids >= 0, when the caller knows it on the host (it must be exact: the
-    buffers sized by it hold every valid position); the SlotOrder's capacity is slot_capacity(M*k, it).
+    buffers sized by it hold every valid position); the SlotOrder's capacity is slot_capacity(M*k, it, bound).
+    bound (without valid_slots): the valid slots past its capacity are dropped: offsets_E1 is clamped to the
+    capacity, so no kernel reaches them, and their number is added to bound.dropped.
 
     Key of a slot: its expert id, or num_experts for a -1 slot (the sentinels sort behind every
     expert segment). Stable: equal keys keep slot order, so each expert's rows stay in token order
@@ -213,7 +220,7 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int |
     E, topk = num_experts, expert_ids_Mk.shape[1]
     ids_S = expert_ids_Mk.contiguous().view(-1)
     S, dev = ids_S.numel(), ids_S.device
-    capacity = slot_capacity(S, valid_slots)
+    capacity = slot_capacity(S, valid_slots, bound)
     order_S = torch.empty(S, device=dev, dtype=torch.int32)
     rows_S = torch.empty(S, device=dev, dtype=torch.int32)
     inv_S = torch.empty(S, device=dev, dtype=torch.int32)
@@ -233,26 +240,36 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int |
            {"KEYS": _SCAN_KEYS, "CHUNK_B": _SCAN_BLOCKS, "BINS": bins, "num_warps": 4})
     launch(_scatter_kernel, (num_blocks,), (ids_S, scratch, offsets_E1, order_S, rows_S, inv_S, S, E, topk),
            {"BLOCK_S": block_s, "num_warps": _scatter_warps(block_s)})
+    if valid_slots is None and bound is not None:
+        drop_past(offsets_E1, capacity, bound.dropped)
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
                      num_experts=E, rows_S=rows_S, capacity=capacity)
 
 
+def drop_past(offsets_E1: torch.Tensor, capacity: int, dropped: torch.Tensor) -> None:
+    """Counts the valid slots sorted past `capacity` into `dropped` and clamps the segments to end by it."""
+    dropped += (offsets_E1[-1] - capacity).clamp_min(0)
+    offsets_E1.clamp_(max=capacity)
+
+
 @triton.jit
-def _combine_kernel(z_ptr, s_z_m, inv_ptr, ids_ptr, w_ptr, y_ptr, s_y_m, H,
+def _combine_kernel(z_ptr, s_z_m, inv_ptr, ids_ptr, offsets_ptr, w_ptr, y_ptr, s_y_m, H, E,
                     TOPK: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
     m = tl.program_id(0)
     h_H = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_H = h_H < H
     acc_H = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    num_valid = tl.load(offsets_ptr + E)  # less than the valid slots where a capacity dropped some
     for j in tl.static_range(TOPK):
         slot = m * TOPK + j
-        # -1 slots are skipped entirely: their rows of z were never written.
+        # -1 and dropped slots are skipped entirely: their rows of z were never written.
         if tl.load(ids_ptr + slot) >= 0:
-            pos = tl.load(inv_ptr + slot).to(tl.int64)
-            z_H = tl.load(z_ptr + pos * s_z_m + h_H, mask=mask_H, other=0.0).to(tl.float32)
-            if HAS_W:
-                z_H = z_H * tl.load(w_ptr + slot).to(tl.float32)
-            acc_H += z_H
+            pos = tl.load(inv_ptr + slot)
+            if pos < num_valid:
+                z_H = tl.load(z_ptr + pos.to(tl.int64) * s_z_m + h_H, mask=mask_H, other=0.0).to(tl.float32)
+                if HAS_W:
+                    z_H = z_H * tl.load(w_ptr + slot).to(tl.float32)
+                acc_H += z_H
     tl.store(y_ptr + m.to(tl.int64) * s_y_m + h_H, acc_H.to(y_ptr.dtype.element_ty), mask=mask_H)
 
 
@@ -265,7 +282,8 @@ def combine(z_SH: torch.Tensor, slots: SlotOrder, weights_Mk: torch.Tensor | Non
     w_S = weights_Mk.reshape(-1) if weights_Mk is not None else None
     block_h = min(1024, next_power_of_2(H))
     launch(_combine_kernel, (M, cdiv(H, block_h)), (
-        z_SH, z_SH.stride(0), slots.inv_S, slots.ids_S, w_S, y_MH, y_MH.stride(0), H),
+        z_SH, z_SH.stride(0), slots.inv_S, slots.ids_S, slots.offsets_E1, w_S, y_MH, y_MH.stride(0), H,
+        slots.num_experts),
         {"TOPK": slots.topk, "HAS_W": w_S is not None, "BLOCK_H": block_h, "num_warps": 4})
     return y_MH
 

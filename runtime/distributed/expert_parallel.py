@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from moe.dispatch import LoadReading, build_dispatcher
+from moe.dispatch import Dispatcher, LoadReading, build_dispatcher
 from runtime.config import Config
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
@@ -21,7 +21,8 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
     the MoE blocks' collectives run over."""
     ep_group = meshes.ep_group if meshes is not None and dims.ep > 1 else None
     tokens_per_rank = cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
-    dispatcher = build_dispatcher(dispatcher_name, ep_group, model.config.num_experts, tokens_per_rank)
+    dispatcher = build_dispatcher(dispatcher_name, ep_group, model.config.num_experts, tokens_per_rank,
+                                  cfg.parallelism.gather_capacity)
     balance_group = dist.group.WORLD if meshes is not None else None
     for block in model.moe_blocks():
         block.wire(dispatcher, balance_group, aux_grad_scale=1.0 / cfg.train.grad_accum_steps)
@@ -32,5 +33,11 @@ def ep_load(model: QwenForCausalLM, device) -> LoadReading | None:
     """Routing imbalance and host skew of the EP exchanges since the last call (moe/dispatch/load.py), read
     from the dispatcher the MoE blocks share: a collective over the EP group (every rank calls it); None
     without EP or MoE layers."""
+    dispatcher = moe_dispatcher(model)
+    return None if dispatcher is None else dispatcher.load_reading(device)
+
+
+def moe_dispatcher(model: QwenForCausalLM) -> Dispatcher | None:
+    """The dispatcher the MoE blocks share (None without MoE layers)."""
     block = next(iter(model.moe_blocks()), None)
-    return None if block is None else block.dispatcher.load_reading(device)
+    return None if block is None else block.dispatcher

@@ -1,6 +1,6 @@
 """The all_gather dispatcher against one process with every expert (test_dispatch's cases and reference), and
-in training: ep=2 eager (full fine-tune with selective checkpointing) and compiled whole-block against the
-single-process run.
+in training: ep=2 eager (full fine-tune with selective checkpointing), compiled whole-block, and scattermoe
+under a bound too small for the routing (the steps computed again, grown) against the single-process run.
 
 Each rank's T differs in most cases, so every rank pads to the largest T (tokens_per_rank) and the padding rows
 must route nowhere."""
@@ -97,3 +97,46 @@ def test_compiled_blocks_trace_whole_through_the_exchange(run_dist, tmp_path):
         imbalances = [step["ep_load"][0] for step in compiled]
         assert all(i >= 1.0 for i in imbalances), imbalances  # logged from inside the compiled blocks
     check_against_eager_and_reference(results, ref)
+
+
+# One step of 32 tokens per rank through scattermoe (the Triton interpreter: CI time), buffers for half a rank's
+# balanced slots
+BOUNDED = {"expert_backend": "scattermoe", "steps": 1, "seq_len": 32, "ep": 2, "dispatcher": "all_gather",
+           "gather_capacity": 0.5}
+
+
+def _bounded_training(rank: int, world_size: int, tmp: str) -> tuple[list[dict], list[str]] | None:
+    """Trains the bounded config on this rank; returns rank 0's steps and the runtime's warnings."""
+    import logging
+
+    from runtime.distributed.mesh import ParallelDims
+    from runtime.distributed.process_group import DistEnv
+    from runtime.verify import record_run
+    from tests.dist.test_parity import tiny_config
+
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("runtime").addHandler(handler)
+    cfg = tiny_config(False, tmp, **BOUNDED)
+    dims = ParallelDims.resolve(1, -1, 1, 2, world_size)
+    steps = record_run(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, dims.build_meshes("cpu"))
+    return (steps, warned) if rank == 0 else None
+
+
+@pytest.mark.dist
+def test_a_bound_too_small_grows_and_the_step_is_computed_again(run_dist, tmp_path):
+    """scattermoe behind all_gather with parallelism.gather_capacity 0.5 (buffers for half a rank's balanced
+    slots): the step drops slots on the first tries, the bound grows by 1.5x until they fit, and the step's loss
+    and gradients equal the single process's (grouped_mm there; fp32 bounds), as if nothing had been dropped."""
+    from runtime.distributed.mesh import ParallelDims
+    from runtime.verify import compare
+    from tests.dist.test_parity import shared_reference, tiny_config
+
+    cfg = tiny_config(False, str(tmp_path / "ref"), **{**BOUNDED, "expert_backend": "grouped_mm"})
+    ref = shared_reference(cfg, ParallelDims.resolve(1, -1, 1, 2, 2), 1)  # one process, another backend
+    steps, warned = run_dist(_bounded_training, 2, str(tmp_path / "dist"), timeout_s=180)[0]
+    grown = [w for w in warned if w.startswith("parallelism.gather_capacity")]
+    assert grown and "computing the step again at capacity" in grown[0], warned
+    ok, lines = compare(steps, ref, "float32")
+    assert ok, "\n".join(lines)

@@ -295,19 +295,23 @@ def test_replicated_frozen_dense_weights_count_whole_on_every_rank():
     assert placed("auto", memory=8 * dense - 8).parameters == shard.parameters
 
 
-def test_all_gather_dispatcher_counts_every_received_slot():
-    """parallelism.dispatcher all_gather sizes scattermoe's per-slot buffers by every gathered slot (ep x the valid
-    ones: the valid count is on the device only) and receives every rank's tokens: the 48-layer LoRA at ep4 of
-    benchmarks/configs/qwen3-30b-a3b-random.yaml, no checkpointing, against the peaks 4x H200 measured in one call
-    (2026-11-27, docs/benchmarks.md#multi-gpu-step): all_to_all 64.3 GiB, all_gather 105.0 GiB."""
+def test_all_gather_dispatcher_counts_its_bound():
+    """parallelism.dispatcher all_gather sizes scattermoe's per-slot buffers by its bound (gather_capacity x the
+    valid slots of balanced routing; at most ep x, every gathered slot) and receives every rank's tokens: the
+    48-layer LoRA at ep4 of benchmarks/configs/qwen3-30b-a3b-random.yaml, no checkpointing, against the peaks
+    4x H200 measured in one call (2026-11-27, docs/benchmarks.md#multi-gpu-step): all_to_all 64.3 GiB, all_gather
+    105.0 GiB when its buffers took every gathered slot (capacity 4 = ep). The default bound (1.25) costs a
+    quarter of those buffers' slots."""
     from runtime.config import load_config
     from runtime.estimate import estimate
 
-    def peak_gib(dispatcher: str) -> float:
+    def peak_gib(dispatcher: str, capacity: float = 1.25) -> float:
         cfg = load_config(ROOT / "benchmarks/configs/qwen3-30b-a3b-random.yaml", {
             "lora.enabled": True, "optim.master_dtype": "fp32", "parallelism.activation_checkpoint": "none",
-            "parallelism.dispatcher": dispatcher, "parallelism.ep": 4})
+            "parallelism.dispatcher": dispatcher, "parallelism.ep": 4, "parallelism.gather_capacity": capacity})
         return estimate(cfg, ParallelDims.resolve(1, -1, 1, 4, 4), cuda=True).peak / 2**30
 
-    for dispatcher, measured in (("all_to_all", 64.3), ("all_gather", 105.0)):
-        assert abs(peak_gib(dispatcher) - measured) <= 0.03 * measured, (dispatcher, peak_gib(dispatcher))
+    for dispatcher, capacity, measured in (("all_to_all", 1.25, 64.3), ("all_gather", 4.0, 105.0)):
+        assert abs(peak_gib(dispatcher, capacity) - measured) <= 0.03 * measured, (dispatcher, capacity)
+    assert peak_gib("all_to_all") < peak_gib("all_gather") < peak_gib("all_gather", 4.0) - 25
+    assert peak_gib("all_gather", 8.0) == peak_gib("all_gather", 4.0)  # never past every gathered slot

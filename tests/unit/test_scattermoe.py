@@ -172,6 +172,45 @@ def test_valid_slots_sizes_the_sorted_buffers(rank, split, monkeypatch, guarded_
         assert torch.isnan(whole[capacity:]).all(), "a kernel wrote past the buffer's rows"
 
 
+def dropped_past(ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """ids with -1 at the valid slots a bound of `rows` drops: those sorted past it, by (expert, slot)."""
+    flat = ids.flatten()
+    valid = (flat >= 0).nonzero().squeeze(1)
+    order = valid[torch.argsort(flat[valid] * flat.numel() + valid)]  # expert-major, slot order within
+    kept = flat.clone()
+    kept[order[rows:]] = -1
+    return kept.view_as(ids)
+
+
+@pytest.mark.parametrize("rows,rank", [(200, R), (40, R), (40, 0), (1, R)],
+                         ids=["fits-lora", "drops-lora", "drops-full", "drops-all-but-16"])
+def test_a_bound_sizes_the_buffers_and_drops_what_is_past_it(rows, rank, guarded_rows):
+    """A SlotCapacity bound (the all_gather dispatcher's, where the valid count is on the device only): every
+    expert-sorted buffer has its rows (rounded up to 16, at most M*k) and no kernel writes past them; the valid
+    slots sorted past it are dropped and counted, and everything else equals eager's on the routing with those
+    slots removed (-1): outputs, every gradient, zero routing-weight gradient at the dropped slots."""
+    from moe.capacity import SlotCapacity
+
+    M, k = 23, 4
+    ex = make_experts(4, rank)
+    ids, w = ep_routing(M, k, range(4, 8), num_experts=8)  # about half the slots valid
+    valid = int((ids >= 0).sum())
+    capacity = min(-(-rows // 16) * 16, ids.numel())
+    bound = SlotCapacity(rows, torch.zeros((), dtype=torch.int64))
+    x = torch.randn(M, H, requires_grad=True)
+    got = run("scattermoe", ex, x, ids, w, bound=bound)
+    assert int(bound.dropped) == max(0, valid - capacity)
+    kept = dropped_past(ids, capacity)
+    ref = run("eager", ex, x, kept, w)
+    for name, r in ref.items():
+        if r is not None:
+            assert ((got[name] - r).norm() / r.norm().clamp_min(1e-30)).item() <= TOL, name
+    assert (got["dw"][(ids >= 0) & (kept < 0)] == 0).all()
+    assert {c for c, _ in guarded_rows} == {capacity}
+    for c, whole in guarded_rows:
+        assert torch.isnan(whole[c:]).all(), "a kernel wrote past the buffer's rows"
+
+
 def test_valid_slots_zero_and_out_of_range():
     """A rank whose rows hold no slot of its experts: zeros (a buffer of one row); rows are rounded up to 16 but
     never past M*k; a wrong count is refused."""
@@ -315,25 +354,32 @@ def test_import_without_interpreter():
 def test_compiled_backend_equals_eager_without_graph_breaks():
     """Under torch.compile(fullgraph=True) the backend runs as the moert::scattermoe_* custom ops: no
     graph break, and the same output and gradients as the eager autograd path (the same kernels). A full
-    fine-tune with buffers of M*k rows; LoRA (rank 4) under fullgraph compile, buffers of valid_slots rows:
+    fine-tune with a bound that drops slots (the sort op's counter is its declared mutation, counted the same);
+    LoRA (rank 4) under fullgraph compile, buffers of valid_slots rows:
     test_compiled_backend_takes_valid_slots_that_change_per_call (CI time: rank 4 here was one more compile)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from moe.capacity import SlotCapacity
+
     ex = make_experts(8, 0)
-    ids, w = routing(6, 8, 2)
+    ids, w = routing(12, 8, 2)
     ids[1, 0] = -1  # a sentinel slot, as EP produces
-    x = torch.randn(6, H, requires_grad=True)
-    eager = run("scattermoe", ex, x, ids, w)
+    x = torch.randn(12, H, requires_grad=True)
+    eager_bound = SlotCapacity(16, torch.zeros((), dtype=torch.int64))
+    eager = run("scattermoe", ex, x, ids, w, bound=eager_bound)
+    assert int(eager_bound.dropped) == 23 - 16
     torch._dynamo.reset()
     counters.clear()
     backend = expert_backend("scattermoe")
-    compiled = torch.compile(lambda *a: backend(*a), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(lambda *a, **kw: backend(*a, **kw), backend="aot_eager", fullgraph=True)
     x_c = x.detach().clone().requires_grad_(True)
     w_c = w.clone().requires_grad_(True)
     for p in ex.parameters():
         p.grad = None
-    y = compiled(x_c, ids, w_c, ex)
+    bound = SlotCapacity(16, torch.zeros((), dtype=torch.int64))
+    y = compiled(x_c, ids, w_c, ex, bound=bound)
+    assert int(bound.dropped) == int(eager_bound.dropped)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
     (y * dy).sum().backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -378,13 +424,16 @@ def test_compiled_backend_takes_valid_slots_that_change_per_call(guarded_rows):
 
 def test_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementations, autograd registration and AOT dispatch of the ops."""
+    import moe.backends.scattermoe  # noqa: F401  (registers the ops)
     from moe.kernels.routing import sort_slots
 
     ex = make_experts(4, 4)
     ids, w = routing(5, 4, 2)
     x = torch.randn(5, H, requires_grad=True)
     w.requires_grad_(True)
-    torch.library.opcheck(torch.ops.moert.scattermoe_sort.default, (ids, 4))
+    torch.library.opcheck(torch.ops.moert.scattermoe_sort.default, (ids, 4, ids.numel(), None))
+    # with a bound: 16 rows of 10 valid slots keep them all; the counter is the op's declared mutation
+    torch.library.opcheck(torch.ops.moert.scattermoe_sort.default, (ids, 4, 16, torch.zeros((), dtype=torch.int64)))
     slots = sort_slots(ids, 4)
     params = (ex.gate_up, ex.down, *ex.lora("gate_up"), *ex.lora("down"), None, None, None, None)  # dense: no scales
     tail = (ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S, slots.capacity, ex.lora_scaling, "")
