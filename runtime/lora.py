@@ -101,12 +101,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_lora = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
-        y = F.linear(x, self.weight, self.bias)
-        xa = F.linear(x_lora, self.lora_A)
-        # y + scaling * xa B^T as one GEMM whose epilogue adds y: no [tokens, out] pass to scale, add, or (in
-        # backward) scale the gradient; only the rank-sized products take the scaling
-        out = torch.addmm(y.flatten(0, -2), xa.flatten(0, -2), self.lora_B.t(), alpha=self.lora_scaling)
-        return out.view(y.shape)
+        # The scaling on the rank-sized product: no [tokens, out] pass to scale it, forward or backward
+        delta = F.linear(F.linear(x_lora, self.lora_A) * self.lora_scaling, self.lora_B)
+        return F.linear(x, self.weight, self.bias) + delta
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling}"
