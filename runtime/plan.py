@@ -123,11 +123,13 @@ def device_memory_bytes(device_type: str) -> int | None:
 GATHER_MAX_EP = 4
 # The share of device memory all_gather's estimated peak may take (the estimate's error, the allocator's slack)
 GATHER_MEMORY_SHARE = 0.9
+GATHER_GROWTH_MARGIN = 1.5 ** 2
 
 
 def auto_dispatcher(cfg: Config, dims, device: str, device_memory_bytes: int | None) -> str:
     """parallelism.dispatcher resolved: a named one as written; auto is all_gather for LoRA on CUDA at
-    1 < ep <= GATHER_MAX_EP where the estimated peak with it fits GATHER_MEMORY_SHARE of the device (no host
+    1 < ep <= GATHER_MAX_EP where the estimated peak with it (its bound grown twice) fits GATHER_MEMORY_SHARE
+    of the device (no host
     sync: faster there, docs/config-auto.md), else all_to_all (a full fine-tune: all_gather's bytes share NCCL
     with FSDP's gathers and measured slower)."""
     name = cfg.parallelism.dispatcher
@@ -139,6 +141,8 @@ def auto_dispatcher(cfg: Config, dims, device: str, device_memory_bytes: int | N
 
     gathered = cfg.model_copy(deep=True)
     gathered.parallelism.dispatcher = "all_gather"
+    # its bound after two growths: random-init routing's busiest rank takes 1.3-1.5x the mean (docs/benchmarks.md)
+    gathered.parallelism.gather_capacity = cfg.parallelism.gather_capacity * GATHER_GROWTH_MARGIN
     peak = estimate(gathered, dims, cuda=True, device_memory_bytes=device_memory_bytes).peak
     return "all_gather" if peak <= GATHER_MEMORY_SHARE * device_memory_bytes else "all_to_all"
 

@@ -57,8 +57,9 @@ def test_fsdp_gather_dtype_auto_follows_ep():
 
 
 def test_dispatcher_auto_gathers_for_lora_on_cuda_where_the_estimate_fits():
-    """auto: all_gather for LoRA on CUDA at 1 < ep <= 4 when runtime.estimate's peak with it fits 90% of the
-    device; all_to_all for a full fine-tune, past ep 4, on the CPU, or where it would not fit."""
+    """auto: all_gather for LoRA on CUDA at 1 < ep <= 4 when runtime.estimate's peak with it (its bound grown
+    twice) fits 90% of the device; all_to_all for a full fine-tune, past ep 4, on the CPU, or where it would not
+    fit."""
     from runtime.estimate import estimate
 
     def pick(world, device="cuda", memory=None, lora=True, ep=None):
@@ -66,8 +67,9 @@ def test_dispatcher_auto_gathers_for_lora_on_cuda_where_the_estimate_fits():
                                 r.setdefault("lora", {}).update(enabled=lora)))
         return plan(cfg, world, device, device_memory=memory).config.parallelism.dispatcher
 
-    lora_ep2 = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=2, dispatcher="all_gather"),
-                                 r.setdefault("lora", {}).update(enabled=True)))
+    lora_ep2 = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=2, dispatcher="all_gather",
+                                                                       gather_capacity=1.25 * 1.5 ** 2),
+                                 r.setdefault("lora", {}).update(enabled=True)))  # the bound grown twice
     peak = estimate(lora_ep2, plan(lora_ep2, 2, "cuda", device_memory=2**40).dims, cuda=True,
                     device_memory_bytes=2**40).peak
     assert pick(2, memory=int(peak / 0.9) + 1) == "all_gather"
