@@ -26,6 +26,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: th
 
     install()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One intra-op thread on a CPU-only machine, here and (by the environment) in the tests' subprocesses, as
+# run_dist's ranks and torchrun's workers have: the tests' tiny ops gain nothing from a second thread, and
+# some lose much to it (index_add of a [64, 64] block: ~1.6 ms with 2 OpenMP threads, ~8 us with one).
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 TINY_MOE = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
