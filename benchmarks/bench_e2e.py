@@ -48,7 +48,6 @@ import torch
 import yaml
 
 from attention.gdn import GatedDeltaNet
-from benchmarks.baselines.transformers_model import transformers_model
 from benchmarks.harness import SHAPES, Column, Report, event_times_ms, wall_times_ms
 from runtime.config import config_from_dict
 from runtime.data.packing import Batch
@@ -258,6 +257,8 @@ def implementations(cfg, model: torch.nn.Module, device: torch.device) -> str:
 
 
 def build_baseline(args, hf: dict, device: torch.device) -> Setup:
+    from benchmarks.baselines.transformers_model import transformers_model  # here: ours never imports peft
+
     torch.manual_seed(SEED)
     cuda = device.type == "cuda"
     model, note = transformers_model(hf, device, args.mode, torch.bfloat16 if cuda else torch.float32)

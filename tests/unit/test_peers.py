@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 from benchmarks.harness import Report, device_info
 from benchmarks.peers_table import main, table
+from tests.conftest import Forked
 
 ROOT = Path(__file__).resolve().parents[2]
 UNSLOTH_DIR = ROOT / "benchmarks/peers/unsloth"
@@ -166,7 +165,6 @@ def check_table_of_a_real_dry_run(e2e: Path, out: Path) -> None:
 
 
 def _bench_e2e():
-    pytest.importorskip("peft")  # bench_e2e imports its transformers+PEFT baseline
     from benchmarks import bench_e2e
 
     return bench_e2e
@@ -188,12 +186,16 @@ def test_unsloth_runs_the_work_of_bench_e2e():
 
 
 def test_make_ckpt_writes_a_checkpoint_with_bench_e2e_ids(tmp_path):
+    """`python3 make_ckpt.py ...` as run_unsloth.sh runs it, in a child forked from this process
+    (tests.conftest.Forked: no Python start; the script puts its own folder on sys.path for dims, as there)."""
     token_ids = _bench_e2e().token_ids
-    out = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, str(UNSLOTH_DIR / "make_ckpt.py"), "--tiny", "--device", "cpu", "--layers",
-                           "2", "--seq", "64", "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["layers"] == 2
+    out, script = tmp_path / "ckpt", str(UNSLOTH_DIR / "make_ckpt.py")
+    argv = [script, "--tiny", "--device", "cpu", "--layers", "2", "--seq", "64", "--out", str(out)]
+    proc = Forked(f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_path({script!r}, run_name='__main__')",
+                  tmp_path / "stderr.txt", stdout_path=tmp_path / "stdout.txt")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout.strip().splitlines()[-1])["layers"] == 2
     config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == ("qwen3_moe", 2, 1024)
     assert torch.equal(torch.load(out / "ids_64.pt"), token_ids(1024, 64))
