@@ -150,7 +150,7 @@ def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
     lora_dims = (experts.lora_rank,) if experts.has_lora else ()
     reason = _grouped_mm_supported(x_NH, experts.hidden, 2 * experts.intermediate, experts.intermediate,
                                    *lora_dims)
-    if reason:
+    if reason and not torch.compiler.is_compiling():  # logging does not trace: the eager calls warn
         _warn_once(reason)
     lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, valid_N1, reason is not None)
     gate_up_N2I = _lora_grouped_linear(x_NH, experts.base_weight("gate_up"), experts.lora("gate_up"), *lora_args)

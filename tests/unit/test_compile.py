@@ -217,6 +217,26 @@ def test_compiled_grouped_mm_skips_sentinels_without_sync():
         assert torch.isfinite(a).all() and (a.float() - b.float()).norm() / b.float().norm() <= 2e-2
 
 
+def test_compiled_grouped_mm_per_expert_fallback_traces_first():
+    """LoRA rank 4 in bf16 (8-byte rows: torch._grouped_mm refuses them) takes the per-expert loop; compiled
+    fullgraph before any eager call (whose once-only warning would not trace), it matches eager."""
+    from moe.backends import expert_backend
+    from moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 32, lora_rank=4, lora_alpha=8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_lora_B.normal_(0, 0.1)
+    ids = torch.randint(0, 4, (12, 2))
+    x = torch.randn(12, 64, dtype=torch.bfloat16)
+    w = torch.rand(12, 2, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(expert_backend("grouped_mm"), backend="eager", fullgraph=True)
+    y = compiled(x, ids, w, experts)
+    y_ref = expert_backend("eager")(x, ids, w, experts)
+    assert (y.float() - y_ref.float()).norm() / y_ref.float().norm() <= 1e-2
+
+
 @pytest.mark.parametrize("backend", ["grouped_mm", "auto"])  # auto is grouped_mm on the CPU
 def test_fp32_grouped_mm_compile_on_cpu_is_refused_clearly(backend):
     """runtime.plan refuses it, before anything is built: grouped_mm declares it compiles on the CPU in bf16 only."""
