@@ -226,8 +226,9 @@ def _moe(run: Run, records: bool) -> tuple[Count, bool]:
 
     Router: fp32 probabilities, the top-k values and their sum (renormalized), the routing weights (stream
     dtype) the experts keep. Experts, per valid slot (k per token: under EP the dispatcher's valid-slot count
-    sizes them, not the received rows' M*k; all_gather's: every received slot, ep x k per token): gate_up [2I]
-    and the weighted SwiGLU [I] in the compute dtype, LoRA's two rank-sized products; per received slot (-1 ones included): the slot maps and the expert ids
+    sizes them, not the received rows' M*k; all_gather's bound: gather_capacity x k per token): gate_up [2I]
+    and the weighted SwiGLU [I] in the compute dtype, LoRA's two rank-sized products; per received slot (-1
+    ones included): the slot maps and the expert ids
     (these on ctx: kept in every mode). Under EP: the received rows in the compute dtype and each sent row's
     source token; selective checkpointing also keeps the exchange's outputs (received rows, weights and ids,
     and the partial sums combine brings back) rather than exchange again in backward."""

@@ -31,7 +31,7 @@ from runtime.distributed.expert_parallel import ep_load, moe_dispatcher
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.parallelize import parallelize
-from runtime.distributed.process_group import DistEnv, all_reduce_sum
+from runtime.distributed.process_group import DistEnv, all_reduce_sum, all_reduce_sums
 from runtime.evaluation import evaluate
 from runtime.guard.failures import Progress
 from runtime.guard.run_dir import (
@@ -98,14 +98,17 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
         return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")
     compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
                else nullcontext())
-    loss_total = forward_backward(model, batches, env, compute, global_labels)
-    while slots_dropped(model, env):  # the same micro-batches again, the bound grown
-        optimizer.zero_grad(set_to_none=True)
+    while True:
         loss_total = forward_backward(model, batches, env, compute, global_labels)
+        # the dropped-slot count rides on the loss's sum: one collective per step either way
+        loss_value, dropped = all_reduce_sums([loss_total.item(), take_dropped_slots(model)], env)
+        if not dropped:
+            break
+        grow_bound(model, int(dropped))  # the same micro-batches again, on every rank alike
+        optimizer.zero_grad(set_to_none=True)
     if on_grads is not None:
         on_grads(model)
     grad_norm, grad_scale = grad_norm_and_clip_scale(model, cfg.optim.grad_clip, env.world_size)
-    loss_value = all_reduce_sum(loss_total.item(), env)
     # Both numbers are global (all-reduced), so every rank takes the same branch.
     skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
     if skipped is None:
@@ -134,21 +137,22 @@ def forward_backward(model, batches: list, env: DistEnv, compute, global_labels:
     return loss_total
 
 
-def slots_dropped(model, env: DistEnv) -> bool:
-    """Whether a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped expert
-    slots on any rank in the micro-batches just run; if so the bound grows (alike on every rank) and the
-    caller computes them again. One host read and a sum over the ranks, only where there is such a bound."""
+def take_dropped_slots(model) -> int:
+    """The expert slots a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped on
+    this rank since the last call, its counter zeroed; 0 without such a bound (no device read)."""
     dispatcher = moe_dispatcher(model)
     if dispatcher is None or dispatcher.dropped is None:
-        return False
-    dropped = all_reduce_sum(dispatcher.dropped.item(), env)
+        return 0
+    dropped = int(dispatcher.dropped.item())
     dispatcher.dropped.zero_()
-    if not dropped:
-        return False
-    capacity = dispatcher.grow()
+    return dropped
+
+
+def grow_bound(model, dropped: int) -> None:
+    """Raises the bound after `dropped` slots (summed over the ranks) did not fit, with one warning."""
+    capacity = moe_dispatcher(model).grow()
     log.warning("parallelism.gather_capacity: %d expert slots did not fit the bound; computing the step again "
                 "at capacity %.3g (set parallelism.gather_capacity: %.3g to start there)", dropped, capacity, capacity)
-    return True
 
 
 def update_router_biases(model, env: DistEnv, applied: bool) -> None:

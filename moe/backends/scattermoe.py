@@ -62,7 +62,6 @@ from moe.kernels.routing import (
     SlotCapacity,
     SlotOrder,
     combine,
-    drop_past,
     gather_rows,
     slot_capacity,
     sort_slots,
@@ -222,9 +221,7 @@ def _op_format(w_gu, w_down) -> str:
 def _sort_op(ids_Mk: torch.Tensor, num_experts: int, capacity: int, dropped: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """sort_slots; with `dropped` (a SlotCapacity's counter) the valid slots past `capacity` are dropped."""
-    slots = sort_slots(ids_Mk, num_experts)
-    if dropped is not None:
-        drop_past(slots.offsets_E1, capacity, dropped)
+    slots = sort_slots(ids_Mk, num_experts, bound=None if dropped is None else SlotCapacity(capacity, dropped))
     return slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S
 
 

@@ -186,8 +186,8 @@ _ROW_ALIGN = 16
 def slot_capacity(num_slots: int, valid_slots: int | None, bound: SlotCapacity | None = None) -> int:
     """Rows of the expert-sorted buffers: the valid slots when known, else the bound's rows when given
     (either rounded up to _ROW_ALIGN, at most all slots), else all slots; at least one where there are slots
-    (an empty buffer would reach the GEMMs' tensor descriptors). sym_min / sym_max where a count is symbolic under torch.compile: min / max would
-    guard on which side wins (a recompile when it flips); plain ints take min / max (torch 2.11's dynamo refuses
+    (an empty buffer would reach the GEMMs' tensor descriptors). sym_min / sym_max where a count is symbolic
+    under torch.compile: min / max would guard on which side wins (a recompile when it flips); plain ints take min / max (torch 2.11's dynamo refuses
     a torch.sym_* call that returns an int)."""
     if valid_slots is None and bound is not None:
         valid_slots = min(bound.rows, num_slots)
@@ -241,35 +241,34 @@ def sort_slots(expert_ids_Mk: torch.Tensor, num_experts: int, valid_slots: int |
     launch(_scatter_kernel, (num_blocks,), (ids_S, scratch, offsets_E1, order_S, rows_S, inv_S, S, E, topk),
            {"BLOCK_S": block_s, "num_warps": _scatter_warps(block_s)})
     if valid_slots is None and bound is not None:
-        drop_past(offsets_E1, capacity, bound.dropped)
+        _drop_past(offsets_E1, capacity, bound.dropped)
     return SlotOrder(order_S=order_S, inv_S=inv_S, offsets_E1=offsets_E1, ids_S=ids_S, topk=topk,
                      num_experts=E, rows_S=rows_S, capacity=capacity)
 
 
-def drop_past(offsets_E1: torch.Tensor, capacity: int, dropped: torch.Tensor) -> None:
+def _drop_past(offsets_E1: torch.Tensor, capacity: int, dropped: torch.Tensor) -> None:
     """Counts the valid slots sorted past `capacity` into `dropped` and clamps the segments to end by it."""
     dropped += (offsets_E1[-1] - capacity).clamp_min(0)
     offsets_E1.clamp_(max=capacity)
 
 
 @triton.jit
-def _combine_kernel(z_ptr, s_z_m, inv_ptr, ids_ptr, offsets_ptr, w_ptr, y_ptr, s_y_m, H, E,
+def _combine_kernel(z_ptr, s_z_m, inv_ptr, offsets_ptr, w_ptr, y_ptr, s_y_m, H, E,
                     TOPK: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
     m = tl.program_id(0)
     h_H = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_H = h_H < H
     acc_H = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    num_valid = tl.load(offsets_ptr + E)  # less than the valid slots where a capacity dropped some
+    num_valid = tl.load(offsets_ptr + E)  # less than the valid slots where a bound dropped some
     for j in tl.static_range(TOPK):
         slot = m * TOPK + j
-        # -1 and dropped slots are skipped entirely: their rows of z were never written.
-        if tl.load(ids_ptr + slot) >= 0:
-            pos = tl.load(inv_ptr + slot)
-            if pos < num_valid:
-                z_H = tl.load(z_ptr + pos.to(tl.int64) * s_z_m + h_H, mask=mask_H, other=0.0).to(tl.float32)
-                if HAS_W:
-                    z_H = z_H * tl.load(w_ptr + slot).to(tl.float32)
-                acc_H += z_H
+        # -1 slots sort behind the valid ones, dropped ones past the clamped end: never written, skipped whole
+        pos = tl.load(inv_ptr + slot)
+        if pos < num_valid:
+            z_H = tl.load(z_ptr + pos.to(tl.int64) * s_z_m + h_H, mask=mask_H, other=0.0).to(tl.float32)
+            if HAS_W:
+                z_H = z_H * tl.load(w_ptr + slot).to(tl.float32)
+            acc_H += z_H
     tl.store(y_ptr + m.to(tl.int64) * s_y_m + h_H, acc_H.to(y_ptr.dtype.element_ty), mask=mask_H)
 
 
@@ -282,7 +281,7 @@ def combine(z_SH: torch.Tensor, slots: SlotOrder, weights_Mk: torch.Tensor | Non
     w_S = weights_Mk.reshape(-1) if weights_Mk is not None else None
     block_h = min(1024, next_power_of_2(H))
     launch(_combine_kernel, (M, cdiv(H, block_h)), (
-        z_SH, z_SH.stride(0), slots.inv_S, slots.ids_S, slots.offsets_E1, w_S, y_MH, y_MH.stride(0), H,
+        z_SH, z_SH.stride(0), slots.inv_S, slots.offsets_E1, w_S, y_MH, y_MH.stride(0), H,
         slots.num_experts),
         {"TOPK": slots.topk, "HAS_W": w_S is not None, "BLOCK_H": block_h, "num_warps": 4})
     return y_MH

@@ -104,8 +104,13 @@ def collective_error_message(err: BaseException) -> str | None:
 def all_reduce_sum(value: float, env: DistEnv) -> float:
     """Sum over the ranks of this run (a run of world size 1 never communicates, even when a process
     group exists, as in runtime.verify's single-process reference)."""
+    return all_reduce_sums([value], env)[0]
+
+
+def all_reduce_sums(values: list[float], env: DistEnv) -> list[float]:
+    """all_reduce_sum of several numbers in one collective."""
     if env.world_size == 1:
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=env.device)
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=env.device)
     dist.all_reduce(t)
-    return float(t.item())
+    return t.tolist()
