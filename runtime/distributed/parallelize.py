@@ -27,8 +27,9 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     """`model`, wired and wrapped in place (module docstring). `autocast`: the step computes in bf16 on CUDA
     (FSDP gathers bf16 parameters)."""
     device = meshes.world.device_type if meshes is not None else "cpu"
+    memory = device_memory_bytes(device)
     # plan() passes a concrete dispatcher; a model built without it gets plan's choice
-    dispatcher = auto_dispatcher(cfg, dims, device, device_memory_bytes(device))
+    dispatcher = auto_dispatcher(cfg, dims, device, memory)
     moe_groups = wire_moe_blocks(model, dims, meshes, cfg, dispatcher)  # EP: dispatcher over the EP group
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint, keep_groups=moe_groups)
@@ -36,7 +37,7 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
         frozen_dense = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled,
-                                              frozen_dense_bytes(model), device_memory_bytes(device))
+                                              frozen_dense_bytes(model), memory)
         apply_fsdp(model, meshes, meshes.world.device_type, autocast,
                    fsdp_gather_dtype(cfg.parallelism.fsdp_param_dtype, dims.ep), frozen_dense)
     return model
