@@ -77,8 +77,10 @@ def defer_to_watchdog(wait_s: float = 1.0) -> None:
     """For a failure handler, before it reports anything: when the watchdog of some rank has already
     named a stalled rank, the error being handled is that stall's echo (a collective broken by the
     exit of the rank that found it), and this process ends inside this call with the watchdog's exit
-    code, quietly (rank 0 repeats the line). Otherwise it returns within wait_s (a store round takes
-    milliseconds) and the error is this process's to report. A no-op without a watchdog."""
+    code, quietly (rank 0 repeats the line). A store that stopped answering ends it the same way, on the
+    watchdog's own verdict (a peer's exit on that verdict broke this collective). Otherwise it returns
+    within wait_s (a store round takes milliseconds) and the error is this process's to report. A no-op
+    without a watchdog."""
     if _watchdog is not None:
         _watchdog.check_now(wait_s)
 

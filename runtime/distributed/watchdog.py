@@ -104,6 +104,7 @@ class Watchdog:
         self._failing = threading.Event()
         self._started = 0  # store rounds begun
         self._rounds = 0  # store rounds completed; the guard watches it advance
+        self._round_done_at = time.monotonic()
         self._threads: list[threading.Thread] = []
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -130,12 +131,15 @@ class Watchdog:
 
     def check_now(self, wait_s: float) -> None:
         """Runs a store round now and waits up to wait_s for it: if a peer has posted a stall, this
-        process ends inside the round (see _Watch.round); otherwise this returns."""
+        process ends inside the round (see _Watch.round); otherwise this returns. A store that stopped
+        answering holds the round: then this waits for the guard's verdict, which ends the process with
+        the store's line (the error being handled is the echo of a peer's exit on that same verdict)."""
         if not self._threads or self._stop.is_set():
             return
         fresh = self._started + 1  # the first round to begin after this call (one may be under way)
         self._wake.set()
-        deadline = time.monotonic() + wait_s
+        guard_verdict_at = self._round_done_at + self.timeout_s + 2 * self.interval_s
+        deadline = max(time.monotonic() + wait_s, guard_verdict_at)
         while self._rounds < fresh and time.monotonic() < deadline:
             time.sleep(0.005)
 
@@ -153,6 +157,7 @@ class Watchdog:
                 self._started += 1
                 watch.round(store, time.monotonic())
                 self._rounds += 1
+                self._round_done_at = time.monotonic()
                 self._wake.wait(self.interval_s)
                 self._wake.clear()
             store.set(self._key(self.rank), f"done {self.pid} {self.host}")

@@ -42,7 +42,7 @@ SCRIPT = '''
 import os, sys, time
 import torch
 import torch.distributed as dist
-from runtime.distributed.process_group import collective_error_message, init_distributed
+from runtime.distributed.process_group import collective_error_message, defer_to_watchdog, init_distributed
 
 mode, timeout_s = sys.argv[1], int(sys.argv[2])
 env = init_distributed(timeout_s=timeout_s)
@@ -73,6 +73,7 @@ try:
             time.sleep(0.01)
     dist.destroy_process_group()
 except RuntimeError as err:
+    defer_to_watchdog()  # as runtime.guard's failure handler does
     print(collective_error_message(err) or f"unexplained: {err}", file=sys.stderr, flush=True)
     os._exit(1)
 '''
@@ -245,6 +246,55 @@ def _frozen_store(tmp_path: Path) -> tuple[dict[int, float], int, str]:
     return exited, code, run.stderr()
 
 
+# A failure handler that runs while the store is frozen (the echo of a peer's exit on its own store
+# verdict, the race of the frozen_store job made certain): it must end on this rank's store verdict too.
+HANDLER_ON_FROZEN_STORE = '''
+import sys
+from runtime.distributed.watchdog import Watchdog
+watchdog = Watchdog(0, 1, int(sys.argv[2]), "127.0.0.1", int(sys.argv[1])).start()
+print("beating", flush=True)
+sys.stdin.readline()  # the test has frozen the store's process (this one's parent) by now
+watchdog.check_now(1.0)  # what process_group.defer_to_watchdog calls
+print("returned", flush=True)
+'''
+STORE_HOST = '''
+import subprocess, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(store.port), sys.argv[2]],
+                         stdin=subprocess.PIPE, stdout=sys.stdout, stderr=sys.stderr)
+print(child.pid, flush=True)
+time.sleep(600)
+'''
+
+
+def _handler_on_frozen_store(tmp_path: Path) -> tuple[float, str, str]:
+    """The store hosted by a parent process, the watchdog and a failure handler in its child: (seconds
+    from the handler's call to the child's exit, its stdout, its stderr). The store's host is frozen
+    once the child beats."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out.open("w") as out_f, err.open("w") as err_f:
+        host = subprocess.Popen([sys.executable, "-c", STORE_HOST, HANDLER_ON_FROZEN_STORE,
+                                 str(SCRIPT_TIMEOUT_S)], cwd=ROOT, env=env, stdout=out_f, stderr=err_f)
+    try:
+        deadline = time.monotonic() + 120
+        while "beating" not in out.read_text():
+            assert host.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        child = int(out.read_text().split()[0])
+        time.sleep(2 * SCRIPT_TIMEOUT_S / 10)  # a few heartbeats
+        _signal(host.pid, signal.SIGSTOP)
+        called_at = time.monotonic()
+        Path(f"/proc/{child}/fd/0").write_text("go\n")
+        exited = _wait_gone([child], called_at, SCRIPT_TIMEOUT_S + MARGIN_S)[child]
+    finally:
+        _signal(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+    return exited, out.read_text(), err.read_text()
+
+
 def _out_of_step(tmp_path: Path) -> tuple[int, str]:
     """(exit code, stderr) of the "out_of_step" job."""
     run = Torchrun(tmp_path, _script_args(tmp_path, "out_of_step", SCRIPT_TIMEOUT_S))
@@ -256,12 +306,12 @@ def _out_of_step(tmp_path: Path) -> tuple[int, str]:
 
 
 JOBS = {"frozen_rank": _frozen_rank, "slow": _slow, "frozen_store": _frozen_store,
-        "out_of_step": _out_of_step}
+        "out_of_step": _out_of_step, "handler_on_frozen_store": _handler_on_frozen_store}
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The four torchrun jobs, started together: most of their time goes to starting Python and to waiting
+    """The jobs (four of torchrun), started together: most of their time goes to starting Python and to waiting
     out a timeout or a sleep, so on CI's two cores they overlap (CI time: one after another took ~40 s).
     {name: future of the job's outcome}; a test's .result() raises what its job raised."""
     pool = ThreadPoolExecutor(len(JOBS))
@@ -311,3 +361,12 @@ def test_a_collective_timeout_on_live_ranks_names_the_key(jobs):
     assert STALL_LINE not in err, err
     assert (f"a collective waited longer than 5.5 s (parallelism.collective_timeout_s={SCRIPT_TIMEOUT_S} "
             "plus 2.5 s of watchdog grace)") in err, err
+
+
+def test_a_failure_handler_on_a_frozen_store_ends_on_the_store_verdict(jobs):
+    """A collective broken by a peer's exit on its store verdict reaches this rank's failure handler
+    before this rank's own verdict: the handler's check waits for that verdict instead of returning."""
+    exited, out, err = jobs["handler_on_frozen_store"].result()
+    assert "returned" not in out, (out, err)
+    assert "error: rank 0 lost the rendezvous store at 127.0.0.1:" in err, err
+    assert exited <= SCRIPT_TIMEOUT_S + MARGIN_S, exited
