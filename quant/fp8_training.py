@@ -16,6 +16,9 @@ hold anything, NaN included): their output rows are 0, their dx rows are 0 and t
 The backward keeps x, w and offs_E only: dW quantizes x along the tokens, another axis than the forward's, so
 the forward's codes cannot serve. On CUDA the GEMMs output bf16 (the only output dtype of
 torch._scaled_grouped_mm), cast to x's dtype (y, dx) and w's dtype (dw); on the CPU they output fp32.
+dW copies dy and x into groups padded to multiples of 16 rows (the 2d-2d kernel's alignment), a static-size
+buffer of N + 16 E rows, so that nothing depends on the group sizes on the host (torch.compile). The CUDA path is
+not yet validated on a GPU (tests/gpu/test_fp8_training_gpu.py is written for it).
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def _grad_weight(dy_NO: torch.Tensor, x_NI: torch.Tensor, offs_E: torch.Tensor) 
     groups padded with zero rows to a non-zero multiple of GROUP_ALIGN (zeros change neither a scale nor a sum)."""
     E = offs_E.shape[0]
     dest_N, gid_P, offs_pad_E = _padded_layout(offs_E, x_NI.shape[0])
-    dyq_OP, dys_EO = _quantize_along_groups(_pad_rows(dy_NO, dest_N, offs_E, gid_P.shape[0]), gid_P, E)
-    xq_IP, xs_EI = _quantize_along_groups(_pad_rows(x_NI, dest_N, offs_E, gid_P.shape[0]), gid_P, E)
+    dyq_OP, dys_EO = _quantize_along_groups(_pad_rows(dy_NO, dest_N, gid_P.shape[0]), gid_P, E)
+    xq_IP, xs_EI = _quantize_along_groups(_pad_rows(x_NI, dest_N, gid_P.shape[0]), gid_P, E)
     return scaled_grouped_mm_2d2d(dyq_OP, dys_EO, xq_IP.t(), xs_EI, offs_pad_E, _gemm_dtype(x_NI))
 
 
@@ -102,10 +105,10 @@ def _padded_layout(offs_E: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Te
     return dest_N, gid_P, offs_pad_E
 
 
-def _pad_rows(t_NC: torch.Tensor, dest_N: torch.Tensor, offs_E: torch.Tensor, P: int) -> torch.Tensor:
-    """t's rows at dest_N of a zero [P, C]; the rows past offs_E[-1] all land as zeros on one row outside every
-    group (where, not a product: they may hold NaN)."""
-    return t_NC.new_zeros(P, t_NC.shape[1]).index_copy_(0, dest_N, _zero_tail(t_NC, offs_E))
+def _pad_rows(t_NC: torch.Tensor, dest_N: torch.Tensor, P: int) -> torch.Tensor:
+    """t's rows at dest_N of a zero [P, C]; the rows past offs_E[-1] all land on the last row, outside every group
+    (its scale and codes are never read)."""
+    return t_NC.new_zeros(P, t_NC.shape[1]).index_copy_(0, dest_N, t_NC)
 
 
 def _quantize_along_groups(t_PC: torch.Tensor, gid_P: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quant.fp8 import dequantize_rows, quantize_rows
-from quant.fp8_training import fp8_grouped_linear, scaled_grouped_mm_2d2d
+from quant.fp8_training import GROUP_ALIGN, _padded_layout, fp8_grouped_linear, scaled_grouped_mm_2d2d
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 I, O = 32, 48
@@ -114,6 +114,22 @@ def test_empty_groups_and_tail(counts):
     x_v = x.detach()[:valid].clone().requires_grad_()
     y_v, dx_v, dw_v = run_fp8(x_v, w, offs, dy[:valid])
     assert torch.equal(y_v, y[:valid]) and torch.equal(dx_v, dx[:valid]) and torch.equal(dw_v, dw)
+
+
+@pytest.mark.parametrize("counts", [(5, 0, 17, 9, 16), (0, 0, 33, 1, 0), (0, 0, 0)])
+def test_dw_groups_padded_for_the_cuda_kernel(counts):
+    """The 2d-2d GEMM on CUDA asserts non-empty groups of a multiple of 16 rows and a 16-aligned row stride: the
+    padded layout has them, and moves each valid row, in order, into its own group, the tail rows past all."""
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    N = sum(counts) + 3
+    dest_N, gid_P, offs_pad = _padded_layout(offs, N)
+    sizes = torch.diff(offs_pad, prepend=offs_pad.new_zeros(1))
+    assert torch.all(sizes > 0) and torch.all(sizes % GROUP_ALIGN == 0) and gid_P.shape[0] % GROUP_ALIGN == 0
+    assert int(offs_pad[-1]) < gid_P.shape[0]
+    for e, (s, t) in groups(offs):
+        start = int(offs_pad[e]) - int(sizes[e])
+        assert dest_N[s:t].tolist() == list(range(start, start + t - s)) and torch.all(gid_P[dest_N[s:t]] == e)
+    assert torch.all(gid_P[dest_N[sum(counts):]] == len(counts))
 
 
 def test_scaled_grouped_mm_2d2d_per_group():
