@@ -44,12 +44,12 @@ class Capabilities:
     auto_on: tuple[str, ...] = ()  # device types on which "auto" may pick it
     priority: int = 0  # "auto" takes the available candidate of highest priority
     compile: bool = True  # runs inside torch.compile(fullgraph=True)
-    compile_quantized: bool = True  # ... also on FP4-packed base weights
+    compile_quantized: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8")  # ... also on these quantized base weights
     compile_cpu_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # model.dtype it compiles in on the CPU
     ep: bool = True  # under expert parallelism (ep > 1)
     cp: bool = True  # under context parallelism (cp > 1)
     lora: bool = True  # with LoRA adapters
-    quantized_base: bool = True  # on FP4-packed frozen base weights
+    quantized_base: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8")  # frozen base weight formats it reads
     reference: bool = False  # the plainest implementation, the numerical reference (runtime.verify --exact)
 
 

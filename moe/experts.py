@@ -9,11 +9,11 @@ The layout is transformers v5's fused expert layout ([out, in] like nn.Linear). 
 weights only; the compute lives in `moe.backends` so backends stay interchangeable.
 
 Backends read weights through accessors, never through attributes, so that the storage can change
-under them (a packed FP4 container from `quant/` instead of a tensor):
-    experts.base_weight("gate_up" | "down")  -> a tensor, or a quant.FP4Weight (packed, frozen)
-    experts.dense_weight(proj, experts=None) -> a tensor either way (FP4: dequantized, only `experts`)
+under them (a quantized container from `quant/` instead of a tensor):
+    experts.base_weight("gate_up" | "down")  -> a tensor, or a quant.QuantizedWeight (FP4 or FP8, frozen)
+    experts.dense_weight(proj, experts=None) -> a tensor either way (quantized: dequantized, only `experts`)
     experts.lora("gate_up" | "down")         -> LoraFactors(A_ErI, B_EOr), or None without LoRA
-quant.quantize_experts(experts, fmt) swaps the base weights for FP4Weight containers (set_base_weight).
+quant.quantize_experts(experts, fmt) swaps the base weights for quantized containers (set_base_weight).
 The accessors return plain tensors: a parameter that is a DTensor no wrapper gathers (the runtime's experts
 alone on their FSDP mesh) is read as its local tensor, in its stored dtype (the backends cast operands to the
 activations' dtype, as they do for fp32 master weights on one GPU).
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe.backends import expert_backend
-from quant import FP4Weight
+from quant import QuantizedWeight
 
 PROJECTIONS = ("gate_up", "down")
 
@@ -95,25 +95,25 @@ class GroupedExperts(nn.Module):
 
     @property
     def is_quantized(self) -> bool:
-        return isinstance(self.gate_up, FP4Weight)
+        return isinstance(self.gate_up, QuantizedWeight)
 
-    def base_weight(self, proj: str) -> torch.Tensor | FP4Weight:
-        """The base weight of `proj` in {"gate_up" [E, 2I, H], "down" [E, H, I]}: a tensor, or packed."""
+    def base_weight(self, proj: str) -> torch.Tensor | QuantizedWeight:
+        """The base weight of `proj` in {"gate_up" [E, 2I, H], "down" [E, H, I]}: a tensor, or quantized."""
         if proj not in PROJECTIONS:
             raise ValueError(f"unknown expert projection {proj!r}; choose one of {PROJECTIONS}")
         w = self.gate_up if proj == "gate_up" else self.down
-        return w if isinstance(w, FP4Weight) else self._readable(w)
+        return w if isinstance(w, QuantizedWeight) else self._readable(w)
 
     def dense_weight(self, proj: str, experts: torch.Tensor | None = None,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight of `proj` as a tensor: packed weights dequantized (to `dtype`), only the local
         experts listed in `experts` when given ([E', out, in]); a dense weight as is (indexed)."""
         w = self.base_weight(proj)
-        if isinstance(w, FP4Weight):
+        if isinstance(w, QuantizedWeight):
             return w.dequantize(dtype, experts)
         return w if experts is None else w.index_select(0, experts)
 
-    def set_base_weight(self, proj: str, weight: nn.Parameter | FP4Weight) -> None:
+    def set_base_weight(self, proj: str, weight: nn.Parameter | QuantizedWeight) -> None:
         """Replaces the base weight of `proj` (quant.quantize_experts swaps in packed containers)."""
         old = self.base_weight(proj)
         if tuple(weight.shape) != tuple(old.shape):
@@ -142,7 +142,7 @@ class GroupedExperts(nn.Module):
         if self.gate_up.is_meta:
             return
         std = 0.02
-        if not self.is_quantized:  # packed weights are filled by quant (FP4Weight.fill_), not drawn here
+        if not self.is_quantized:  # packed weights are filled by quant (QuantizedWeight.fill_), not drawn here
             nn.init.normal_(self.gate_up, std=std)
             nn.init.normal_(self.down, std=std)
         if self.has_lora:

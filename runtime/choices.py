@@ -47,17 +47,18 @@ class Needs:
 def _mismatch(key: str, name: str, caps, needs: Needs, uses: set[str]) -> str | None:
     """Why `name` (capabilities `caps`) cannot do what the run needs, naming the keys involved; None if it can.
     `uses`: the needs that apply to this key."""
+    if "quantized" in uses and needs.quantized != "none" and needs.quantized not in caps.quantized_base:
+        return f"{name} cannot read {needs.quantized} experts (quant.base_weights: {needs.quantized})"
     if "compile" in uses and needs.compile and not caps.compile:
         return f"{name} runs in eager mode only, but compile.enabled is true"
-    if "compile" in uses and needs.compile and needs.quantized != "none" and not caps.compile_quantized:
-        return (f"{name} does not compile FP4-packed experts (quant.base_weights: {needs.quantized}; it dequantizes "
-                "them in eager mode only), but compile.enabled is true")
+    if ("compile" in uses and needs.compile and needs.quantized != "none"
+            and needs.quantized not in caps.compile_quantized):
+        return (f"{name} does not compile {needs.quantized} experts (quant.base_weights: {needs.quantized}; it "
+                "dequantizes them in eager mode only), but compile.enabled is true")
     if ("compile" in uses and needs.compile and needs.device == "cpu"
             and needs.dtype not in caps.compile_cpu_dtypes):
         return (f"{name} compiles on the CPU only in model.dtype {' or '.join(caps.compile_cpu_dtypes)} (model.dtype "
                 f"is {needs.dtype}), but compile.enabled is true")
-    if "quantized" in uses and needs.quantized != "none" and not caps.quantized_base:
-        return f"{name} cannot read FP4-packed experts (quant.base_weights: {needs.quantized})"
     if "lora" in uses and needs.lora and not caps.lora:
         return f"{name} has no LoRA path (lora.enabled with experts in lora.target_modules)"
     if "ep" in uses and needs.ep > 1 and not caps.ep:

@@ -177,8 +177,9 @@ class ParallelismConfig(Section):
 class QuantConfig(Section):
     """Quantized expert weights."""
 
-    base_weights: Literal["none", "mxfp4", "nvfp4"] = Field("none", description=(
-        "routed experts' frozen base weights packed in FP4 (quant/), read by the expert kernels; LoRA only"))
+    base_weights: Literal["none", "mxfp4", "nvfp4", "fp8"] = Field("none", description=(
+        "routed experts' frozen base weights held quantized (quant/): packed FP4 read by the expert kernels, or "
+        "FP8 e4m3 with rowwise scales, whose GEMMs run on FP8 tensor cores; LoRA only"))
 
 
 class CompileConfig(Section):

@@ -9,8 +9,8 @@ Contract: `estimate(cfg, dims, cuda)` -> MemoryEstimate for one rank, in the dty
 optim.master_dtype), off CUDA every value in its parameter's dtype. Its lines:
     parameters   frozen ones in model.dtype, trainable ones in the master dtype; FSDP shards them over
                  dp_shard*cp (experts over ep x efsdp: the same count per rank), except the frozen dense
-                 ones that parallelism.frozen_dense replicates, whole on every rank; FP4-packed experts
-                 (quant.base_weights, 4.25 / 4.5 bits per weight) are split over ep only (FSDP does not
+                 ones that parallelism.frozen_dense replicates, whole on every rank; quantized experts
+                 (quant.base_weights, 4.25 / 4.5 / 8 bits per weight + fp8's row scales) are split over ep only (FSDP does not
                  shard buffers)
     gradients    the trainable parameters' shards, in the master dtype
     optimizer    AdamW's two moments of the trainable shards, in the master dtype
@@ -43,7 +43,7 @@ from torch import nn
 from attention.rope import inv_freq_and_scale
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
-from quant import FP4Weight
+from quant import QuantizedWeight
 from runtime.config import Config
 from runtime.distributed.fsdp import frozen_dense_placement, fsdp_gather_dtype
 from runtime.distributed.mesh import ParallelDims
@@ -351,7 +351,7 @@ def _expert_values(module: nn.Module) -> int:
 
 
 def _weights(model: QwenForCausalLM) -> tuple[int, int, int, int]:
-    """(frozen values, of them outside the experts, trainable values, packed FP4 bytes) of the whole model."""
+    """(frozen values, of them outside the experts, trainable values, quantized expert bytes) of the whole model."""
     frozen = frozen_dense = trainable = 0
     experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     for p in model.parameters():
@@ -360,7 +360,7 @@ def _weights(model: QwenForCausalLM) -> tuple[int, int, int, int]:
         else:
             frozen += p.numel()
             frozen_dense += 0 if p in experts else p.numel()
-    packed = sum(m.packed_bytes() for m in model.modules() if isinstance(m, FP4Weight))
+    packed = sum(m.packed_bytes() for m in model.modules() if isinstance(m, QuantizedWeight))
     return frozen, frozen_dense, trainable, packed
 
 

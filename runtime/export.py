@@ -7,8 +7,8 @@ GDN projections, routed experts), which transformers loads like any checkpoint o
                                                      # calls it; rank 0 writes <train.output_dir>/merged
     python -m runtime.export RUN_DIR --merged OUT [--step N]     # from a run folder's checkpoint, on the CPU
 
-W + scaling * B @ A is computed in fp32 and rounded once to the base weight's dtype. FP4-packed experts
-(quant.base_weights) are dequantized first, so the merged experts are dense (the FP4 values plus the
+W + scaling * B @ A is computed in fp32 and rounded once to the base weight's dtype. Quantized experts
+(quant.base_weights) are dequantized first, so the merged experts are dense (the quantized values plus the
 adapter, not the weights the base was quantized from). The CLI rebuilds the run's model from RUN_DIR's
 config.yaml in one process and loads the LoRA factors of its newest (or --step) checkpoint.
 """
@@ -56,7 +56,7 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | N
 
 
 def gather_packed_experts(model: torch.nn.Module, meshes=None, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The dequantized FP4 expert weights of every EP rank, in global expert order (a collective under EP:
+    """The dequantized expert weights (FP4 / FP8 bases) of every EP rank, in global expert order (a collective under EP:
     every rank calls it); {} for a model without packed experts."""
     out = {}
     for prefix, module in model.named_modules():

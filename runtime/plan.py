@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import yaml
 
+from quant.weight import FP4_FORMATS
 from runtime.choices import MODEL_CHOICES, Needs, choose, device_type, registry
 from runtime.config import Config, ConfigError
 
@@ -96,7 +97,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     if hybrid and notes["gdn_op_set"] and m.gdn_op_set == "auto":
         warnings.warn(f"model.gdn_op_set auto: using op set {names['gdn_op_set']!r}, because "
                       f"{'; '.join(notes['gdn_op_set'])}", stacklevel=2)
-    if has_moe and cfg.quant.base_weights != "none":
+    if has_moe and cfg.quant.base_weights in FP4_FORMATS:
         check_fp4_blocks(cfg, qcfg)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
@@ -170,7 +171,7 @@ def check_combinations(cfg: Config) -> None:
                           "data.eval_fraction")
     if cfg.quant.base_weights != "none" and not cfg.lora.enabled:
         raise ConfigError(f"quant.base_weights: {cfg.quant.base_weights} packs the routed experts' base weights "
-                          "into frozen FP4, which a full fine-tune would have to train; set lora.enabled: true "
+                          "into frozen codes, which a full fine-tune would have to train; set lora.enabled: true "
                           "(LoRA on top of the packed experts) or quant.base_weights: none")
     if p.dp_shard > 0:
         shard_cp = p.dp_shard * p.cp

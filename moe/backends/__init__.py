@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from gpu.registry import TRITON_DEVICES, Capabilities, Registry, triton_missing
+from quant.weight import FP4_FORMATS
 
 
 class ExpertBackend(Protocol):
@@ -48,14 +49,16 @@ def _sonicmoe_missing() -> str | None:
 
 EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=True)
 # The per-expert loop: the numerical reference (its FP4 path dequantizes by the eager valid count).
-EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=False), _module("eager", "moe.backends.eager"))
-# torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count.
-EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=False,
+EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=()), _module("eager", "moe.backends.eager"))
+# torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count, FP8 ones run
+# on FP8 GEMMs (which trace).
+EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=("fp8",),
                                                    compile_cpu_dtypes=("bfloat16",)),
                         _module("grouped_mm", "moe.backends.grouped_mm"))
-# Fused Triton kernels, LoRA and FP4 dequant included: the fastest where CUDA and Triton are.
+# Fused Triton kernels, LoRA and FP4 dequant included: the fastest where CUDA and Triton are. No FP8 path.
 EXPERT_BACKENDS.declare("scattermoe", Capabilities(devices=TRITON_DEVICES, unavailable=triton_missing,
-                                                   auto_on=("cuda",), priority=2),
+                                                   auto_on=("cuda",), priority=2, quantized_base=FP4_FORMATS,
+                                                   compile_quantized=FP4_FORMATS),
                         _module("scattermoe", "moe.backends.scattermoe"))
 # Eager only (SonicMoE asserts it is not compiling); slower than scattermoe, so never "auto".
 EXPERT_BACKENDS.declare("sonicmoe", Capabilities(devices=("cuda",), unavailable=_sonicmoe_missing, compile=False),

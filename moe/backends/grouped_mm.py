@@ -12,6 +12,7 @@ layout goes through a per-expert loop, logged once.
 Packed FP4 base weights (quant.FP4Weight, frozen) are dequantized per call, only for the experts that
 received rows, in the forward and again in the backward (nothing dequantized is kept between them);
 this reference path needs the eager mode's valid count, so it does not run under torch.compile.
+FP8 base weights (quant.FP8Weight, frozen) run on FP8 GEMMs (quant.fp8_base), also under torch.compile.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 from gpu.device import compute_dtype
 from moe.backends import EXPERT_BACKENDS
-from quant import FP4Weight
+from quant import FP8Weight, QuantizedWeight
+from quant.fp8_base import fp8_base_grouped_linear
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -71,10 +73,10 @@ def grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor
 
 
 class _PackedGroupedLinear(torch.autograd.Function):
-    """grouped_linear with a frozen FP4Weight: the gradient flows to x only."""
+    """grouped_linear with a frozen FP4 weight, dequantized: the gradient flows to x only."""
 
     @staticmethod
-    def forward(ctx, x_NI, offs_E, weight: FP4Weight, fallback: bool):
+    def forward(ctx, x_NI, offs_E, weight: QuantizedWeight, fallback: bool):
         ctx.save_for_backward(offs_E)
         ctx.weight, ctx.fallback = weight, fallback
         return _packed_linear(x_NI, offs_E, weight, fallback, transposed=False)
@@ -85,7 +87,7 @@ class _PackedGroupedLinear(torch.autograd.Function):
         return _packed_linear(dy_NO, offs_E, ctx.weight, ctx.fallback, transposed=True), None, None, None
 
 
-def _packed_linear(x_NI, offs_E, weight: FP4Weight, fallback: bool, transposed: bool) -> torch.Tensor:
+def _packed_linear(x_NI, offs_E, weight: QuantizedWeight, fallback: bool, transposed: bool) -> torch.Tensor:
     """x @ W_e^T (or x @ W_e when transposed) with only the experts that have rows dequantized: the
     groups of the others are empty, so dropping their offsets leaves every row in its expert's group."""
     counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
@@ -95,7 +97,9 @@ def _packed_linear(x_NI, offs_E, weight: FP4Weight, fallback: bool, transposed: 
 
 
 def _base_linear(x_NI, w_EOI, offs_E, fallback) -> torch.Tensor:
-    if isinstance(w_EOI, FP4Weight):
+    if isinstance(w_EOI, FP8Weight):
+        return fp8_base_grouped_linear(x_NI, w_EOI, offs_E)
+    if isinstance(w_EOI, QuantizedWeight):
         if torch.compiler.is_compiling():
             raise NotImplementedError("the grouped_mm backend dequantizes FP4 experts selectively, which needs "
                                       "eager mode; under torch.compile use the scattermoe backend")

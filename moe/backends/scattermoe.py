@@ -66,7 +66,7 @@ from moe.kernels.routing import (
     slot_capacity,
     sort_slots,
 )
-from quant import FP4Weight
+from quant import FP4Weight, QuantizedWeight
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
 
@@ -327,7 +327,12 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
 
     def base(proj: str) -> torch.Tensor | PackedWeight:  # packed weights are decoded to `dtype` in the kernels
         w = experts.base_weight(proj)
-        return PackedWeight.of(w) if isinstance(w, FP4Weight) else cast(w)
+        if isinstance(w, FP4Weight):
+            return PackedWeight.of(w)
+        if isinstance(w, QuantizedWeight):  # runtime.plan refuses this pairing (Capabilities.quantized_base)
+            raise NotImplementedError(f"the scattermoe kernels read FP4 base weights, not {w.fmt}; "
+                                      "run these experts on the grouped_mm backend")
+        return cast(w)
 
     gu = experts.lora("gate_up") or (None, None)
     down = experts.lora("down") or (None, None)

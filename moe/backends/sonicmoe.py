@@ -28,8 +28,8 @@ cast to the compute dtype, as in scattermoe). LoRA and FP4-packed bases go throu
 of the experts that received rows (`layer_weights`): W'[e'] = W[a_e'] + s * B[a_e'] @ A[a_e'] for the E'
 active experts a, with the expert ids renumbered into 0..E'-1; it is built with differentiable torch ops, so
 SonicMoE's dW' flows back to A, B (and W when it trains) by autograd. That costs one [E', out, in] weight
-copy per projection and step, and dW' (SonicMoE has no rank-sized LoRA hook). Packed FP4 weights
-(quant.FP4Weight) are dequantized only for the active experts (as grouped_mm does) and SonicMoE keeps the
+copy per projection and step, and dW' (SonicMoE has no rank-sized LoRA hook). Quantized base weights
+(quant.QuantizedWeight) are dequantized only for the active experts (as grouped_mm does) and SonicMoE keeps the
 dequantized copy until the backward. lora_dropout > 0 in training is refused (the merge has no dropout).
 
 QuACK's GEMMs run its default tile configs (`fixed_gemm_configs`): its autotuner keys on exact shapes and P

@@ -10,7 +10,7 @@
 No full model is ever built on the host and nothing is initialized twice: meta construction skips
 every module's own init. Under EP a rank holds, reads and draws only its E/ep experts; the seeded
 init (qwen.init_weights) gives them the values the single-process model holds at those indices.
-With quant="mxfp4" | "nvfp4" the routed experts' base weights are FP4-packed (quant.FP4Weight): each
+With quant="mxfp4" | "nvfp4" | "fp8" the routed experts' base weights are quantized (quant.QuantizedWeight): each
 projection of one layer's local experts is read (or drawn) in `dtype`, quantized on `device` and dropped
 before the next, so no dense copy of all experts exists at any time.
 """
@@ -31,7 +31,7 @@ from runtime.models.qwen import QwenConfig, QwenForCausalLM, init_weights
 def build(cfg: QwenConfig, dtype: torch.dtype, device: torch.device | str, *, path: str | Path | None = None,
           seed: int = 0, ep_rank: int = 0, ep: int = 1, quant: str = "none") -> QwenForCausalLM:
     """This rank's model on `device`: the checkpoint's weights from `path`, else the init seeded by `seed`;
-    routed experts FP4-packed unless quant is "none". "auto" names in cfg are resolved for `device`."""
+    routed experts quantized unless quant is "none". "auto" names in cfg are resolved for `device`."""
     cfg = resolve_model_choices(cfg, device)
     with torch.device("meta"):
         model = QwenForCausalLM(cfg, dtype=dtype)

@@ -26,7 +26,7 @@ from torch import nn
 
 from attention.rope import RopeConfig
 from moe.experts import PROJECTIONS, GroupedExperts
-from quant import FP4Weight
+from quant import QuantizedWeight
 from runtime.choices import MODEL_CHOICES
 from runtime.models.qwen import GDNConfig, QwenConfig, QwenForCausalLM
 
@@ -266,7 +266,7 @@ def _expert_sources(ckpt: SafetensorsCheckpoint, prefix: str, name: str, experts
 
 def _param_sources(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint):
     """{our FQN: (checkpoint requests, expected shapes, assemble fn)} for every base weight (expert weights
-    by their GroupedExperts projection, parameters or FP4-packed alike)."""
+    by their GroupedExperts projection, parameters or quantized alike)."""
     sources = {}
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts):
@@ -317,7 +317,7 @@ def _load(model: QwenForCausalLM, ckpt: SafetensorsCheckpoint, path, dtype: torc
         tensor = assemble(ckpt.read(requests)).to(device=device, dtype=dtype)
         owner, _, name = fqn.rpartition(".")
         target = getattr(model.get_submodule(owner), name)
-        if isinstance(target, FP4Weight):  # quantized now: one dense projection of one layer at a time
+        if isinstance(target, QuantizedWeight):  # quantized now: one dense projection of one layer at a time
             target.to_empty(device=device).fill_(tensor)
             del tensor
         else:
@@ -462,8 +462,8 @@ def write_router_bias(bias: dict[str, torch.Tensor], folder: Path, export: Path)
 
 def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
                     state: dict[str, torch.Tensor] | None = None, dequantize: bool = False) -> None:
-    """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir. FP4-packed
-    experts are written only with dequantize=True, as their dequantized values in the model's dtype.
+    """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir. Quantized
+    (FP4 / FP8) are written only with dequantize=True, as their dequantized values in the model's dtype.
     Router selection biases, which the HF format lacks, go beside them (write_router_bias)."""
     state = _with_dequantized_experts(model, state, dequantize)
     tensors = hf_state_dict(model, state)
@@ -479,18 +479,18 @@ def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes
 def _with_dequantized_experts(model: QwenForCausalLM, state: dict[str, torch.Tensor] | None,
                               dequantize: bool) -> dict[str, torch.Tensor] | None:
     """`state` (or the model's) plus the dequantized packed experts that it does not already hold as dense
-    tensors (a merged export passes them); refuses unless asked to dequantize: a HF base checkpoint of FP4
-    experts holds the FP4 values, not the weights they were quantized from."""
+    tensors (a merged export passes them); refuses unless asked to dequantize: a HF base checkpoint of
+    quantized experts holds the quantized values, not the weights they were quantized from."""
     packed = {f"{prefix}.{name}": (module, module.base_weight(name))
               for prefix, module in model.named_modules() if isinstance(module, GroupedExperts)
-              for name in PROJECTIONS if isinstance(module.base_weight(name), FP4Weight)
+              for name in PROJECTIONS if isinstance(module.base_weight(name), QuantizedWeight)
               and (state is None or f"{prefix}.{name}" not in state)}
     if not packed:
         return state
     fmt = next(iter(packed.values()))[1].fmt
     if not dequantize:
         raise ValueError(f"the routed experts' base weights are {fmt}-packed: a HF checkpoint holds dense weights. "
-                         "Pass dequantize=True to write the dequantized FP4 values (not the original weights), "
+                         "Pass dequantize=True to write the dequantized values (not the original weights), "
                          "or export the LoRA adapter (LoRA runs with checkpoint.export_hf write a PEFT adapter "
                          "on the original base checkpoint)")
     state = dict(state if state is not None else model.state_dict())

@@ -237,7 +237,7 @@ def init_weights(model: QwenForCausalLM, seed: int = 0) -> None:
     device, each expert from one keyed by (seed, name, global expert index). So the values do not
     depend on init order or on the EP split: an EP rank's experts equal the single-process model's
     experts at those indices, and no rank draws experts it does not hold. (CPU and CUDA generators
-    differ: the values depend on the device type.) FP4-packed experts get the quantized values of the
+    differ: the values depend on the device type.) Quantized experts get the quantized values of the
     same draw, one projection of one layer at a time."""
     std = model.config.initializer_range
     gen = None

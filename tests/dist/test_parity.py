@@ -124,17 +124,18 @@ def test_scattermoe_under_ep_matches_single_process(run_dist, tmp_path):
                  timeout_s=300, reference={"expert_backend": "grouped_mm"})
 
 
-# FP4-packed experts (LoRA on top): each EP rank quantizes its own experts, FSDP leaves the packed buffers
-# whole on every rank of the expert FSDP group; both must give the single-process run's steps.
-FP4_MESHES = {"mxfp4-ep2": ("mxfp4", 2, {"ep": 2}), "nvfp4-fsdp2": ("nvfp4", 2, {}),
-              "mxfp4-fsdp4-ep2": ("mxfp4", 4, {"ep": 2})}
+# Quantized experts (LoRA on top): each EP rank quantizes its own experts, FSDP leaves the packed buffers
+# whole on every rank of the expert FSDP group; both must give the single-process run's steps. FP8 also
+# quantizes the activations, row by row: a row's codes do not depend on how the batch is split.
+QUANT_MESHES = {"mxfp4-ep2": ("mxfp4", 2, {"ep": 2}), "nvfp4-fsdp2": ("nvfp4", 2, {}),
+                "mxfp4-fsdp4-ep2": ("mxfp4", 4, {"ep": 2}), "fp8-fsdp4-ep2": ("fp8", 4, {"ep": 2})}
 # (FP4 on the scattermoe kernels at ep2 passed here too, at 2 min of interpreter time per CI run: the kernels'
 # parity with eager, -1 slots included, is tests/unit/test_scattermoe_fp4.py's, the EP layout fsdp4_ep2_scattermoe's)
 
 
-@pytest.mark.parametrize("case", sorted(FP4_MESHES))
-def test_fp4_experts_distributed_match_single_process(run_dist, tmp_path, case):
-    quant, world, parallelism = FP4_MESHES[case]
+@pytest.mark.parametrize("case", sorted(QUANT_MESHES))
+def test_quantized_experts_distributed_match_single_process(run_dist, tmp_path, case):
+    quant, world, parallelism = QUANT_MESHES[case]
     check_parity(run_dist, tmp_path, world, True, parallelism, quant)
 
 

@@ -137,7 +137,7 @@ CHECKS = {
     "eager compiles fp4 never": (lambda r: (r["model"].update(expert_backend="eager", dtype="bfloat16"),
                                             r.update(quant={"base_weights": "nvfp4"}, lora={"enabled": True},
                                                      compile={"enabled": True})),
-                                 "model.expert_backend: eager does not compile FP4-packed experts"),
+                                 "model.expert_backend: eager does not compile nvfp4 experts"),
 }
 
 
@@ -201,7 +201,21 @@ def test_sonicmoe_is_refused_eager_only_under_compile_on_cuda_terms():
     from moe.backends import EXPERT_BACKENDS
 
     assert EXPERT_BACKENDS.capabilities("sonicmoe").compile is False
-    assert EXPERT_BACKENDS.capabilities("scattermoe").compile_quantized is True
+    assert "mxfp4" in EXPERT_BACKENDS.capabilities("scattermoe").compile_quantized
+    assert "fp8" not in EXPERT_BACKENDS.capabilities("scattermoe").quantized_base
+
+
+def test_fp8_experts_take_grouped_mm_on_cuda_terms_and_scattermoe_is_one_line():
+    """scattermoe declares the FP4 formats only: auto passes it over for an FP8 base, naming why."""
+    from runtime.choices import Needs, choose
+
+    needs = Needs("cuda", compile=True, quantized="fp8", lora=True, dtype="bfloat16")
+    uses = {"compile", "quantized", "lora", "ep"}
+    name, passed = choose("model.expert_backend", "auto", needs, uses)
+    assert name == "grouped_mm" and passed == ["scattermoe cannot read fp8 experts (quant.base_weights: fp8)"]
+    with pytest.raises(ConfigError, match=r"^model.expert_backend: scattermoe cannot read fp8 experts "
+                                          r"\(quant.base_weights: fp8\); choose one of \['eager', 'grouped_mm'"):
+        choose("model.expert_backend", "scattermoe", needs, uses - {"compile"})
 
 
 CP = {

@@ -1,6 +1,7 @@
-"""FP4-packed expert weights (quant/): torchao is the independent reference of the formats; the eager
-backend on the dequantized dense weights is the reference of the backends; a model built without
-quantization, then quantized, is the reference of the quantize-at-load and quantize-at-init paths."""
+"""Quantized expert weights (quant/; FP8's own tests: test_quant_fp8): torchao is the independent reference of
+the FP4 formats; the eager backend on the dequantized dense weights is the reference of the backends; a model
+built without quantization, then quantized, is the reference of the quantize-at-load and quantize-at-init
+paths (every format)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import torch
 
 from moe.backends import expert_backend
 from moe.experts import GroupedExperts
-from quant import FP4Weight, quantize_experts
+from quant import FP4Weight, QuantizedWeight, quantize_experts
 from quant.fp4 import dequantize, quantize
+from quant.weight import CONTAINERS
 from runtime.models import build, from_pretrained, save_pretrained
 from runtime.models.hf import config_from_hf
 from tests.conftest import TINY_MOE
 
 FORMATS = ("mxfp4", "nvfp4")
+ALL_FORMATS = (*FORMATS, "fp8")  # the container contract: init, load, EP split
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:
@@ -153,14 +156,15 @@ def _moe_cfg():
     return config_from_hf({**TINY_MOE, "model_type": "qwen3_moe"}, expert_backend="grouped_mm")
 
 
-def _assert_packed_equal(a: FP4Weight, b: FP4Weight) -> None:
-    assert a.fmt == b.fmt and tuple(a.shape) == tuple(b.shape)
-    for name in ("qdata", "scale", "tensor_scale"):
-        ta, tb = getattr(a, name), getattr(b, name)
-        assert (ta is None and tb is None) or torch.equal(ta, tb), name
+def _assert_packed_equal(a: QuantizedWeight, b: QuantizedWeight) -> None:
+    assert type(a) is type(b) and a.fmt == b.fmt and tuple(a.shape) == tuple(b.shape)
+    buffers_a, buffers_b = dict(a.named_buffers()), dict(b.named_buffers())
+    assert buffers_a.keys() == buffers_b.keys() and buffers_a
+    for name, buffer in buffers_a.items():
+        assert torch.equal(buffer, buffers_b[name]), name
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_quantized_init_equals_the_quantized_dense_init_on_every_ep_rank(fmt):
     cfg = _moe_cfg()
     dense = build(cfg, torch.float32, "cpu", seed=3)
@@ -168,32 +172,32 @@ def test_quantized_init_equals_the_quantized_dense_init_on_every_ep_rank(fmt):
         quantize_experts(block.experts, fmt)
     for ep_rank in range(2):
         model = build(cfg, torch.float32, "cpu", seed=3, ep_rank=ep_rank, ep=2, quant=fmt)
-        assert not any(isinstance(p, FP4Weight) for p in model.parameters())
+        assert not any(isinstance(p, QuantizedWeight) for p in model.parameters())
         for block, ref in zip(model.moe_blocks(), dense.moe_blocks()):
             lo = block.experts.expert_offset
             for proj in ("gate_up", "down"):
                 w, w_ref = block.experts.base_weight(proj), ref.experts.base_weight(proj)
-                assert isinstance(w, FP4Weight) and not w.is_meta
+                assert isinstance(w, CONTAINERS[fmt]) and not w.is_meta
                 assert torch.equal(w.dequantize(), w_ref.dequantize(experts=torch.arange(lo, lo + 4)))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_quantize_at_load_reads_one_projection_of_this_ranks_experts_at_a_time(tiny_moe_ckpt, fmt,
                                                                                 monkeypatch):
     full = from_pretrained(tiny_moe_ckpt, expert_backend="grouped_mm")
     filled = []
-    real = FP4Weight.fill_
+    real = QuantizedWeight.fill_
 
     def spy(self, w_ENK):
         filled.append(tuple(w_ENK.shape))
         return real(self, w_ENK)
-    monkeypatch.setattr(FP4Weight, "fill_", spy)
+    monkeypatch.setattr(QuantizedWeight, "fill_", spy)
     part = build(full.config, torch.float32, "cpu", path=tiny_moe_ckpt, ep_rank=1, ep=2, quant=fmt)
     H, I = full.config.hidden_size, full.config.moe_intermediate_size
     assert filled == [(4, 2 * I, H), (4, H, I)] * len(full.moe_blocks())
     for block, ref in zip(part.moe_blocks(), full.moe_blocks()):
         for proj in ("gate_up", "down"):
-            expected = FP4Weight.from_dense(ref.experts.base_weight(proj)[4:].detach(), fmt)
+            expected = CONTAINERS[fmt].from_dense(ref.experts.base_weight(proj)[4:].detach(), fmt)
             _assert_packed_equal(block.experts.base_weight(proj), expected)
 
 
