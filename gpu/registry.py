@@ -50,6 +50,7 @@ class Capabilities:
     cp: bool = True  # under context parallelism (cp > 1)
     lora: bool = True  # with LoRA adapters
     quantized_base: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8")  # frozen base weight formats it reads
+    train_fp8: bool = False  # trains its expert GEMMs in FP8 (quant.train_fp8)
     reference: bool = False  # the plainest implementation, the numerical reference (runtime.verify --exact)
 
 

@@ -13,6 +13,7 @@ under them (a quantized container from `quant/` instead of a tensor):
     experts.base_weight("gate_up" | "down")  -> a tensor, or a quant.QuantizedWeight (FP4 or FP8, frozen)
     experts.dense_weight(proj, experts=None) -> a tensor either way (quantized: dequantized, only `experts`)
     experts.lora("gate_up" | "down")         -> LoraFactors(A_ErI, B_EOr), or None without LoRA
+    experts.fp8_training                     -> True: the trainable base GEMMs run in FP8 (quant.fp8_training)
 quant.quantize_experts(experts, fmt) swaps the base weights for quantized containers (set_base_weight).
 The accessors return plain tensors: a parameter that is a DTensor no wrapper gathers (the runtime's experts
 alone on their FSDP mesh) is read as its local tensor, in its stored dtype (the backends cast operands to the
@@ -65,6 +66,7 @@ class GroupedExperts(nn.Module):
         self.lora_rank = 0
         self.lora_scaling = 0.0
         self.lora_dropout = 0.0
+        self.fp8_training = False  # the base GEMMs train in FP8 (quant.train_fp8); backends read it
         if lora_rank > 0:
             self.add_lora(lora_rank, lora_alpha if lora_alpha is not None else lora_rank, lora_dropout)
         self.reset_parameters()
@@ -160,4 +162,5 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
-                f"lora_rank={self.lora_rank}, expert_offset={self.expert_offset}")
+                f"lora_rank={self.lora_rank}, expert_offset={self.expert_offset}"
+                + (", fp8_training=True" if self.fp8_training else ""))

@@ -38,6 +38,7 @@ class Needs:
     device: str
     compile: bool = False
     quantized: str = "none"  # quant.base_weights
+    train_fp8: bool = False  # quant.train_fp8 names the experts
     lora: bool = False
     ep: int = 1
     cp: int = 1
@@ -59,6 +60,8 @@ def _mismatch(key: str, name: str, caps, needs: Needs, uses: set[str]) -> str | 
             and needs.dtype not in caps.compile_cpu_dtypes):
         return (f"{name} compiles on the CPU only in model.dtype {' or '.join(caps.compile_cpu_dtypes)} (model.dtype "
                 f"is {needs.dtype}), but compile.enabled is true")
+    if "quantized" in uses and needs.train_fp8 and not caps.train_fp8:
+        return f"{name} has no FP8 expert GEMMs (quant.train_fp8)"
     if "lora" in uses and needs.lora and not caps.lora:
         return f"{name} has no LoRA path (lora.enabled with experts in lora.target_modules)"
     if "ep" in uses and needs.ep > 1 and not caps.ep:

@@ -79,6 +79,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     hybrid = any(qcfg.is_linear_attention(i) for i in range(qcfg.num_layers))
     has_moe = any(qcfg.is_moe_layer(i) for i in range(qcfg.num_layers))
     needs = Needs(dev, compile=cfg.compile.enabled, quantized=cfg.quant.base_weights,
+                  train_fp8=cfg.quant.train_fp8 != "none",
                   lora=cfg.lora.enabled and "experts" in cfg.lora.target_modules, ep=dims.ep, cp=dims.cp,
                   dtype=cfg.model.dtype)
     m = cfg.model
@@ -99,6 +100,8 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
                       f"{'; '.join(notes['gdn_op_set'])}", stacklevel=2)
     if has_moe and cfg.quant.base_weights in FP4_FORMATS:
         check_fp4_blocks(cfg, qcfg)
+    if has_moe and (cfg.quant.base_weights == "fp8" or cfg.quant.train_fp8 != "none"):
+        check_fp8(cfg, qcfg, dev)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
     if p.frozen_dense == "replicate" and not cfg.lora.enabled:
@@ -169,6 +172,10 @@ def check_combinations(cfg: Config) -> None:
     if cfg.train.eval_every_n_steps and not cfg.data.has_eval:
         raise ConfigError("train.eval_every_n_steps is set but there is no eval data; set data.eval (a file) or "
                           "data.eval_fraction")
+    if cfg.quant.train_fp8 != "none" and cfg.lora.enabled:
+        raise ConfigError(f"quant.train_fp8: {cfg.quant.train_fp8} trains the expert GEMMs' weights in FP8 (a full "
+                          "fine-tune), but lora.enabled is true; for LoRA on an FP8 expert base set "
+                          "quant.base_weights: fp8 and quant.train_fp8: none")
     if cfg.quant.base_weights != "none" and not cfg.lora.enabled:
         raise ConfigError(f"quant.base_weights: {cfg.quant.base_weights} packs the routed experts' base weights "
                           "into frozen codes, which a full fine-tune would have to train; set lora.enabled: true "
@@ -182,6 +189,25 @@ def check_combinations(cfg: Config) -> None:
 
 def _model_key(cfg: Config, field: str) -> str:
     return f"model.config.{field}" if cfg.model.config is not None else f"{cfg.model.path}/config.json {field}"
+
+
+def check_fp8(cfg: Config, qcfg, device: str) -> None:
+    """FP8 GEMMs need Hopper or newer on CUDA, and every dim they reduce or write a multiple of 16; FP8 training
+    compiles on CUDA only."""
+    key = "quant.base_weights: fp8" if cfg.quant.base_weights == "fp8" else f"quant.train_fp8: {cfg.quant.train_fp8}"
+    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        raise ConfigError(f"{key} runs the expert GEMMs on FP8 tensor cores, which this GPU (sm"
+                          f"{''.join(map(str, torch.cuda.get_device_capability()))}) lacks: they need sm90+ (H100, "
+                          "H200, B200); use quant.base_weights: mxfp4 or none, quant.train_fp8: none")
+    if device == "cpu" and cfg.quant.train_fp8 != "none" and cfg.compile.enabled:
+        # Seen on torch 2.13: the vectorized CPU kernels inductor generates for the whole expert layer give NaN
+        # weight gradients (eager, and inductor without SIMD, agree with each other).
+        raise ConfigError(f"quant.train_fp8: {cfg.quant.train_fp8} does not compile on the CPU (inductor's CPU "
+                          "code gives NaN expert gradients); set compile.enabled: false, or train on CUDA")
+    for field, size in (("moe_intermediate_size", qcfg.moe_intermediate_size), ("hidden_size", qcfg.hidden_size)):
+        if size % 16:
+            raise ConfigError(f"{key}: FP8 GEMMs need each expert dim a multiple of 16, but "
+                              f"{_model_key(cfg, field)} = {size}; set quant.base_weights / quant.train_fp8 to none")
 
 
 def check_fp4_blocks(cfg: Config, qcfg) -> None:

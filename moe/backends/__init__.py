@@ -53,6 +53,7 @@ EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=
 # torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count, FP8 ones run
 # on FP8 GEMMs (which trace).
 EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=("fp8",),
+                                                   train_fp8=True,
                                                    compile_cpu_dtypes=("bfloat16",)),
                         _module("grouped_mm", "moe.backends.grouped_mm"))
 # Fused Triton kernels, LoRA and FP4 dequant included: the fastest where CUDA and Triton are. No FP8 path.

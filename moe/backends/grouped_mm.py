@@ -12,7 +12,8 @@ layout goes through a per-expert loop, logged once.
 Packed FP4 base weights (quant.FP4Weight, frozen) are dequantized per call, only for the experts that
 received rows, in the forward and again in the backward (nothing dequantized is kept between them);
 this reference path needs the eager mode's valid count, so it does not run under torch.compile.
-FP8 base weights (quant.FP8Weight, frozen) run on FP8 GEMMs (quant.fp8_base), also under torch.compile.
+FP8 base weights (quant.FP8Weight, frozen) run on FP8 GEMMs (quant.fp8_base), also under torch.compile;
+experts.fp8_training runs the trainable base GEMMs, forward and both backward ones, in FP8 (quant.fp8_training).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gpu.device import compute_dtype
 from moe.backends import EXPERT_BACKENDS
 from quant import FP8Weight, QuantizedWeight
 from quant.fp8_base import fp8_base_grouped_linear
+from quant.fp8_training import fp8_grouped_linear
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -96,7 +98,9 @@ def _packed_linear(x_NI, offs_E, weight: QuantizedWeight, fallback: bool, transp
     return grouped_linear(x_NI, w_EOI.transpose(1, 2) if transposed else w_EOI, offs_E[active], fallback)
 
 
-def _base_linear(x_NI, w_EOI, offs_E, fallback) -> torch.Tensor:
+def _base_linear(x_NI, w_EOI, offs_E, fallback, fp8: bool) -> torch.Tensor:
+    if fp8:  # FP8 training: quantized from the master weight as it is
+        return fp8_grouped_linear(x_NI, w_EOI, offs_E)
     if isinstance(w_EOI, FP8Weight):
         return fp8_base_grouped_linear(x_NI, w_EOI, offs_E)
     if isinstance(w_EOI, QuantizedWeight):
@@ -113,10 +117,10 @@ def _keep_valid(t_NF: torch.Tensor, valid_N1: torch.Tensor | None) -> torch.Tens
     return t_NF if valid_N1 is None else torch.where(valid_N1, t_NF, 0)
 
 
-def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, valid_N1, fallback):
+def _lora_grouped_linear(x_NI, w_EOI, lora, scaling, dropout, training, offs_E, valid_N1, fallback, fp8):
     """Grouped x W^T (+ LoRA); in the compiled layout the unwritten -1 rows are zeroed so that no
     inf/NaN from them can reach any product or gradient (the GEMMs' backward may mix all rows)."""
-    y_NO = _base_linear(x_NI, w_EOI, offs_E, fallback)
+    y_NO = _base_linear(x_NI, w_EOI, offs_E, fallback, fp8)
     if lora is not None:
         A_ErI, B_EOr = lora
         x_lora = F.dropout(x_NI, dropout, training) if dropout > 0 else x_NI
@@ -156,7 +160,8 @@ def grouped_mm_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
                                    *lora_dims)
     if reason and not torch.compiler.is_compiling():  # logging does not trace: the eager calls warn
         _warn_once(reason)
-    lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, valid_N1, reason is not None)
+    lora_args = (experts.lora_scaling, experts.lora_dropout, experts.training, offs_E, valid_N1, reason is not None,
+                 experts.fp8_training)
     gate_up_N2I = _lora_grouped_linear(x_NH, experts.base_weight("gate_up"), experts.lora("gate_up"), *lora_args)
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
     out_NH = _lora_grouped_linear(F.silu(gate_NI) * up_NI, experts.base_weight("down"), experts.lora("down"),

@@ -16,6 +16,7 @@ from quant import quantize_experts
 from runtime.config import Config
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
+from runtime.float8 import apply_fp8_training
 from runtime.lora import apply_lora, seed_lora_A
 from runtime.models.build import build
 from runtime.models.hf import model_config
@@ -41,6 +42,7 @@ def build_model(cfg: Config, env: DistEnv, dims: ParallelDims) -> QwenForCausalL
         apply_lora(model, cfg.lora)
         seed_lora_A(model, cfg.train.seed)
     apply_master_dtype(model, cfg.optim.master_dtype, env.device)
+    apply_fp8_training(model, cfg.quant.train_fp8)
     return model
 
 

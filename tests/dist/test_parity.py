@@ -23,8 +23,9 @@ pytestmark = pytest.mark.usefixtures("tokenize_once")
 
 
 def tiny_config(lora: bool, tmp: str, expert_backend: str = "grouped_mm", quant: str = "none",
-                model: dict | None = None, seq_len: int = 64, steps: int = STEPS, **parallelism):
-    overrides = {**({"model.config": model} if model else {}), "data.seq_len": seq_len, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
+                model: dict | None = None, seq_len: int = 64, steps: int = STEPS, train_fp8: str = "none",
+                **parallelism):
+    overrides = {"quant.train_fp8": train_fp8, **({"model.config": model} if model else {}), "data.seq_len": seq_len, "train.micro_batch_size": 1, "optim.warmup_steps": 0,
                  "model.router_aux_loss_coef": 0.01, "lora.enabled": lora, "lora.rank": 4,
                  "train.max_steps": steps, "parallelism.dp_shard": -1, "model.expert_backend": expert_backend,
                  "quant.base_weights": quant}
@@ -78,7 +79,8 @@ def shared_reference(cfg, dims: ParallelDims, steps: int) -> list[dict]:
 
 
 def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, quant: str = "none",
-                 model: dict | None = None, timeout_s: float = 60, reference: dict | None = None) -> None:
+                 model: dict | None = None, timeout_s: float = 60, reference: dict | None = None,
+                 tolerances: str = "float32") -> None:
     """STEPS distributed steps (or parallelism's "steps") on `world` gloo ranks against the single-process run
     of the same config (with `reference`'s parallelism keys changed, e.g. another expert backend)."""
     steps = parallelism.get("steps", STEPS)
@@ -88,7 +90,7 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
     ref_steps = shared_reference(cfg, dims, steps)  # first: the ranks fork with its corpus
     dist_steps = run_dist(_distributed, world, lora, str(tmp_path / "dist"), parallelism, quant, model,
                           timeout_s=timeout_s)[0]
-    ok, lines = compare(dist_steps, ref_steps, "float32")
+    ok, lines = compare(dist_steps, ref_steps, tolerances)
     print("\n".join(lines))
     assert ok, "\n".join(lines)
     assert len(dist_steps) == steps and all(s["grads"] for s in dist_steps)
@@ -167,3 +169,12 @@ def test_exact_reference_matches_the_fp32_reference_on_other_kernels(tmp_path, q
     exact = reference_run(cfg, dims, STEPS, torch.device("cpu"), exact=True)
     ok, lines = compare(exact, ref, "float32")
     assert ok, "\n".join(lines)
+
+
+@pytest.mark.parametrize("mesh", ["ep2", "fsdp4_ep2_selective_ac"])
+def test_fp8_trained_experts_distributed_match_single_process(run_dist, tmp_path, mesh):
+    """quant.train_fp8: experts (full fine-tune). Rows are quantized row by row and weights per expert, as in one
+    process; dW's scales span a group's tokens, which the split of the batch may regroup: within the bf16
+    tolerances of runtime.verify, not fp32's."""
+    world, parallelism = MESHES[mesh]
+    check_parity(run_dist, tmp_path, world, False, {**parallelism, "train_fp8": "experts"}, tolerances="bfloat16")
