@@ -11,8 +11,9 @@ training step; also for the forward alone), the peak memory above the resident t
 TFLOP/s (valid slots only) next to a bf16 matmul rate measured in the same run. Modes: `full` (base
 weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with all slots valid (ep1)
 and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts,
-every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` (asked for by --modes, or --quant mxfp4,nvfp4,
-which adds them and the bf16 lora16 rows beside them) run LoRA r=16 on FP4-packed experts. Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
+every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` / `lora16-fp8` (asked for by --modes, or --quant
+mxfp4,nvfp4,fp8, which adds them and the bf16 lora16 rows beside them) run LoRA r=16 on quantized experts, and
+`full-fp8` (--quant fp8 adds it beside `full`) the full fine-tune's expert GEMMs in FP8 (grouped_mm only). Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
 `transformers` (its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead;
 benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path
 forced; it picks it by itself only for small experts). MHz is the SM clock after the steady timing.
@@ -59,19 +60,20 @@ from benchmarks.harness import (
     sm_clock_mhz,
     steady_ms,
 )
-from moe.backends import expert_backend
+from moe.backends import EXPERT_BACKENDS, expert_backend
 from moe.experts import GroupedExperts
 from quant import quantize_experts
 
 MODES = {"full": 0, "lora16": 16}  # LoRA rank; a LoRA mode freezes the base weights
-# LoRA r=16 on FP4-packed experts (quant.base_weights), run when asked for by --modes or --quant
-FP4_MODES = {"lora16-mxfp4": 16, "lora16-nvfp4": 16}
-QUANT = ("none", "mxfp4", "nvfp4")
+# LoRA r=16 on quantized experts (quant.base_weights), and the full fine-tune's GEMMs in FP8 (quant.train_fp8),
+# run when asked for by --modes or --quant
+QUANT_MODES = {"lora16-mxfp4": 16, "lora16-nvfp4": 16, "lora16-fp8": 16, "full-fp8": 0}
+QUANT = ("none", "mxfp4", "nvfp4", "fp8")
 
 
 def with_quant(modes: list[str], quant: str) -> list[str]:
-    """--quant none|mxfp4|nvfp4 (comma-separated): the modes plus the LoRA mode on experts packed in each
-    format, with its bf16 lora16 rows in the same run for the comparison."""
+    """--quant none|mxfp4|nvfp4|fp8 (comma-separated): the modes plus the LoRA mode on experts quantized in each
+    format (fp8 also: the full fine-tune in FP8), with their bf16 rows in the same run for the comparison."""
     formats = [q for q in quant.split(",") if q != "none"]
     unknown = [q for q in formats if q not in QUANT]
     if unknown:
@@ -79,6 +81,8 @@ def with_quant(modes: list[str], quant: str) -> list[str]:
     if not formats:
         return modes
     added = ["lora16", *(f"lora16-{fmt}" for fmt in formats)]
+    if "fp8" in formats:
+        added += ["full", "full-fp8"]
     return modes + [m for m in added if m not in modes]
 EAGER_MAX_SECONDS = 5.0  # an eager fwd+bwd slower than this is reported from its one timed call
 TRANSFORMERS = "transformers"  # the baseline's row name
@@ -132,7 +136,7 @@ def layer_flops(valid_slots: int, H: int, I: int, rank: int, train_base: bool) -
 def make_case(shape: str, T: int, mode: str, ep: int):
     """(experts, x, ids, weights, flops): the layer an EP rank of `ep` sees, owning the first E/ep experts."""
     s = SHAPES[shape]
-    rank = {**MODES, **FP4_MODES}[mode]
+    rank = {**MODES, **QUANT_MODES}[mode]
     gen = torch.Generator(device=CASE.device).manual_seed(0)
     w, ids = torch.randn(T, s.experts, device=CASE.device, generator=gen).softmax(-1).topk(s.top_k, dim=-1)
     E_local = s.experts // ep
@@ -142,7 +146,9 @@ def make_case(shape: str, T: int, mode: str, ep: int):
     if rank:
         ex.base_weight("gate_up").requires_grad_(False)
         ex.base_weight("down").requires_grad_(False)
-    if mode in FP4_MODES:
+    if mode == "full-fp8":
+        ex.fp8_training = True
+    elif mode in QUANT_MODES:
         quantize_experts(ex, mode.partition("-")[2])
     x = torch.randn(T, s.hidden, device=CASE.device, dtype=CASE.dtype, requires_grad=True)
     w = w.to(CASE.dtype).requires_grad_(True)
@@ -252,8 +258,9 @@ def run_shape(shape: str, T: int, backends: list[str], modes: list[str], iters: 
     for mode in modes:
         for ep in (1, 2, 4):
             extra = ["scattermoe-fused"] if "scattermoe" in backends and mode == "lora16" and ep == 1 else []
-            # the baseline has no FP4 experts: its bf16 row of mode lora16 is the comparison
-            names = [b for b in backends if not (mode in FP4_MODES and b == TRANSFORMERS)]
+            # the baseline has no quantized experts: its bf16 row of the mode is the comparison
+            names = [b for b in backends if not (mode in QUANT_MODES and b == TRANSFORMERS)
+                     and not (mode == "full-fp8" and not EXPERT_BACKENDS.capabilities(b).train_fp8)]
             for name in names + extra:
                 row = Row(shape, T, mode, ep, name)
                 try:
@@ -572,7 +579,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(MOE_SHAPES), help="names in benchmarks.harness.SHAPES")
     ap.add_argument("--tokens", type=int, help="T (default 8192; --quick 2048)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join([*MODES, *FP4_MODES]))
+    ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join([*MODES, *QUANT_MODES]))
     ap.add_argument("--quant", default="none",
                     help="none | mxfp4 | nvfp4, comma-separated: also the LoRA mode on FP4-packed experts (lora16-<fmt>)"
                          " beside the bf16 lora16 rows")

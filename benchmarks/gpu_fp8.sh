@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# FP8 on Hopper (issue 44), carry [".whl"], H100 or H200, one part per device call if time is short:
+#   bash benchmarks/gpu_fp8.sh tests;  bash benchmarks/gpu_fp8.sh bench;  bash benchmarks/gpu_fp8.sh e2e
+#   tests  the FP8 GPU tests: the trainable grouped linear (CUDA vs CPU emulation, compiled) and the frozen
+#          base at the four expert shapes (against eager on the dequantized weights), then the FP8 unit tests
+#   bench  the expert layer fwd+bwd at Qwen3-30B-A3B shapes, T=8192: full and LoRA r=16, bf16 (grouped_mm and
+#          scattermoe) against FP8 (full-fp8, lora16-fp8: grouped_mm), and the dense floor of its GEMMs
+#   e2e    bench_e2e, ours only, same call: full fine-tune 8 layers (bf16 masters) with quant.train_fp8 none /
+#          experts / experts+dense; LoRA 12 layers on bf16 experts (our default) and on an FP8 base
+# Logs in $OUT/*.log, rows in $OUT/*.json; the summary comes last.
+source benchmarks/gpu_env.sh
+parts=${*:-tests bench e2e}
+
+if [[ $parts == *tests* ]]; then
+  python -m pytest -q -rs tests/gpu/test_fp8_training_gpu.py tests/gpu/test_fp8_base_gpu.py \
+    tests/unit/test_quant_fp8.py tests/unit/test_fp8_training.py > "$OUT/fp8_tests.log" 2>&1
+  tail -n 3 "$OUT/fp8_tests.log"
+fi
+if [[ $parts == *bench* ]]; then
+  python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes full,lora16 --quant fp8 \
+    --backends grouped_mm,scattermoe --out "$OUT" > "$OUT/bench_experts_fp8.log" 2>&1
+  python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --floor > "$OUT/fp8_floor.log" 2>&1
+fi
+tags=()
+e2e() {  # tag, then bench flags
+  local tag=$1
+  shift
+  tags+=("$tag")
+  python -m benchmarks.bench_e2e --steps 5 --warmup 2 --no-baseline --tag "$tag" --out "$OUT" "$@" \
+    > "$OUT/e2e_$tag.log" 2>&1
+}
+if [[ $parts == *e2e* ]]; then
+  e2e full_bf16 --mode full --layers 8 --master-dtype bf16
+  e2e full_fp8_experts --mode full --layers 8 --master-dtype bf16 --set quant.train_fp8=experts
+  e2e full_fp8_dense --mode full --layers 8 --master-dtype bf16 --set quant.train_fp8=experts+dense
+  e2e lora_bf16 --mode lora --layers 12
+  e2e lora_fp8 --mode lora --layers 12 --set quant.base_weights=fp8
+fi
+echo "== summary"
+[[ -f $OUT/bench_experts_fp8.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp8.log" | tail -n 24
+[[ -f $OUT/fp8_floor.log ]] && grep -vE "register_constant|Failed to load" "$OUT/fp8_floor.log" | tail -n 8
+for tag in "${tags[@]}"; do
+  grep -E "^ours +(lora|full) |failed:" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"
+done
