@@ -52,8 +52,8 @@ def test_transformers_on_the_merged_checkpoint_equals_ours_with_the_adapter(tmp_
     _assert_transformers_matches(ours, tmp_path / "merged")
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_merged_fp4_experts_are_dequantized_base_plus_adapter(tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+def test_merged_quantized_experts_are_dequantized_base_plus_adapter(tmp_path, fmt):
     write_hf_checkpoint(tmp_path / "base", "moe")
     dense = from_pretrained(tmp_path / "base", expert_backend="eager")
     ours = build(dense.config, torch.float32, "cpu", path=tmp_path / "base", quant=fmt)
