@@ -89,6 +89,16 @@ def nan_slot_buffers(monkeypatch, guard_rows: int = 0) -> list:
     return made
 
 
+def sentinel_routing(M: int, k: int, hidden: int, experts: int = 4):
+    """(x [M, hidden], ids [M, k], routing weights [M, k]) of an expert layer, x and the weights requiring grad:
+    one slot belongs to another EP rank (-1) and the last expert receives no token."""
+    x = torch.randn(M, hidden, requires_grad=True)
+    ids = torch.randint(0, experts, (M, k))
+    ids[0, 1] = -1
+    ids[ids == experts - 1] = -1
+    return x, ids, torch.rand(M, k, requires_grad=True)
+
+
 def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
     """Random values everywhere (norms and routers too), so parity does not pass by symmetry."""
     g = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ from quant.fp4 import dequantize, quantize
 from quant.weight import CONTAINERS
 from runtime.models import build, from_pretrained, save_pretrained
 from runtime.models.hf import config_from_hf
-from tests.conftest import TINY_MOE
+from tests.conftest import TINY_MOE, sentinel_routing
 
 FORMATS = ("mxfp4", "nvfp4")
 ALL_FORMATS = (*FORMATS, "fp8")  # the container contract: init, load, EP split
@@ -118,11 +118,7 @@ def _experts_pair(fmt: str, rank: int, hidden: int = 64, intermediate: int = 32,
 def test_backends_on_packed_experts_equal_eager_on_the_dequantized_weights(backend, fmt, lora):
     packed, dense = _experts_pair(fmt, 4 if lora else 0)
     M, k = 12, 2
-    x = torch.randn(M, 64, requires_grad=True)
-    ids = torch.randint(0, 4, (M, k))
-    ids[0, 1] = -1  # a slot of another EP rank
-    ids[ids == 3] = -1  # expert 3 gets no token
-    w = torch.rand(M, k, requires_grad=True)
+    x, ids, w = sentinel_routing(M, k, 64)
     y = expert_backend(backend)(x, ids, w, packed)
     y_ref = expert_backend("eager")(x, ids, w, dense)
     dy = torch.randn_like(y)

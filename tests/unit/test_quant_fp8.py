@@ -15,6 +15,7 @@ from moe.experts import GroupedExperts
 from quant import FP8Weight, quantize_experts
 from quant.fp8 import E4M3, dequantize_rows, quantize_rows, scaled_grouped_mm
 from quant.fp8_base import fp8_base_grouped_linear
+from tests.conftest import sentinel_routing
 
 # e4m3 keeps 3 mantissa bits: a round-to-nearest code is within 2^-4 of its value, relatively; GEMM results
 # over many terms average those errors (norm-relative ~2-3%).
@@ -124,11 +125,7 @@ def _lora_params(experts):
 def test_backends_on_fp8_experts_against_eager_on_the_dequantized_weights(backend, tol):
     fp8, dense = _experts_pair()
     M, k = 12, 2
-    x = torch.randn(M, 64, requires_grad=True)
-    ids = torch.randint(0, 4, (M, k))
-    ids[0, 1] = -1  # a slot of another EP rank
-    ids[ids == 3] = -1  # expert 3 gets no token
-    w = torch.rand(M, k, requires_grad=True)
+    x, ids, w = sentinel_routing(M, k, 64)
     y = expert_backend(backend)(x, ids, w, fp8)
     y_ref = expert_backend("eager")(x, ids, w, dense)
     dy = torch.randn_like(y)

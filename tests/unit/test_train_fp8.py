@@ -19,7 +19,7 @@ from runtime.launch import run
 from runtime.models import build
 from runtime.models.hf import config_from_hf
 from runtime.plan import plan
-from tests.conftest import TINY_MOE
+from tests.conftest import TINY_MOE, sentinel_routing
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -36,11 +36,7 @@ def test_grouped_mm_trains_the_experts_in_fp8_within_fp8_error_of_fp32():
     ref = copy.deepcopy(fp8)
     fp8.fp8_training = True
     M, k = 24, 2
-    x = torch.randn(M, 64, requires_grad=True)
-    ids = torch.randint(0, 4, (M, k))
-    ids[0, 1] = -1  # a slot of another EP rank
-    ids[ids == 3] = -1  # expert 3 gets no token
-    w = torch.rand(M, k, requires_grad=True)
+    x, ids, w = sentinel_routing(M, k, 64)
     y = expert_backend("grouped_mm")(x, ids, w, fp8)
     y_ref = expert_backend("eager")(x, ids, w, ref)
     dy = torch.randn_like(y)
