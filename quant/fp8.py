@@ -41,6 +41,12 @@ def dequantize_rows(codes_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.
     return (codes_RK.float() * scale_R.unsqueeze(-1)).to(dtype)
 
 
+def gemm_out_dtype(t: torch.Tensor) -> torch.dtype:
+    """The output dtype of the scaled GEMMs on t's device: bf16 on CUDA (torch._scaled_grouped_mm's only one),
+    fp32 on the CPU (exact emulation); callers cast to the dtype they return."""
+    return torch.float32 if t.device.type == "cpu" else torch.bfloat16
+
+
 def scaled_grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.Tensor, scale_b_EN: torch.Tensor,
                       offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Rows of a sorted by group (group e ends at offs_E[e], int32) times b[e]:

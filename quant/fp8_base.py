@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from quant.fp8 import quantize_rows, scaled_grouped_mm
+from quant.fp8 import gemm_out_dtype, quantize_rows, scaled_grouped_mm
 from quant.weight import FP8Weight
 
 
@@ -30,7 +30,9 @@ class _FrozenFP8GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(offs_E)
         ctx.weight = weight
         xq_NI, xs_N = quantize_rows(x_NI)
-        return scaled_grouped_mm(xq_NI, xs_N, weight.codes.transpose(-2, -1), weight.scales, offs_E, x_NI.dtype)
+        y_NO = scaled_grouped_mm(xq_NI, xs_N, weight.codes.transpose(-2, -1), weight.scales, offs_E,
+                                 gemm_out_dtype(x_NI))
+        return y_NO.to(x_NI.dtype)
 
     @staticmethod
     def backward(ctx, dy_NO: torch.Tensor):
@@ -40,8 +42,9 @@ class _FrozenFP8GroupedLinear(torch.autograd.Function):
         dyq_NO, dys_N = quantize_rows(dy_NO.float() * scale_NO)
         codes_EIO = weight.codes.transpose(-2, -1).contiguous()
         ones_EI = torch.ones(codes_EIO.shape[:2], dtype=torch.float32, device=dy_NO.device)
-        dx_NI = scaled_grouped_mm(dyq_NO, dys_N, codes_EIO.transpose(-2, -1), ones_EI, offs_E, dy_NO.dtype)
-        return dx_NI, None, None
+        dx_NI = scaled_grouped_mm(dyq_NO, dys_N, codes_EIO.transpose(-2, -1), ones_EI, offs_E,
+                                  gemm_out_dtype(dy_NO))
+        return dx_NI.to(dy_NO.dtype), None, None
 
 
 def fp8_base_grouped_linear(x_NI: torch.Tensor, weight: FP8Weight, offs_E: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from quant.fp8 import E4M3, E4M3_MAX, quantize_rows, row_scales, scaled_grouped_mm
+from quant.fp8 import E4M3, E4M3_MAX, gemm_out_dtype, quantize_rows, row_scales, scaled_grouped_mm
 
 # Rows per group of the 2d-2d GEMM's operands on CUDA: a group's start along the reduction dim must be 16-byte
 # aligned for TMA (16 e4m3 values), and CUTLASS cannot run an empty group.
@@ -44,7 +44,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(x_NI, w_EOI, offs_E)
         xq_NI, xs_N = quantize_rows(x_NI.contiguous())
         wq_EOI, ws_EO = quantize_rows(w_EOI.contiguous())
-        y_NO = scaled_grouped_mm(xq_NI, xs_N, wq_EOI.transpose(-2, -1), ws_EO, offs_E, _gemm_dtype(x_NI))
+        y_NO = scaled_grouped_mm(xq_NI, xs_N, wq_EOI.transpose(-2, -1), ws_EO, offs_E, gemm_out_dtype(x_NI))
         return _zero_tail(y_NO, offs_E).to(x_NI.dtype)
 
     @staticmethod
@@ -54,10 +54,6 @@ class _FP8GroupedLinear(torch.autograd.Function):
         dx_NI = _grad_input(dy_NO, w_EOI, offs_E).to(x_NI.dtype) if ctx.needs_input_grad[0] else None
         dw_EOI = _grad_weight(dy_NO, x_NI, offs_E).to(w_EOI.dtype) if ctx.needs_input_grad[1] else None
         return dx_NI, dw_EOI, None
-
-
-def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.device.type == "cpu" else torch.bfloat16
 
 
 def _zero_tail(t_NC: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -72,7 +68,7 @@ def _grad_input(dy_NO: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) 
     wq_EIO, ws_EI = quantize_rows(w_EOI.transpose(-2, -1))
     # Codes of W^T contiguous: O, the reduction dim, innermost for the MMA (the quantization kept w's layout).
     wq_EIO = wq_EIO.contiguous()
-    dx_NI = scaled_grouped_mm(dyq_NO, dys_N, wq_EIO.transpose(-2, -1), ws_EI, offs_E, _gemm_dtype(dy_NO))
+    dx_NI = scaled_grouped_mm(dyq_NO, dys_N, wq_EIO.transpose(-2, -1), ws_EI, offs_E, gemm_out_dtype(dy_NO))
     return _zero_tail(dx_NI, offs_E)
 
 
@@ -83,7 +79,7 @@ def _grad_weight(dy_NO: torch.Tensor, x_NI: torch.Tensor, offs_E: torch.Tensor) 
     dest_N, gid_P, offs_pad_E = _padded_layout(offs_E, x_NI.shape[0])
     dyq_OP, dys_EO = _quantize_along_groups(_pad_rows(dy_NO, dest_N, gid_P.shape[0]), gid_P, E)
     xq_IP, xs_EI = _quantize_along_groups(_pad_rows(x_NI, dest_N, gid_P.shape[0]), gid_P, E)
-    return scaled_grouped_mm_2d2d(dyq_OP, dys_EO, xq_IP.t(), xs_EI, offs_pad_E, _gemm_dtype(x_NI))
+    return scaled_grouped_mm_2d2d(dyq_OP, dys_EO, xq_IP.t(), xs_EI, offs_pad_E, gemm_out_dtype(x_NI))
 
 
 def _padded_layout(offs_E: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
