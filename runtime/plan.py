@@ -195,7 +195,8 @@ def check_fp8(cfg: Config, qcfg, device: str) -> None:
     """FP8 GEMMs need Hopper or newer on CUDA, and every dim they reduce or write a multiple of 16; FP8 training
     compiles on CUDA only."""
     key = "quant.base_weights: fp8" if cfg.quant.base_weights == "fp8" else f"quant.train_fp8: {cfg.quant.train_fp8}"
-    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+    # A plan for CUDA made elsewhere (runtime.estimate on a laptop) cannot see the GPU: checked where it runs.
+    if device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
         raise ConfigError(f"{key} runs the expert GEMMs on FP8 tensor cores, which this GPU (sm"
                           f"{''.join(map(str, torch.cuda.get_device_capability()))}) lacks: they need sm90+ (H100, "
                           "H200, B200); use quant.base_weights: mxfp4 or none, quant.train_fp8: none")

@@ -1,4 +1,4 @@
-"""runtime.estimate: the static part (parameters per rank, dense, LoRA, FP4-packed, FSDP/EP-sharded) equals
+"""runtime.estimate: the static part (parameters per rank, dense, LoRA, FP4 / FP8 bases, FSDP/EP-sharded) equals
 what the trainer's model holds on each rank (gloo); activations scale as the estimate's model says; the CLI
 prints before any process group. The comparison with measured GPU peaks is in docs/estimate.md."""
 
@@ -19,6 +19,7 @@ from tests.dist.test_parity import EXAMPLE
 # LoRA's frozen dense weights: replicated on every rank (auto on the CPU) or FSDP-sharded
 CASES = {"full": {}, "lora": {"lora.enabled": True}, "lora-nvfp4": {"lora.enabled": True,
                                                                      "quant.base_weights": "nvfp4"},
+         "lora-fp8": {"lora.enabled": True, "quant.base_weights": "fp8"},
          "lora-shard": {"lora.enabled": True, "parallelism.frozen_dense": "shard"}}
 
 

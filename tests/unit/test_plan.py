@@ -216,6 +216,10 @@ def test_fp8_experts_take_grouped_mm_on_cuda_terms_and_scattermoe_is_one_line():
     with pytest.raises(ConfigError, match=r"^model.expert_backend: scattermoe cannot read fp8 experts "
                                           r"\(quant.base_weights: fp8\); choose one of \['eager', 'grouped_mm'"):
         choose("model.expert_backend", "scattermoe", needs, uses - {"compile"})
+    # A plan for CUDA made on this GPU-less machine (runtime.estimate's case) resolves it the same way.
+    cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {"lora.enabled": True, "quant.base_weights": "fp8",
+                                                               "model.expert_backend": "auto"})
+    assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "grouped_mm"
 
 
 CP = {
