@@ -98,6 +98,9 @@ def check_exact(cfg: Config) -> None:
         raise ConfigError("runtime.verify --exact: parallelism.dispatcher deepep combines in bf16 (DeepEP's combine "
                           "kernels), which fp32 bounds would fail; run --exact with dispatcher all_to_all, or verify "
                           "deepep without --exact (bf16 bounds)")
+    if cfg.quant.train_fp8 != "none":
+        raise ConfigError(f"runtime.verify --exact: quant.train_fp8: {cfg.quant.train_fp8} computes in FP8, which fp32 "
+                          "bounds would fail; verify it without --exact (bf16 bounds)")
 
 
 def ieee_fp32() -> None:

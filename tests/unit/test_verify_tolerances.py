@@ -98,6 +98,9 @@ def test_exact_mode_refuses_a_dispatcher_that_combines_in_bf16():
     deepep = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"dispatcher": "deepep"})})
     with pytest.raises(ConfigError, match="dispatcher deepep combines in bf16.*all_to_all"):
         check_exact(deepep)
+    fp8 = cfg.model_copy(update={"quant": cfg.quant.model_copy(update={"train_fp8": "experts"})})
+    with pytest.raises(ConfigError, match="quant.train_fp8: experts computes in FP8.*without --exact"):
+        check_exact(fp8)
 
 
 def test_verification_fits_the_warmup_into_its_steps(tmp_path):
