@@ -3,8 +3,8 @@
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [gathers] [ceiling] [profile] [hostbound] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
-#               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 experts
-#               at ep=2; --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
+#               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 and FP8
+#               experts at ep=2 (LoRA), FP8 training at ep=2 (experts+dense); --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
 #               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) and the
 #               training rows of every part whose tag matches (e.g. ONLY="mxfp4|lora-ep4-compiled")
 #   throughput  Qwen3-30B-A3B real dims, all 48 layers, random init, rows of 8192, ep=N, full (bf16 masters,
@@ -120,6 +120,8 @@ if [[ $parts == *verify* ]]; then
     --set "$hybrid" "${fp32[@]}"
   verify nvfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=nvfp4
   verify mxfp4-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=mxfp4
+  verify fp8-ep2 2 --ep 2 "$TINY" --set lora.enabled=true --set quant.base_weights=fp8
+  verify fp8train-ep2 2 --ep 2 "$TINY" --set quant.train_fp8=experts+dense
   # resume on another ep: 2 steps at ep=2, then resume the same run folder at ep=N
   if [[ resume =~ ${ONLY:-.} ]]; then
     rm -rf "$OUT/reshard"
