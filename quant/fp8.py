@@ -54,7 +54,7 @@ def scaled_grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.
     a and b in e4m3, a contiguous in K, b K-innermost (an [E, N, K] tensor's .transpose(-2, -1)). Rows past the
     last group are left unwritten on CUDA (torch._scaled_grouped_mm, sm90+) and zero on the CPU, where a
     per-group torch._scaled_mm loop stands in (tests and CPU runs; one opaque op, so it compiles too)."""
-    if a_MK.is_cuda:
+    if a_MK.device.type != "cpu":  # CUDA (and meta tensors: torch's checks of the CUDA call)
         return torch._scaled_grouped_mm(a_MK, b_EKN, scale_a_M, scale_b_EN, offs=offs_E, out_dtype=out_dtype)
     return torch.ops.moert.fp8_grouped_mm_loop(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype)
 

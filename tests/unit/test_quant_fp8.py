@@ -151,3 +151,20 @@ def test_grouped_mm_on_fp8_experts_compiles_to_the_eager_result():
     eager = backend(x, ids, w, fp8)
     compiled = torch.compile(lambda x_, i_, w_: backend(x_, i_, w_, fp8), fullgraph=True)(x, ids, w)
     assert _rel(compiled, eager) <= 1e-2
+
+
+def test_the_cuda_calls_pass_torchs_checks_on_meta_tensors():
+    """The FP8 base's forward and backward on meta tensors take the CUDA branch of scaled_grouped_mm: torch's
+    checks of torch._scaled_grouped_mm (K-major operands, scale shapes, bf16 output) pass at a real expert shape;
+    a row-major weight operand, which Hopper's FP8 MMA cannot read, is refused by the same checks."""
+    E, O, I, N = 4, 1536, 2048, 1000
+    weight = FP8Weight.empty("fp8", (E, O, I), torch.bfloat16, device="meta")
+    x = torch.empty(N, I, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    offs = torch.empty(E, dtype=torch.int32, device="meta")
+    y = fp8_base_grouped_linear(x, weight, offs)
+    y.backward(torch.empty_like(y))
+    assert y.shape == (N, O) and x.grad.shape == (N, I) and x.grad.dtype == torch.bfloat16
+    row_major = torch.empty(E, I, O, dtype=E4M3, device="meta")
+    with pytest.raises(RuntimeError):
+        scaled_grouped_mm(torch.empty(N, I, dtype=E4M3, device="meta"), torch.empty(N, device="meta"), row_major,
+                          torch.empty(E, O, device="meta"), offs, torch.bfloat16)
