@@ -253,6 +253,7 @@ def implementations(cfg, model: torch.nn.Module, device: torch.device) -> str:
     gdn = next((f", gdn {layer.op_set}" for layer in model.modules() if isinstance(layer, GatedDeltaNet)), "")
     packed = f" on {cfg.quant.base_weights}" if cfg.quant.base_weights != "none" else ""
     return (f"experts {m.expert_backend}{packed}, attn {m.attn_backend}{gdn}, loss {m.loss_impl}"
+            + (f", fp8 training {cfg.quant.train_fp8}" if cfg.quant.train_fp8 != "none" else "")
             + (", compiled" if cfg.compile.enabled else ""))
 
 
