@@ -33,7 +33,7 @@ class Section(BaseModel):
 
 INDUCTOR_OPTIONS = {
     "max_autotune", "max_autotune_gemm", "coordinate_descent_tuning", "epilogue_fusion",
-    "shape_padding", "triton.cudagraphs", "aggressive_fusion",
+    "shape_padding", "triton.cudagraphs", "aggressive_fusion", "reorder_for_compute_comm_overlap",
 }
 
 
