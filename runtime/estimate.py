@@ -10,8 +10,8 @@ optim.master_dtype), off CUDA every value in its parameter's dtype. Its lines:
     parameters   frozen ones in model.dtype, trainable ones in the master dtype; FSDP shards them over
                  dp_shard*cp (experts over ep x efsdp: the same count per rank), except the frozen dense
                  ones that parallelism.frozen_dense replicates, whole on every rank; quantized experts
-                 (quant.base_weights, 4.25 / 4.5 / 8 bits per weight + fp8's row scales) are split over ep only (FSDP does not
-                 shard buffers)
+                 (quant.base_weights: 4.25 / 4.5 / 8 bits per weight, fp8 plus its row scales) are split over
+                 ep only (FSDP does not shard buffers)
     gradients    the trainable parameters' shards, in the master dtype
     optimizer    AdamW's two moments of the trainable shards, in the master dtype
     activations  what forward keeps for backward: tokens of this rank (micro_batch_size * seq_len / cp)

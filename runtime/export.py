@@ -56,8 +56,8 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | N
 
 
 def gather_packed_experts(model: torch.nn.Module, meshes=None, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The dequantized expert weights (FP4 / FP8 bases) of every EP rank, in global expert order (a collective under EP:
-    every rank calls it); {} for a model without packed experts."""
+    """The dequantized expert weights (FP4 / FP8 bases) of every EP rank, in global expert order (a collective
+    under EP: every rank calls it); {} for a model without quantized experts."""
     out = {}
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts) and module.is_quantized:

@@ -49,7 +49,8 @@ def _sonicmoe_missing() -> str | None:
 
 EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.expert_backend", auto=True)
 # The per-expert loop: the numerical reference (its FP4 path dequantizes by the eager valid count).
-EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=()), _module("eager", "moe.backends.eager"))
+EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=()),
+                        _module("eager", "moe.backends.eager"))
 # torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count, FP8 ones run
 # on FP8 GEMMs (which trace).
 EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=("fp8",),

@@ -463,7 +463,7 @@ def write_router_bias(bias: dict[str, torch.Tensor], folder: Path, export: Path)
 def save_pretrained(model: QwenForCausalLM, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
                     state: dict[str, torch.Tensor] | None = None, dequantize: bool = False) -> None:
     """Writes config.json + safetensors (sharded past max_shard_bytes) atomically to out_dir. Quantized
-    (FP4 / FP8) are written only with dequantize=True, as their dequantized values in the model's dtype.
+    (FP4 / FP8) experts are written only with dequantize=True, as their dequantized values in the model's dtype.
     Router selection biases, which the HF format lacks, go beside them (write_router_bias)."""
     state = _with_dequantized_experts(model, state, dequantize)
     tensors = hf_state_dict(model, state)
