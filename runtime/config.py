@@ -181,9 +181,9 @@ class QuantConfig(Section):
         "routed experts' frozen base weights held quantized (quant/): packed FP4 read by the expert kernels, or "
         "FP8 e4m3 with rowwise scales, whose GEMMs run on FP8 tensor cores; LoRA only"))
     train_fp8: Literal["none", "experts", "experts+dense"] = Field("none", description=(
-        "full fine-tune GEMMs in FP8 e4m3 (rowwise scales from the current weights and activations, masters and "
-        "optimizer unchanged): the routed experts' forward and both backward GEMMs; experts+dense adds the decoder "
-        "layers' dense linears (attention, GDN, shared expert: torchao float8 training); sm90+ on CUDA"))
+        "full fine-tune GEMMs in FP8 e4m3 (scales from the current weights and activations, masters and optimizer "
+        "unchanged): the routed experts' forward and both backward GEMMs (rowwise); experts+dense adds the decoder "
+        "layers' dense linears large enough to gain (torchao float8 training, tensorwise); sm90+ on CUDA"))
 
 
 class CompileConfig(Section):

@@ -2,12 +2,12 @@
 
     apply_fp8_training(model, "experts" | "experts+dense")
 
-experts: every GroupedExperts trains its base GEMMs in FP8 (GroupedExperts.fp8_training; the grouped_mm
-backend runs them through quant.fp8_training). experts+dense also swaps the decoder layers' dense linears
-(attention and GDN projections, shared experts, dense MLPs) for torchao's Float8Linear with rowwise scales,
-the recipe the expert GEMMs use. The embedding, the router, the lm_head and linears whose dims are not multiples
-of 16 (the shared-expert gate's single output) stay in the model dtype: the FP8 GEMMs cannot take them, or
-precision matters most there. Parameters keep their names and dtypes: checkpoints do not change.
+experts: every GroupedExperts trains its base GEMMs in FP8 with rowwise scales (GroupedExperts.fp8_training; the
+grouped_mm backend runs them through quant.fp8_training). experts+dense also swaps the decoder layers' dense
+linears (attention and GDN projections, shared experts, dense MLPs) for torchao's Float8Linear, tensorwise (its
+default recipe, the fastest), where torchao's own filter expects FP8 to pay: dims multiples of 16 and large
+enough (at Qwen3-30B-A3B's dims q_proj and o_proj, not the 512-wide k_proj and v_proj). The embedding, the
+router and the lm_head stay in the model dtype. Parameters keep their names and dtypes: checkpoints do not change.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from torch import nn
 
 from moe.experts import GroupedExperts
 
-
-def _dense_fp8_eligible(module: nn.Module, fqn: str) -> bool:
-    return (isinstance(module, nn.Linear) and fqn.startswith("model.layers.")
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+DENSE_RECIPE = "tensorwise"
 
 
 def apply_fp8_training(model: nn.Module, mode: str) -> None:
@@ -31,6 +28,8 @@ def apply_fp8_training(model: nn.Module, mode: str) -> None:
             module.fp8_training = True
     if mode == "experts+dense":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe  # private: torchao is pinned
 
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
-                                   module_filter_fn=_dense_fp8_eligible)
+        pays = _auto_filter_for_recipe(DENSE_RECIPE, filter_fqns=[])
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(DENSE_RECIPE),
+                                   module_filter_fn=lambda m, fqn: fqn.startswith("model.layers.") and pays(m, fqn))
