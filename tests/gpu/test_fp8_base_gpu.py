@@ -64,8 +64,9 @@ def test_gemm_equals_cpu_emulation_eager_and_compiled():
     weight = FP8Weight.from_dense(torch.randn(8, 2 * s.intermediate, s.hidden, generator=g) * 0.02, "fp8")
     counts = torch.tensor([37, 0, 101, 64, 3, 150, 77, 50])
     offs = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(int(counts.sum()), s.hidden, generator=g)
-    dy = torch.randn(x.shape[0], 2 * s.intermediate, generator=g)
+    # bf16 values on both sides: the CPU run's fp32 then quantizes the same numbers as the GPU's bf16
+    x = torch.randn(int(counts.sum()), s.hidden, generator=g).bfloat16().float()
+    dy = torch.randn(x.shape[0], 2 * s.intermediate, generator=g).bfloat16().float()
 
     def run(fn, device, dtype):
         xd = x.to(device, dtype).requires_grad_()
