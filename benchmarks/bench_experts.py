@@ -30,7 +30,8 @@ torch.compile(mode="reduce-overhead") (CUDA graphs take the host out of the step
 back-to-back steps run slower than one: steady time after n = 3..100 steps with the SM clock after,
 kernel sum and span of profiled steps, CUDA-graph replays x10 / x100, and NVML (clock, power against
 its limit, temperature, the driver's clock reasons) while the graph replays for ~2 s; `--gemms` each GEMM that
-reads a packed weight in a LoRA step, on bf16 weights and on MXFP4 / NVFP4 (GPU only); `--floor` the layer's
+reads a packed weight in a LoRA step, on bf16 weights and on MXFP4 / NVFP4 (GPU only); `--fp8-gemms` the layer's
+bare grouped GEMMs (forward, dX, dW) in bf16 against FP8 (GPU, sm90+: the ceiling FP8 sets); `--floor` the layer's
 GEMMs as plain dense matmuls over all slots (the bound a grouped layer cannot beat) beside scattermoe's layer.
 """
 
@@ -543,6 +544,49 @@ def packed_gemms(shape: str, T: int, iters: int) -> None:
               + f"  {times[1] / times[0]:.2f}x {times[2] / times[0]:.2f}x", flush=True)
 
 
+def fp8_gemms(shape: str, T: int, iters: int, device: str = "cuda") -> None:
+    """The expert layer's bare grouped GEMMs (all slots valid, rows already expert-sorted: no gather, LoRA or
+    SwiGLU), ms per call: bf16 torch._grouped_mm against FP8 torch._scaled_grouped_mm on operands quantized
+    beforehand, and with the activation's rowwise quantization included: the ceiling FP8 sets for a layer that
+    keeps everything else. Forward, the dX GEMMs (the weight's transposed codes given) and, for the full
+    fine-tune, the dW GEMMs (2d-2d, groups padded to 16 rows)."""
+    from quant.fp8 import quantize_rows, scaled_grouped_mm
+    from quant.fp8_training import grad_weight_operands, scaled_grouped_mm_2d2d
+
+    s = SHAPES[shape]
+    E, H, I, S = s.experts, s.hidden, s.intermediate, T * s.top_k
+    gen = torch.Generator(device=device).manual_seed(0)
+    counts = torch.bincount(torch.randint(0, E, (S,), device=device, generator=gen), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    bf = {"device": device, "dtype": torch.bfloat16}
+    # (name, activation rows [S, K], weight [E, N, K]): y = a @ w_e^T for each GEMM of a step
+    cases = [("gate_up fwd", torch.randn(S, H, **bf), torch.randn(E, 2 * I, H, **bf) * 0.02),
+             ("down fwd", torch.randn(S, I, **bf), torch.randn(E, H, I, **bf) * 0.02),
+             ("down dX", torch.randn(S, H, **bf), torch.randn(E, I, H, **bf) * 0.02),
+             ("gate_up dX", torch.randn(S, 2 * I, **bf), torch.randn(E, H, 2 * I, **bf) * 0.02)]
+    print(f"grouped GEMMs, {shape}, T={T} (S={S} rows), ms per call: bf16 | fp8 | fp8 + quantizing the rows")
+    for name, a, w in cases:
+        wq, ws = quantize_rows(w)
+        aq, as_ = quantize_rows(a)
+        calls = {"bf16": lambda a=a, w=w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs) if a.is_cuda
+                 else None,
+                 "fp8": lambda aq=aq, as_=as_, wq=wq, ws=ws: scaled_grouped_mm(aq, as_, wq.transpose(-2, -1), ws,
+                                                                              offs, torch.bfloat16),
+                 "fp8+q": lambda a=a, wq=wq, ws=ws: scaled_grouped_mm(*quantize_rows(a), wq.transpose(-2, -1), ws,
+                                                                    offs, torch.bfloat16)}
+        times = [statistics.median(event_times_ms(fn, iters, 3)) for fn in calls.values()]
+        print(f"  {name:12s}" + "".join(f"{ms:9.3f}" for ms in times)
+              + f"   fp8 {times[0] / times[1]:.2f}x, with quantization {times[0] / times[2]:.2f}x", flush=True)
+    for name, dy, x in (("gate_up dW", torch.randn(S, 2 * I, **bf), torch.randn(S, H, **bf)),
+                        ("down dW", torch.randn(S, H, **bf), torch.randn(S, I, **bf))):
+        operands = grad_weight_operands(dy, x, offs)
+        calls = {"bf16": lambda dy=dy, x=x: torch._grouped_mm(dy.t(), x, offs=offs) if dy.is_cuda else None,
+                 "fp8": lambda operands=operands: scaled_grouped_mm_2d2d(*operands, torch.bfloat16)}
+        times = [statistics.median(event_times_ms(fn, iters, 3)) for fn in calls.values()]
+        print(f"  {name:12s}" + "".join(f"{ms:9.3f}" for ms in times) + f"   fp8 {times[0] / times[1]:.2f}x",
+              flush=True)
+
+
 def dense_floor(shape: str, T: int, iters: int) -> None:
     """The layer's GEMMs as plain dense matmuls over all T*k slots at once (no grouping, gather, tile tails or
     elementwise passes: what the expert layer cannot beat on this GPU), steady fwd+bwd beside scattermoe's
@@ -595,6 +639,8 @@ def main() -> None:
                     help="instead of the table: steady time and SM clock over n steps, graph replays, NVML")
     ap.add_argument("--floor", action="store_true",
                     help="instead of the table: the layer's GEMMs as plain dense matmuls beside scattermoe's layer")
+    ap.add_argument("--fp8-gemms", action="store_true",
+                    help="instead of the table: the layer's bare grouped GEMMs, bf16 vs FP8 (GPU, sm90+)")
     ap.add_argument("--gemms", action="store_true",
                     help="instead of the table: each GEMM reading a packed weight, bf16 vs MXFP4 vs NVFP4 (GPU)")
     args = ap.parse_args()
@@ -620,6 +666,10 @@ def main() -> None:
     if args.floor:
         for shape in shapes:
             dense_floor(shape, T, args.iters)
+        return
+    if args.fp8_gemms:
+        for shape in shapes:
+            fp8_gemms(shape, T, args.iters)
         return
     if args.gemms:
         for shape in shapes:

@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_fp8.sh tests;  bash benchmarks/gpu_fp8.sh bench;  bash benchmarks/gpu_fp8.sh e2e
 #   tests  the FP8 GPU tests: the trainable grouped linear (CUDA vs CPU emulation, compiled) and the frozen
 #          base at the four expert shapes (against eager on the dequantized weights), then the FP8 unit tests
-#   bench  the expert layer fwd+bwd at Qwen3-30B-A3B shapes, T=8192: full and LoRA r=16, bf16 (grouped_mm and
-#          scattermoe) against FP8 (full-fp8, lora16-fp8: grouped_mm), and the dense floor of its GEMMs
+#   bench  the layer's bare grouped GEMMs in bf16 against FP8 (bench_experts --fp8-gemms: the ceiling), the expert
+#          layer fwd+bwd at Qwen3-30B-A3B shapes, T=8192: full and LoRA r=16, bf16 (grouped_mm and scattermoe)
+#          against FP8 (full-fp8, lora16-fp8: grouped_mm), and the dense floor of its GEMMs
 #   e2e    bench_e2e, ours only, same call: full fine-tune 8 layers (bf16 masters) with quant.train_fp8 none /
 #          experts / experts+dense; LoRA 12 layers on bf16 experts (our default) and on an FP8 base
 #   accuracy  issue 44's curves: the 8-layer Qwen3-30B-A3B-dims model (random init, rows of 8192 of the bundled
@@ -21,6 +22,7 @@ if [[ $parts == *tests* ]]; then
   tail -n 3 "$OUT/fp8_tests.log"
 fi
 if [[ $parts == *bench* ]]; then
+  python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --fp8-gemms > "$OUT/fp8_gemms.log" 2>&1
   python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --modes full,lora16 --quant fp8 \
     --backends grouped_mm,scattermoe --out "$OUT" > "$OUT/bench_experts_fp8.log" 2>&1
   python -m benchmarks.bench_experts --shapes qwen3-30b-a3b --floor > "$OUT/fp8_floor.log" 2>&1
@@ -69,6 +71,7 @@ PY
 fi
 echo "== summary"
 [[ -f $OUT/bench_experts_fp8.log ]] && grep -vE "register_constant|Failed to load" "$OUT/bench_experts_fp8.log" | tail -n 24
+[[ -f $OUT/fp8_gemms.log ]] && grep -vE "register_constant|Failed to load" "$OUT/fp8_gemms.log" | tail -n 8
 [[ -f $OUT/fp8_floor.log ]] && grep -vE "register_constant|Failed to load" "$OUT/fp8_floor.log" | tail -n 8
 for tag in "${tags[@]}"; do
   grep -E "^ours +(lora|full) |failed:" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"

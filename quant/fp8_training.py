@@ -73,13 +73,19 @@ def _grad_input(dy_NO: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) 
 
 
 def _grad_weight(dy_NO: torch.Tensor, x_NI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """dW_e = dy_e^T @ x_e [E, O, I]; both operands quantized per (group, column) along the group's tokens, on
-    groups padded with zero rows to a non-zero multiple of GROUP_ALIGN (zeros change neither a scale nor a sum)."""
+    """dW_e = dy_e^T @ x_e [E, O, I] (scaled_grouped_mm_2d2d on grad_weight_operands)."""
+    return scaled_grouped_mm_2d2d(*grad_weight_operands(dy_NO, x_NI, offs_E), gemm_out_dtype(x_NI))
+
+
+def grad_weight_operands(dy_NO: torch.Tensor, x_NI: torch.Tensor, offs_E: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """scaled_grouped_mm_2d2d's operands for dW: (dy^T codes [O, P], scales [E, O], x^T codes viewed [P, I], scales
+    [E, I], padded group ends [E]); both quantized per (group, column) along the group's tokens, on groups padded
+    with zero rows to a non-zero multiple of GROUP_ALIGN (zeros change neither a scale nor a sum)."""
     E = offs_E.shape[0]
     dest_N, gid_P, offs_pad_E = _padded_layout(offs_E, x_NI.shape[0])
     dyq_OP, dys_EO = _quantize_along_groups(_pad_rows(dy_NO, dest_N, gid_P.shape[0]), gid_P, E)
     xq_IP, xs_EI = _quantize_along_groups(_pad_rows(x_NI, dest_N, gid_P.shape[0]), gid_P, E)
-    return scaled_grouped_mm_2d2d(dyq_OP, dys_EO, xq_IP.t(), xs_EI, offs_pad_E, gemm_out_dtype(x_NI))
+    return dyq_OP, dys_EO, xq_IP.t(), xs_EI, offs_pad_E
 
 
 def _padded_layout(offs_E: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
