@@ -41,6 +41,9 @@ FP4-packed base weights (quant.FP4Weight, frozen) enter as moe.kernels.fp4.Packe
 that reads them (gate_up, down, g, dx) decodes them tile by tile in its K loop (the backward reads the
 transposed view); nothing dequantized is ever materialized, and no dW is computed for them. (Dequantizing
 chunks of experts into a reused buffer for the dense kernels measured slower: docs/benchmarks.md#fp4-experts.)
+FP8 base weights (quant.FP8Weight, frozen) enter as moe.kernels.fp8.FP8View views: every GEMM that reads them
+runs on fp8 operands, the activations (forward) or the weight-scaled dy / d gate_up rows (g, dx) quantized
+rowwise per launch (moe/kernels/fp8.py); their LoRA takes the split path.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch
 from gpu.device import compute_dtype
 from moe.backends import EXPERT_BACKENDS
 from moe.kernels.fp4 import PackedWeight
+from moe.kernels.fp8 import FP8View
 from moe.kernels.grouped_linear import (
     LoraView,
     cutlass_ok,
@@ -66,9 +70,11 @@ from moe.kernels.routing import (
     slot_capacity,
     sort_slots,
 )
-from quant import FP4Weight, QuantizedWeight
+from quant import FP4Weight, FP8Weight, QuantizedWeight
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
+# The kernels' views of frozen quantized base weights (not tensors: they travel on ctx, not in saved tensors).
+_VIEWS = (PackedWeight, FP8View)
 
 
 def _split_lora(num_experts: int, out_features: int, in_features: int) -> bool:
@@ -148,14 +154,14 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     return tuple(grads.values())
 
 
-def _transposed(w: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
-    """[E, N, K] -> [E, K, N] as a view (a packed weight flips its read order)."""
-    return w.t() if isinstance(w, PackedWeight) else w.transpose(1, 2)
+def _transposed(w: torch.Tensor | PackedWeight | FP8View) -> torch.Tensor | PackedWeight | FP8View:
+    """[E, N, K] -> [E, K, N] as a view (a packed or FP8 weight flips its read order)."""
+    return w.t() if isinstance(w, _VIEWS) else w.transpose(1, 2)
 
 
 def _tensors_only(w_gu, w_down) -> tuple:
-    """What save_for_backward can hold: a packed weight travels on ctx instead (None in its slot)."""
-    return tuple(None if isinstance(w, PackedWeight) else w for w in (w_gu, w_down))
+    """What save_for_backward can hold: a quantized weight's view travels on ctx instead (None in its slot)."""
+    return tuple(None if isinstance(w, _VIEWS) else w for w in (w_gu, w_down))
 
 
 def _restore(saved: tuple, packed: tuple) -> tuple:
@@ -173,7 +179,7 @@ class _ScatterMoE(torch.autograd.Function):
         y_MH, *activations = _forward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots, scaling)
         ctx.save_for_backward(x_MH, weights_Mk, *_tensors_only(w_gu, w_down), gu_A, gu_B, down_A, down_B,
                               *activations)
-        ctx.packed = tuple(w if isinstance(w, PackedWeight) else None for w in (w_gu, w_down))
+        ctx.packed = tuple(w if isinstance(w, _VIEWS) else None for w in (w_gu, w_down))
         ctx.slots, ctx.scaling = slots, scaling
         return y_MH
 
@@ -188,7 +194,8 @@ class _ScatterMoE(torch.autograd.Function):
 # Under torch.compile the same computation runs as three custom ops the trace keeps whole (the Triton
 # launches inside are invisible to it): the sort, the forward (y plus the saved activations as outputs)
 # and the backward (a gradient, or an empty tensor where none is needed). A packed FP4 weight enters as
-# its codes (in the weight's slot), block scales and tensor scales, with `fmt` naming the format ("" dense).
+# its codes (in the weight's slot), block scales and tensor scales, an FP8 one as its e4m3 codes and row scales
+# (no tensor scales), with `fmt` naming the format ("" dense).
 
 
 def _slots_of(ids_Mk: torch.Tensor, num_experts: int, order_S, inv_S, offsets_E1, rows_S, capacity: int) -> SlotOrder:
@@ -197,20 +204,24 @@ def _slots_of(ids_Mk: torch.Tensor, num_experts: int, order_S, inv_S, offsets_E1
 
 
 def _weight(w: torch.Tensor, scale: torch.Tensor | None, tensor_scale: torch.Tensor | None,
-            fmt: str) -> torch.Tensor | PackedWeight:
+            fmt: str) -> torch.Tensor | PackedWeight | FP8View:
+    if fmt == "fp8":
+        return FP8View(w, scale)
     return PackedWeight(w, scale, tensor_scale, fmt) if fmt else w
 
 
-def _weight_parts(w: torch.Tensor | PackedWeight) -> tuple:
-    """(weight or codes, block scales, tensor scales) of an operand, for the ops' flat signatures."""
+def _weight_parts(w: torch.Tensor | PackedWeight | FP8View) -> tuple:
+    """(weight or codes, block or row scales, tensor scales) of an operand, for the ops' flat signatures."""
+    if isinstance(w, FP8View):
+        return w.codes, w.scales, None
     if isinstance(w, PackedWeight):
         return w.qdata, w.scale, w.tensor_scale
     return w, None, None
 
 
 def _op_format(w_gu, w_down) -> str:
-    """The ops' one format string: "" (both dense) or the format both weights are packed in."""
-    formats = {w.fmt if isinstance(w, PackedWeight) else "" for w in (w_gu, w_down)}
+    """The ops' one format string: "" (both dense) or the format both weights are quantized in."""
+    formats = {w.fmt if isinstance(w, _VIEWS) else "" for w in (w_gu, w_down)}
     if len(formats) > 1:
         raise NotImplementedError(f"scattermoe under torch.compile: gate_up and down base weights in different "
                                   f"formats ({sorted(formats)}); quantize both (quant.quantize_experts) or neither")
@@ -325,12 +336,14 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
         # The dtype test first: a no-op .to() still costs a dispatcher round trip, per operand and step.
         return t if t is None or t.dtype == dtype else t.to(dtype)
 
-    def base(proj: str) -> torch.Tensor | PackedWeight:  # packed weights are decoded to `dtype` in the kernels
+    def base(proj: str) -> torch.Tensor | PackedWeight | FP8View:  # FP4 is decoded to `dtype` in the kernels
         w = experts.base_weight(proj)
         if isinstance(w, FP4Weight):
             return PackedWeight.of(w)
+        if isinstance(w, FP8Weight):
+            return FP8View.of(w)
         if isinstance(w, QuantizedWeight):  # runtime.plan refuses this pairing (Capabilities.quantized_base)
-            raise NotImplementedError(f"the scattermoe kernels read FP4 base weights, not {w.fmt}; "
+            raise NotImplementedError(f"the scattermoe kernels read FP4 and FP8 base weights, not {w.fmt}; "
                                       "run these experts on the grouped_mm backend")
         return cast(w)
 

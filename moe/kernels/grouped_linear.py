@@ -27,6 +27,9 @@ A base weight w_ENK may also be an FP4-packed fp4.PackedWeight (its .t() the bac
 tiles are decoded in registers in the pointer K loop (W_FMT constexpr; no TMA, never CUTLASS; a dense weight
 compiles to the same code as without that branch), so every row block of an expert decodes its weight tiles
 again and no dequantized weight exists anywhere.
+An FP8 weight (fp8.FP8View, quant.FP8Weight's e4m3 codes and per-row scales) runs the K loop on fp8 operands:
+the input is quantized rowwise before the launch (fp8.fp8_input_rows), the fp32 accumulator is scaled after
+the loop (W_FMT = fp8.FMT_FP8), and its LoRA always takes the split path.
 Rows of the outputs at -1 slot positions are left unwritten. No per-expert loop, no host sync:
 the grid is sized from S and E, and each program finds its expert from the segment offsets.
 Every tl.dot takes its input precision from the DOT_PRECISION constexpr, set per launch by
@@ -35,6 +38,7 @@ precision.dot_precision (fp32: IEEE unless torch allows TF32).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -50,6 +54,7 @@ from moe.kernels.fp4 import (
     fp4_weight_ptrs,
     fp4_weight_tile,
 )
+from moe.kernels.fp8 import FMT_FP8, FP8View, fp8_input_rows
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
 from moe.kernels.tuning import ALL_GEMM_CONFIGS, INTERPRET, autotune, bench, faster, m_bucket, prune_gemm
@@ -61,6 +66,10 @@ _MIN_BLOCK_E = 256
 # interpreter. The measured best at Qwen3-30B-A3B shapes (docs/benchmarks.md#expert-layer).
 _SWIGLU_BWD_TILE = (16, 32, 4) if INTERPRET else (32, 128, 4)
 _SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
+
+
+# A base weight as the kernels take it: dense, FP4-packed or FP8.
+Weight = torch.Tensor | PackedWeight | FP8View
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,16 @@ def _k_loop_fp4(in_ptrs, step_in, q_ptrs, s_ptrs, ts, mask_W, s_q_o, s_s_o, a_pt
 
 
 @triton.jit
+def _fp8_scale(acc, in_scale_ptr, rows_M, ws_ptr, e64, s_ws_e, s_ws_o, wrow_N, mask_N, W_PACKED_T: tl.constexpr):
+    """The fp32 sum of code products times each row's input scale and (a forward weight) each column's weight
+    scale: the FP8 GEMM's value, before any LoRA term or epilogue reads it."""
+    acc = acc * tl.load(in_scale_ptr + rows_M)[:, None]
+    if not W_PACKED_T:
+        acc = acc * tl.load(ws_ptr + e64 * s_ws_e + wrow_N * s_ws_o, mask=mask_N, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
 def _columns(pid_n, N, GLU_FWD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Weight rows of this column block and their validity (loads mask, stores drop the rest).
 
@@ -244,7 +263,7 @@ def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N:
                  prune_configs_by={"early_config_prune": prune_gemm}, do_bench=bench)
 @triton.jit
 def _grouped_linear_kernel(
-        in_ptr, s_in_m, s_in_k, order_ptr, offsets_ptr, TOPK,
+        in_ptr, s_in_m, s_in_k, in_scale_ptr, order_ptr, offsets_ptr, TOPK,
         w_ptr, s_w_e, s_w_n, s_w_k, ws_ptr, s_ws_e, s_ws_o, wts_ptr,
         a_ptr, s_a_e, s_a_r, s_a_k, b_ptr, s_b_e, s_b_n, s_b_r,
         ia_ptr, s_ia_m, out_ptr, s_out_m, aux_ptr, s_aux_m, rw_ptr,
@@ -257,7 +276,11 @@ def _grouped_linear_kernel(
         W_PACKED_T: tl.constexpr = False):
     """W_FMT: the weight is dense (0) or packed FP4 (fp4.FMT_CODES: w_ptr the codes [E, O, I/2] with strides
     s_w_e, s_w_n over E and O, ws_ptr the block scales, wts_ptr the NVFP4 tensor scales; W_PACKED_T: the
-    logical weight is the stored one transposed), decoded in the K loop (_k_loop_fp4). Epilogue: GLU_FWD
+    logical weight is the stored one transposed), decoded in the K loop (_k_loop_fp4), or FP8 (fp8.FMT_FP8:
+    w_ptr the e4m3 codes of the logical weight read through its strides as a dense one, in_ptr e4m3 codes with
+    fp32 row scales at in_scale_ptr, ws_ptr the weight's scales [E, O] applied per column unless W_PACKED_T,
+    where the caller folded them into the input rows; fp8.fp8_input_rows): the K loop's dot takes both fp8
+    operands, and the fp32 accumulator is scaled right after it, before LoRA and the epilogue. Epilogue: GLU_FWD
     (SwiGLU; aux = hw output, rw the routing weights) or a plain store. LoRA: none, in the K loop
     (LORA_IN_LOOP, ia written) or read from ia. TMA: expert-sorted input rows and the weight tiles by tensor
     descriptors (W_T: the weight is a transposed view, its
@@ -319,7 +342,7 @@ def _grouped_linear_kernel(
             b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        if W_FMT != 0:
+        if W_FMT == 1 or W_FMT == 2:
             q_ptrs, s_ptrs, mask_W = fp4_weight_ptrs(w_ptr, ws_ptr, e64, wrow_N, mask_N, pid_n * BLOCK_N, N, s_w_e,
                                                      s_w_n, s_ws_e, s_ws_o, W_BLOCK, W_PACKED_T, BLOCK_N, BLOCK_K)
             acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, q_ptrs, s_ptrs, fp4_tensor_scale(wts_ptr, e64, W_FMT),
@@ -333,6 +356,8 @@ def _grouped_linear_kernel(
             acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
                                  BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
                                  BLOCK_K, DOT_PRECISION)
+        if W_FMT == 3:
+            acc = _fp8_scale(acc, in_scale_ptr, rows_M, ws_ptr, e64, s_ws_e, s_ws_o, wrow_N, mask_N, W_PACKED_T)
         if LORA_IN_LOOP:
             ia = acc_r.to(ia_ptr.dtype.element_ty)
             if pid_n == 0:  # every column block computed the same ia: one writes it
@@ -354,8 +379,12 @@ def _grouped_linear_kernel(
 _DENSE_WEIGHT = {"W_FMT": FMT_CODES["dense"], "W_BLOCK": 1, "W_PACKED_T": False}
 
 
-def _weight_args(w_ENK: torch.Tensor | PackedWeight) -> tuple[tuple, dict]:
-    """The kernel's weight arguments (pointer and strides, FP4 scales) and constexprs, dense or packed."""
+def _weight_args(w_ENK: Weight) -> tuple[tuple, dict]:
+    """The kernel's weight arguments (pointer and strides, FP4 / FP8 scales) and constexprs."""
+    if isinstance(w_ENK, FP8View):
+        codes, sc = w_ENK.logical, w_ENK.scales
+        return ((codes, *codes.stride(), sc, sc.stride(0), sc.stride(1), None),
+                {"W_FMT": FMT_FP8, "W_BLOCK": 1, "W_PACKED_T": w_ENK.transposed})
     if isinstance(w_ENK, PackedWeight):
         q, sc = w_ENK.qdata, w_ENK.scale
         return ((q, q.stride(0), q.stride(1), 0, sc, sc.stride(0), sc.stride(1), w_ENK.tensor_scale),
@@ -363,11 +392,12 @@ def _weight_args(w_ENK: torch.Tensor | PackedWeight) -> tuple[tuple, dict]:
     return (w_ENK, *w_ENK.stride(), None, 0, 0, None), _DENSE_WEIGHT
 
 
-def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, N: int,
+def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: Weight, N: int,
             lora: LoraView | None, ia_Sr: torch.Tensor | None, out: torch.Tensor, *, gather: bool,
             glu_fwd: bool = False, aux: torch.Tensor | None = None, rw_S: torch.Tensor | None = None) -> None:
     """glu_fwd: the SwiGLU epilogue (aux = hw output, rw_S the routing weights), else a plain store. A packed
-    FP4 weight (fp4.PackedWeight) is decoded in the pointer K loop (no TMA)."""
+    FP4 weight (fp4.PackedWeight) is decoded in the pointer K loop (no TMA). An FP8 weight (fp8.FP8View) takes
+    `in_` quantized here (fp8.fp8_input_rows) and a split LoRA only (_fp8_lora)."""
     E, K = w_ENK.shape[0], w_ENK.shape[2]
     A, B = (lora.A_ErK, lora.B_ENr) if lora is not None else (None, None)
     R = lora.rank if lora is not None else 0
@@ -375,10 +405,18 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWei
     lora_in_loop = lora is not None and not lora.split
     # TMA: expert-sorted rows only (sm90 TMA cannot gather); the fused LoRA's K loop stays on pointers.
     weight_args, weight_constexprs = _weight_args(w_ENK)
-    packed = isinstance(w_ENK, PackedWeight)
+    packed = isinstance(w_ENK, (PackedWeight, FP8View))
     # The forward SwiGLU's interleaved columns are weight rows: never of a transposed packed view.
     assert not (packed and glu_fwd and w_ENK.transposed), "GLU_FWD over a transposed packed weight"
-    tma = not gather and not glu_fwd and not lora_in_loop and not packed and _tma_ok(in_, w_ENK)
+    dot_dtype, x_, x_scale = in_.dtype, in_, None
+    if isinstance(w_ENK, FP8View):
+        assert not lora_in_loop, "an FP8 weight takes the split LoRA (_fp8_lora)"
+        x_, x_scale, gather = fp8_input_rows(in_, slots, w_ENK, gather)
+    # An FP8 weight's codes take TMA like a dense weight's, but not transposed (pointer loads of that tile: the
+    # conservative road for the GPU run to measure first).
+    tma_fp8 = isinstance(w_ENK, FP8View) and not w_ENK.transposed
+    tma = (not gather and not glu_fwd and not lora_in_loop and (tma_fp8 or not packed)
+           and _tma_ok(x_, w_ENK.logical if tma_fp8 else w_ENK))
     if tma:
         ensure_scratch_allocator()
 
@@ -389,13 +427,13 @@ def _launch(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWei
         return (min(tiles, _num_sms(in_.device.index)) if meta["PERSISTENT"] else tiles,)
 
     launch(_grouped_linear_kernel, grid, (
-        in_, in_.stride(0), in_.stride(1), slots.order_S, slots.offsets_E1, slots.topk,
+        x_, x_.stride(0), x_.stride(1), x_scale, slots.order_S, slots.offsets_E1, slots.topk,
         *weight_args, A, *_strides(A, 3), B, *_strides(B, 3),
         ia_Sr, _strides(ia_Sr, 2)[0], out, out.stride(0), aux, _strides(aux, 2)[0], rw_S,
         lora.scaling if lora is not None else 0.0, S, E, N, R, m_bucket(S)), {
         "K": K, "GATHER": gather, "HAS_LORA": lora is not None, "LORA_IN_LOOP": lora_in_loop,
-        "GLU_FWD": glu_fwd, "TMA": tma, "W_T": tma and w_ENK.stride(2) != 1,
-        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DOT_PRECISION": dot_precision(in_.dtype),
+        "GLU_FWD": glu_fwd, "TMA": tma, "W_T": tma and not tma_fp8 and w_ENK.stride(2) != 1,
+        "BLOCK_E": _block_e(E), "BLOCK_R": _block_r(R), "DOT_PRECISION": dot_precision(dot_dtype),
         **weight_constexprs})
 
 
@@ -429,6 +467,14 @@ def _block_r(R: int) -> int:
     return max(16, next_power_of_2(R))
 
 
+def _fp8_lora(lora: LoraView | None, w_ENK: Weight) -> LoraView | None:
+    """The LoRA view a launch over w_ENK takes: split on an FP8 weight (the fused rank product would need the
+    unquantized input beside the codes in the K loop), as given otherwise."""
+    if lora is None or lora.split or not isinstance(w_ENK, FP8View):
+        return lora
+    return dataclasses.replace(lora, split=True)
+
+
 def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gather: bool):
     """The [S, r] intermediate in @ A^T: computed now by a rank-sized grouped product when split,
     else allocated for the fused kernel to fill."""
@@ -440,11 +486,12 @@ def _rank_buffer(in_: torch.Tensor, slots: SlotOrder, lora: LoraView | None, gat
     return ia_Sr
 
 
-def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor | PackedWeight, lora: LoraView | None,
+def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: Weight, lora: LoraView | None,
                    weights_Mk: torch.Tensor):
     """gate_up[p] = x[token(p)] @ W_e^T (+LoRA) and hw[p] = w[slot(p)] * silu(gate) * up, for valid
     positions p (w the routing weight of the slot)."""
     I2 = w_E2IH.shape[1]
+    lora = _fp8_lora(lora, w_E2IH)
     gu_S2I = slots.new_rows(x_MH, I2)
     h_SI = slots.new_rows(x_MH, I2 // 2)
     xa_Sr = _rank_buffer(x_MH, slots, lora, gather=True)
@@ -453,12 +500,13 @@ def gate_up_swiglu(x_MH: torch.Tensor, slots: SlotOrder, w_E2IH: torch.Tensor | 
     return gu_S2I, h_SI, xa_Sr
 
 
-def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight, lora: LoraView | None,
+def expert_linear(in_: torch.Tensor, slots: SlotOrder, w_ENK: Weight, lora: LoraView | None,
                   gather: bool, ia_Sr: torch.Tensor | None = None):
     """out[p] = in[row(p)] @ W_e^T (+LoRA): [S, N], and the LoRA intermediate in @ A^T [S, r] (or None).
     A split LoRA's intermediate may be passed in (ia_Sr) when the caller already has it."""
     if lora is None and not gather:
         return expert_gemm(in_, slots, w_ENK), None
+    lora = _fp8_lora(lora, w_ENK)
     out_SN = slots.new_rows(in_, w_ENK.shape[1])
     if ia_Sr is None or not lora.split:
         ia_Sr = _rank_buffer(in_, slots, lora, gather)
@@ -481,14 +529,14 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight) -> torch.Tensor:
+def expert_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: Weight) -> torch.Tensor:
     """out[p] = in[p] @ W_e^T over expert-sorted rows, no LoRA, no epilogue: [S, N].
 
     The bare grouped GEMM: torch._grouped_mm (CUTLASS) or our kernel (TMA operands, persistent), the
     one measured faster for this weight on this device (tuning.faster: once per run, the same on every
     rank); ours where CUTLASS does not apply, and for a packed weight (decoded in our K loop). Rows at -1
     positions are left unspecified, as everywhere."""
-    if isinstance(w_ENK, PackedWeight):  # CUTLASS would need a dense copy of every expert
+    if isinstance(w_ENK, (PackedWeight, FP8View)):  # CUTLASS would need a dense copy of every expert
         return _triton_gemm(in_SK, slots, w_ENK)
     rows_ok = cutlass_ok(in_SK, w_ENK)
 
@@ -508,7 +556,7 @@ def _cutlass_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor) ->
     return torch._grouped_mm(in_SK, w_ENK.transpose(1, 2), offs=slots.offsets_E1[1:])
 
 
-def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: torch.Tensor | PackedWeight) -> torch.Tensor:
+def _triton_gemm(in_SK: torch.Tensor, slots: SlotOrder, w_ENK: Weight) -> torch.Tensor:
     out_SN = slots.new_rows(in_SK, w_ENK.shape[1])
     _launch(in_SK, slots, w_ENK, w_ENK.shape[1], None, None, out_SN, gather=False)
     return out_SN

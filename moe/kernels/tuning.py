@@ -183,9 +183,9 @@ def prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list
     cols = 2 * args["N"] if glu_fwd else args["N"]
     min_n = 2 * _MIN_DOT if glu_fwd else _MIN_DOT
     device = args["in_ptr"].device.index
-    # A packed weight's launches take the FP4 family, the others the dense one (all configs when a caller
+    # A packed FP4 weight's launches take the FP4 family, the others the dense one (all configs when a caller
     # forced others: the tests' one_config).
-    family = _FP4_KEYS if args["W_FMT"] else _DENSE_KEYS
+    family = _FP4_KEYS if args["W_FMT"] in (1, 2) else _DENSE_KEYS  # FP8 codes (3) take the dense family
     configs = [c for c in configs if _gemm_key(c) in family] or configs
     kept = {}
     for c in _family(configs, ("BLOCK_N",), (cols,)):
