@@ -202,24 +202,22 @@ def test_sonicmoe_is_refused_eager_only_under_compile_on_cuda_terms():
 
     assert EXPERT_BACKENDS.capabilities("sonicmoe").compile is False
     assert "mxfp4" in EXPERT_BACKENDS.capabilities("scattermoe").compile_quantized
-    assert "fp8" not in EXPERT_BACKENDS.capabilities("scattermoe").quantized_base
+    assert "fp8" in EXPERT_BACKENDS.capabilities("scattermoe").quantized_base
 
 
-def test_fp8_experts_take_grouped_mm_on_cuda_terms_and_scattermoe_is_one_line():
-    """scattermoe declares the FP4 formats only: auto passes it over for an FP8 base, naming why."""
+def test_fp8_experts_take_scattermoe_on_cuda_terms_and_grouped_mm_on_cpu():
+    """scattermoe declares FP8 bases (compiled too): auto takes it on CUDA, grouped_mm on the CPU."""
     from runtime.choices import Needs, choose
 
-    needs = Needs("cuda", compile=True, quantized="fp8", lora=True, dtype="bfloat16")
     uses = {"compile", "quantized", "lora", "ep"}
-    name, passed = choose("model.expert_backend", "auto", needs, uses)
-    assert name == "grouped_mm" and passed == ["scattermoe cannot read fp8 experts (quant.base_weights: fp8)"]
-    with pytest.raises(ConfigError, match=r"^model.expert_backend: scattermoe cannot read fp8 experts "
-                                          r"\(quant.base_weights: fp8\); choose one of \['eager', 'grouped_mm'"):
-        choose("model.expert_backend", "scattermoe", needs, uses - {"compile"})
+    for device, expected in (("cuda", "scattermoe"), ("cpu", "grouped_mm")):
+        needs = Needs(device, compile=True, quantized="fp8", lora=True, dtype="bfloat16")
+        name, passed = choose("model.expert_backend", "auto", needs, uses)
+        assert name == expected and passed == [], device
     # A plan for CUDA made on this GPU-less machine (runtime.estimate's case) resolves it the same way.
     cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {"lora.enabled": True, "quant.base_weights": "fp8",
                                                                "model.expert_backend": "auto"})
-    assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "grouped_mm"
+    assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "scattermoe"
 
 
 CP = {
