@@ -37,7 +37,8 @@ class FP8View:
     codes: torch.Tensor   # e4m3 [E, O, I]
     scales: torch.Tensor  # fp32 [E, O]
     transposed: bool = False
-    fmt: str = "fp8"
+
+    fmt = "fp8"  # the format name PackedWeight's views carry too (the compiled ops' `fmt`)
 
     @classmethod
     def of(cls, weight: FP8Weight) -> FP8View:

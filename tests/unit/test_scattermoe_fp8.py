@@ -186,3 +186,44 @@ def test_an_fp8_launch_never_runs_the_fused_lora():
     weight = FP8View.of(FP8Weight.from_dense(torch.randn(E, H, I), "fp8"))
     assert gl._fp8_lora(lora, weight) == dataclasses.replace(lora, split=True)
     assert gl._fp8_lora(lora, torch.randn(E, H, I)) is lora
+
+
+def test_every_fp8_launch_gives_the_direct_launcher_its_autotune_keys(monkeypatch):
+    """gpu.launch's direct launcher (GPU only) reads every autotune key from a launch's arguments: the FP8
+    weight's launches (forward, g, dx, the rank products) must name them all."""
+    from gpu import launch as gpu_launch
+
+    missing, launched = set(), set()
+    real = gpu_launch.launch
+
+    def spy(kernel, grid, args, constexprs):
+        layers = gpu_launch._layers(kernel)
+        if layers.autotuner is not None:
+            names = list(layers.jit.arg_names)
+            launched.add(layers.jit.__name__)
+            missing.update((layers.jit.__name__, key) for key in layers.autotuner.keys
+                           if names.index(key) >= len(args) and key not in constexprs)
+        return real(kernel, grid, args, constexprs)
+
+    monkeypatch.setattr(gl, "launch", spy)
+    fp8, _ = _experts_pair("fp8", R, std=0.2)
+    x, ids, w = sentinel_routing(6, K_TOP, 64)
+    expert_backend("scattermoe")(x, ids, w, fp8).sum().backward()
+    assert "_grouped_linear_kernel" in launched and not missing, missing
+
+
+def test_custom_op_with_fp8_weights_passes_opcheck():
+    """Fake implementation, autograd registration and AOT dispatch with FP8 codes and row scales (the schema
+    check compares inputs with arithmetic torch lacks for e4m3 on the CPU; the FP4 opcheck covers the schema)."""
+    fp8, _ = _experts_pair("fp8", R, std=0.2)
+    g = torch.Generator().manual_seed(2)
+    # no -1 slot: the outputs' rows at -1 positions are unspecified, which opcheck would compare
+    ids = torch.stack([torch.randperm(E, generator=g)[:K_TOP] for _ in range(5)])
+    x = torch.randn(5, 64, requires_grad=True)
+    w = torch.rand(5, K_TOP, generator=g).requires_grad_()
+    slots = sort_slots(ids, E)
+    gu, down = fp8.base_weight("gate_up"), fp8.base_weight("down")
+    args = (x, w, gu.codes, down.codes, *fp8.lora("gate_up"), *fp8.lora("down"), gu.scales, None, down.scales, None,
+            ids, slots.order_S, slots.inv_S, slots.offsets_E1, slots.rows_S, slots.capacity, fp8.lora_scaling, "fp8")
+    torch.library.opcheck(torch.ops.moert.scattermoe_fwd.default, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
