@@ -70,6 +70,7 @@ _SWIGLU_BWD_TILE_LORA = (16, 32, 4) if INTERPRET else (64, 32, 4)
 
 # A base weight as the kernels take it: dense, FP4-packed or FP8.
 Weight = torch.Tensor | PackedWeight | FP8View
+_W_FP8 = tl.constexpr(FMT_FP8)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def _grouped_linear_kernel(
             b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        if W_FMT == 1 or W_FMT == 2:
+        if W_FMT != 0 and W_FMT != _W_FP8:  # FP4 (fp4.FMT_CODES)
             q_ptrs, s_ptrs, mask_W = fp4_weight_ptrs(w_ptr, ws_ptr, e64, wrow_N, mask_N, pid_n * BLOCK_N, N, s_w_e,
                                                      s_w_n, s_ws_e, s_ws_o, W_BLOCK, W_PACKED_T, BLOCK_N, BLOCK_K)
             acc, acc_r = _k_loop_fp4(in_ptrs, BLOCK_K * s_in_k, q_ptrs, s_ptrs, fp4_tensor_scale(wts_ptr, e64, W_FMT),
@@ -356,7 +357,7 @@ def _grouped_linear_kernel(
             acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
                                  BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
                                  BLOCK_K, DOT_PRECISION)
-        if W_FMT == 3:
+        if W_FMT == _W_FP8:
             acc = _fp8_scale(acc, in_scale_ptr, rows_M, ws_ptr, e64, s_ws_e, s_ws_o, wrow_N, mask_N, W_PACKED_T)
         if LORA_IN_LOOP:
             ia = acc_r.to(ia_ptr.dtype.element_ty)
