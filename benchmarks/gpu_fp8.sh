@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # FP8 on Hopper (issue 44), carry [".whl"], H100 or H200, one part per device call if time is short:
 #   bash benchmarks/gpu_fp8.sh tests;  bash benchmarks/gpu_fp8.sh bench;  bash benchmarks/gpu_fp8.sh e2e
-#   tests  the FP8 GPU tests: the trainable grouped linear (CUDA vs CPU emulation, compiled) and the frozen
-#          base at the four expert shapes (against eager on the dequantized weights), then the FP8 unit tests
+#   tests  the FP8 GPU tests: the trainable grouped linear (CUDA vs CPU emulation, compiled), the frozen base on
+#          grouped_mm at the four expert shapes (against eager on the dequantized weights) and in the scattermoe
+#          kernels (against their fp64 emulation and grouped_mm's FP8 path), then the FP8 unit tests
 #   bench  the layer's bare grouped GEMMs in bf16 against FP8 (bench_experts --fp8-gemms: the ceiling), the expert
 #          layer fwd+bwd at Qwen3-30B-A3B shapes, T=8192: full and LoRA r=16, bf16 (grouped_mm and scattermoe)
 #          against FP8 (full-fp8, lora16-fp8: grouped_mm), and the dense floor of its GEMMs
 #   e2e    bench_e2e, ours only, same call: full fine-tune 8 layers (bf16 masters) with quant.train_fp8 none /
-#          experts / experts+dense; LoRA 12 layers on bf16 experts (our default) and on an FP8 base
+#          experts / experts+dense; LoRA 12 layers on bf16 experts (our default) and on an FP8 base (auto:
+#          scattermoe; then grouped_mm)
 #   accuracy  issue 44's curves: the 8-layer Qwen3-30B-A3B-dims model (random init, rows of 8192 of the bundled
 #          chat data, lr 3e-4, no checkpointing), ACC_STEPS (300) steps each: full fine-tune bf16 vs
 #          quant.train_fp8=experts+dense, LoRA on bf16 vs on an FP8 base; runtime.plot's pictures of each pair and
@@ -18,7 +20,8 @@ parts=${*:-tests bench e2e}
 
 if [[ $parts == *tests* ]]; then
   python -m pytest -q -rs tests/gpu/test_fp8_training_gpu.py tests/gpu/test_fp8_base_gpu.py \
-    tests/unit/test_quant_fp8.py tests/unit/test_fp8_training.py > "$OUT/fp8_tests.log" 2>&1
+    tests/gpu/test_scattermoe_fp8_gpu.py tests/unit/test_quant_fp8.py tests/unit/test_fp8_training.py \
+    > "$OUT/fp8_tests.log" 2>&1
   tail -n 3 "$OUT/fp8_tests.log"
 fi
 if [[ $parts == *bench* ]]; then
@@ -41,6 +44,7 @@ if [[ $parts == *e2e* ]]; then
   e2e full_fp8_dense --mode full --layers 8 --master-dtype bf16 --set quant.train_fp8=experts+dense
   e2e lora_bf16 --mode lora --layers 12
   e2e lora_fp8 --mode lora --layers 12 --set quant.base_weights=fp8
+  e2e lora_fp8_grouped_mm --mode lora --layers 12 --set quant.base_weights=fp8 --experts grouped_mm
 fi
 if [[ $parts == *accuracy* ]]; then
   acc() {  # tag, then --set flags
