@@ -179,8 +179,8 @@ def test_bare_packed_gemm_at_ragged_edges(fmt, O, I_, transposed, block_k, one_c
 def test_every_grouped_launch_gives_the_direct_launcher_its_autotune_keys(monkeypatch):
     """On a GPU, gpu.launch's direct launcher keys each autotuned launch by every autotune key, read from
     the launch's arguments: a key neither positional nor among the constexprs (W_FMT on a dense weight, say)
-    is a KeyError there, which the interpreter's plain kernel[grid] launch never shows. Dense and packed,
-    split and fused LoRA, forward and backward."""
+    is a KeyError there, which the interpreter's plain kernel[grid] launch never shows. Dense, FP4-packed and
+    FP8, split and fused LoRA (FP8 always splits), forward and backward."""
     missing, launched = set(), set()
     real = gpu_launch.launch
 
@@ -197,10 +197,10 @@ def test_every_grouped_launch_gives_the_direct_launcher_its_autotune_keys(monkey
     import moe.kernels.grouped_xty as xty_module
     for module in (gl, xty_module, fp4_module):
         monkeypatch.setattr(module, "launch", spy)
-    for fmt in ("mxfp4", None):
+    for fmt in ("mxfp4", "fp8", None):
         for split in (True, False):
             monkeypatch.setattr(scattermoe_module, "_SPLIT_MIN_WEIGHT_ELEMS", 0 if split else 10**9)
-            packed, dense = _pair("mxfp4", R)
+            packed, dense = _pair(fmt or "mxfp4", R)
             experts = packed if fmt else dense
             if fmt is None:  # a full fine-tune with LoRA: every dW too
                 experts.base_weight("gate_up").requires_grad_(True)
