@@ -83,8 +83,8 @@ def grad_weight_operands(dy_NO: torch.Tensor, x_NI: torch.Tensor, offs_E: torch.
     with zero rows to a non-zero multiple of GROUP_ALIGN (zeros change neither a scale nor a sum)."""
     E = offs_E.shape[0]
     dest_N, gid_P, offs_pad_E = _padded_layout(offs_E, x_NI.shape[0])
-    dyq_OP, dys_EO = _quantize_along_groups(_pad_rows(dy_NO, dest_N, gid_P.shape[0]), gid_P, E)
-    xq_IP, xs_EI = _quantize_along_groups(_pad_rows(x_NI, dest_N, gid_P.shape[0]), gid_P, E)
+    dyq_OP, dys_EO = quantize_along_groups(_pad_rows(dy_NO, dest_N, gid_P.shape[0]), gid_P, E)
+    xq_IP, xs_EI = quantize_along_groups(_pad_rows(x_NI, dest_N, gid_P.shape[0]), gid_P, E)
     return dyq_OP, dys_EO, xq_IP.t(), xs_EI, offs_pad_E
 
 
@@ -113,7 +113,7 @@ def _pad_rows(t_NC: torch.Tensor, dest_N: torch.Tensor, P: int) -> torch.Tensor:
     return t_NC.new_zeros(P, t_NC.shape[1]).index_copy_(0, dest_N, t_NC)
 
 
-def _quantize_along_groups(t_PC: torch.Tensor, gid_P: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_along_groups(t_PC: torch.Tensor, gid_P: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes of t^T [C, P], contiguous: the tokens innermost; fp32 scales [E, C]): t quantized per (group,
     column) along the group's rows by quant.fp8's rowwise rule."""
     C = t_PC.shape[1]

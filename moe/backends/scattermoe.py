@@ -44,6 +44,14 @@ chunks of experts into a reused buffer for the dense kernels measured slower: do
 FP8 base weights (quant.FP8Weight, frozen) enter as moe.kernels.fp8.FP8View views: every GEMM that reads them
 runs on fp8 operands, the activations (forward) or the weight-scaled dy / d gate_up rows (g, dx) quantized
 rowwise per launch (moe/kernels/fp8.py); their LoRA takes the split path.
+FP8 training (experts.fp8_training, quant.train_fp8; eager only), quant.fp8_training's math on these kernels:
+the forward quantizes each master weight per (expert, output row) along I and runs it as an FP8View; g and dx
+read W^T quantized along O per (expert, input column), its codes stored O-innermost and read as a plain FP8View
+(the rule of quant.fp8_training._grad_input: K-major codes, dy / d gate_up quantized rowwise in token layout,
+gathered in-kernel); dW_gu and dW_down run grouped_xty_fp8 (both operands per (expert, column) along the
+expert's rows). The backward re-quantizes W from the saved master weight: its axis differs from the forward's,
+so the forward's codes could not serve, and nothing quantized outlives a GEMM (the weight is never held twice).
+dW is returned in the master weight's dtype (fp32 or bf16 masters, quantized as they are).
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from moe.kernels.grouped_linear import (
     gate_up_swiglu,
     swiglu_backward,
 )
-from moe.kernels.grouped_xty import FactorGrad, grouped_xty, lora_factor_grads
+from moe.kernels.grouped_xty import FactorGrad, grouped_xty, grouped_xty_fp8, lora_factor_grads
 from moe.kernels.routing import (
     SlotCapacity,
     SlotOrder,
@@ -71,6 +79,7 @@ from moe.kernels.routing import (
     sort_slots,
 )
 from quant import FP4Weight, FP8Weight, QuantizedWeight
+from quant.fp8 import quantize_rows
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
 # The kernels' views of frozen quantized base weights (not tensors: they travel on ctx, not in saved tensors).
@@ -83,13 +92,17 @@ def _split_lora(num_experts: int, out_features: int, in_features: int) -> bool:
     return out_features * in_features >= _SPLIT_MIN_WEIGHT_ELEMS
 
 
-def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
-    """[E, P, Q]: out[e] = sum over expert e's rows of L[p]^T R[p], both operands expert-sorted.
+def _weight_grad(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder,
+                 fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[E, P, Q]: out[e] = sum over expert e's rows of L[p]^T R[p], both operands expert-sorted; fp8_dtype
+    given (FP8 training: the master weight's dtype), on FP8 operands (grouped_xty_fp8) in that dtype.
 
     On sm90+ bf16: torch._grouped_mm grouped along the rows (CUTLASS, faster than grouped_xty there:
     docs/benchmarks.md#expert-layer); groups end at the last valid row, so the -1 rows are
     not read, and experts without rows get zeros.
     """
+    if fp8_dtype is not None:
+        return grouped_xty_fp8(L_SP, R_SQ, slots, fp8_dtype)
     if cutlass_ok(L_SP, R_SQ):
         return torch._grouped_mm(L_SP.t(), R_SQ, offs=slots.offsets_E1[1:])
     return grouped_xty(L_SP, R_SQ, slots, gather_l=False, gather_r=False)
@@ -113,14 +126,16 @@ def _forward(x_MH, weights_Mk, w_gu_E2IH, w_down_EHI, gu_A_ErH, gu_B_E2Ir, down_
     return combine(z_SH, slots, None), gu_S2I, hw_SI, xa_Sr, hwa_Sr
 
 
-def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool, ...]) -> tuple:
-    """The gradients of (x, weights, gate_up, down, gate_up A/B, down A/B); None where not needed."""
+def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool, ...], fp8: bool = False) -> tuple:
+    """The gradients of (x, weights, gate_up, down, gate_up A/B, down A/B); None where not needed. fp8: the
+    base weights are FP8 training's master weights (_fp8_backward_view, dW by grouped_xty_fp8)."""
     x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, gu_S2I, hw_SI, xa_Sr, hwa_Sr = saved
     need = dict(zip(_GRAD_NAMES, needs))
+    transposed = _fp8_backward_view if fp8 else _transposed
     has_lora = gu_A is not None
     # The down projection read backwards: A := B_down^T [E, r, H], B := A_down^T [E, I, r].
     down_T = _lora(down_B.transpose(1, 2), down_A.transpose(1, 2), s) if has_lora else None
-    w_down_T = _transposed(w_down)
+    w_down_T = transposed(w_down)
     # dy in expert-sorted order only for dW_down (CUTLASS cannot gather); then g and dB_down read it too.
     # Otherwise they gather dy's rows in-kernel (dy fits in L2; the [S, H] copy is never written).
     dyg_SH = gather_rows(dy_MH, slots) if need["down"] else None
@@ -134,7 +149,7 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     grads = dict.fromkeys(need)
     grads["w"] = dw_Mk.to(weights_Mk.dtype) if need["w"] else None
     if need["down"]:
-        grads["down"] = _weight_grad(dyg_SH, hw_SI, slots)
+        grads["down"] = _weight_grad(dyg_SH, hw_SI, slots, w_down.dtype if fp8 else None)
     if has_lora:  # the four factor gradients (those needed) in one launch
         factor_grads = {"gu_A": FactorGrad(dgub_Sr, x_MH, gather_r=True),
                         "gu_B": FactorGrad(xa_Sr, dgu_S2I, transposed=True),
@@ -146,17 +161,29 @@ def _backward(dy_MH, saved: tuple, slots: SlotOrder, s: float, needs: tuple[bool
     del dyg_SH, dy_rows
     if need["x"]:
         gu_T = _lora(gu_B.transpose(1, 2), gu_A.transpose(1, 2), s) if has_lora else None
-        dxs_SH, _ = expert_linear(dgu_S2I, slots, _transposed(w_gu), gu_T, gather=False, ia_Sr=dgub_Sr)
+        dxs_SH, _ = expert_linear(dgu_S2I, slots, transposed(w_gu), gu_T, gather=False, ia_Sr=dgub_Sr)
         grads["x"] = combine(dxs_SH, slots, None)
         del dxs_SH
     if need["gu"]:
-        grads["gu"] = _weight_grad(dgu_S2I, gather_rows(x_MH, slots), slots)
+        grads["gu"] = _weight_grad(dgu_S2I, gather_rows(x_MH, slots), slots, w_gu.dtype if fp8 else None)
     return tuple(grads.values())
 
 
 def _transposed(w: torch.Tensor | PackedWeight | FP8View) -> torch.Tensor | PackedWeight | FP8View:
     """[E, N, K] -> [E, K, N] as a view (a packed or FP8 weight flips its read order)."""
     return w.t() if isinstance(w, _VIEWS) else w.transpose(1, 2)
+
+
+def _fp8_forward_view(w_EOI: torch.Tensor) -> FP8View:
+    """FP8 training's forward weight: the master quantized per (expert, output row) along I, as it is."""
+    return FP8View(*quantize_rows(w_EOI.contiguous()))
+
+
+def _fp8_backward_view(w_EOI: torch.Tensor) -> FP8View:
+    """W^T [E, I, O] for g and dx: quantized along O per (expert, input column), the codes copied O-innermost
+    (K-major for the MMA) and read as a plain FP8 weight, whose scales sit on its output rows."""
+    codes_EIO, scales_EI = quantize_rows(w_EOI.transpose(1, 2))
+    return FP8View(codes_EIO.contiguous(), scales_EI)
 
 
 def _tensors_only(w_gu, w_down) -> tuple:
@@ -175,19 +202,21 @@ class _ScatterMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots: SlotOrder,
-                scaling: float):
-        y_MH, *activations = _forward(x_MH, weights_Mk, w_gu, w_down, gu_A, gu_B, down_A, down_B, slots, scaling)
+                scaling: float, fp8: bool):
+        # FP8 training: the quantized forward weights live for this call only (the backward re-quantizes)
+        w_fwd = (_fp8_forward_view(w) for w in (w_gu, w_down)) if fp8 else (w_gu, w_down)
+        y_MH, *activations = _forward(x_MH, weights_Mk, *w_fwd, gu_A, gu_B, down_A, down_B, slots, scaling)
         ctx.save_for_backward(x_MH, weights_Mk, *_tensors_only(w_gu, w_down), gu_A, gu_B, down_A, down_B,
                               *activations)
         ctx.packed = tuple(w if isinstance(w, _VIEWS) else None for w in (w_gu, w_down))
-        ctx.slots, ctx.scaling = slots, scaling
+        ctx.slots, ctx.scaling, ctx.fp8 = slots, scaling, fp8
         return y_MH
 
     @staticmethod
     def backward(ctx, dy_MH):
         saved = _restore(ctx.saved_tensors, ctx.packed)
-        grads = _backward(dy_MH, saved, ctx.slots, ctx.scaling, ctx.needs_input_grad[:8])
-        return (*grads, None, None)
+        grads = _backward(dy_MH, saved, ctx.slots, ctx.scaling, ctx.needs_input_grad[:8], ctx.fp8)
+        return (*grads, None, None, None)
 
 
 # ----------------------------------------------------------------------------- opaque ops (torch.compile)
@@ -345,12 +374,19 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
         if isinstance(w, QuantizedWeight):  # runtime.plan refuses this pairing (Capabilities.quantized_base)
             raise NotImplementedError(f"the scattermoe kernels read FP4 and FP8 base weights, not {w.fmt}; "
                                       "run these experts on the grouped_mm backend")
-        return cast(w)
+        # FP8 training quantizes the master weight as it is (its dtype is also dW's)
+        return w if experts.fp8_training else cast(w)
 
     gu = experts.lora("gate_up") or (None, None)
     down = experts.lora("down") or (None, None)
     w_gu, w_down = base("gate_up"), base("down")
+    # A frozen quantized base already runs its GEMMs in FP8 / FP4 and has no dW: FP8 training is for tensors.
+    fp8 = experts.fp8_training and not isinstance(w_gu, _VIEWS) and not isinstance(w_down, _VIEWS)
     if torch.compiler.is_compiling():
+        if fp8:
+            raise NotImplementedError("scattermoe under torch.compile: quant.train_fp8 runs on this backend in "
+                                      "eager mode only; set compile.enabled: false, or model.expert_backend: "
+                                      "grouped_mm (its FP8 GEMMs compile)")
         fmt = _op_format(w_gu, w_down)
         (w_gu, *gu_scales), (w_down, *down_scales) = _weight_parts(w_gu), _weight_parts(w_down)
         capacity = slot_capacity(expert_ids_Mk.numel(), valid_slots, bound)
@@ -362,4 +398,4 @@ def scattermoe_backend(x_MH: torch.Tensor, expert_ids_Mk: torch.Tensor, weights_
                                               rows_S, capacity, experts.lora_scaling, fmt)[0]
     slots = sort_slots(expert_ids_Mk, experts.num_experts, valid_slots, bound)
     return _ScatterMoE.apply(cast(x_MH), weights_Mk, w_gu, w_down, *map(cast, gu), *map(cast, down), slots,
-                             experts.lora_scaling)
+                             experts.lora_scaling, fp8)

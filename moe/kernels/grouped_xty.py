@@ -11,6 +11,7 @@ element is written exactly once; experts that received no rows get zeros. The ou
 are honored, so gradients land directly in the parameters' [E, out, in] layout.
 
     grouped_xty(L, R, slots, gather_l=, gather_r=, weights_Mk=None, scaling=1.0) -> [E, P, Q]
+    grouped_xty_fp8(L_SP, R_SQ, slots, out_dtype) -> [E, P, Q]   both operands expert-sorted, in FP8
     lora_factor_grads([FactorGrad(L_Sr, R, gather_r, transposed) | None, ...], slots, scaling)
         -> [E, r, Q], or [E, Q, r] (contiguous) where transposed, per problem; None where None
 
@@ -21,6 +22,11 @@ grid's first axis runs over the problems' column tiles back to back). A transpos
 through swapped strides into a contiguous [E, Q, r] tensor, a LoRA B's [out, r] layout, without a copy.
 All operands share one dtype; outputs take it, accumulation is fp32; the dots' input precision is
 precision.dot_precision's (fp32: IEEE unless torch allows TF32).
+
+grouped_xty_fp8 (FP8 training's dW, quant.fp8_training's rule): L and R quantized to e4m3 per (expert, column)
+along the expert's rows (scales [E, P], [E, Q]), their codes stored tokens-innermost (K-major for both sides
+of the dot); the kernel accumulates tl.dot(codes, codes) in fp32 and scales the tile by the two column
+scales after the row loop:  out[e, p, q] = sum_rows lq[row, p] rq[row, q] * ls[e, p] * rs[e, q].
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import triton.language as tl
 from gpu.launch import cdiv, launch, next_power_of_2
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
+from quant.fp8_training import quantize_along_groups
 from moe.kernels.tuning import (
     FACTOR_GRAD_CONFIGS,
     XTY_CONFIGS,
@@ -47,14 +54,15 @@ from moe.kernels.tuning import (
 
 
 @autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L",
-                                          "DOT_PRECISION"],
+                                          "DOT_PRECISION", "FP8"],
                  prune_configs_by={"early_config_prune": prune_xty}, do_bench=bench)
 @triton.jit
 def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, offsets_ptr, rw_ptr, TOPK,
-                        out_ptr, s_o_e, s_o_p, s_o_q, scaling, P, Q, M_BUCKET,
+                        out_ptr, s_o_e, s_o_p, s_o_q, scaling, P, Q, M_BUCKET, ls_ptr, rs_ptr,
                         GATHER_L: tl.constexpr, GATHER_R: tl.constexpr, SCALE_L: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr = "tf32"):
+                        DOT_PRECISION: tl.constexpr = "tf32", FP8: tl.constexpr = False):
+    """FP8: L and R are e4m3 codes, ls [E, P] and rs [E, Q] (contiguous) their per-expert column scales."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -87,6 +95,9 @@ def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, off
         rt = tl.load(r_ptr + rows_r[:, None] * s_r_m + j_Q[None, :] * s_r_c,
                      mask=mask_K[:, None] & mask_Q[None, :], other=0.0)
         acc = tl.dot(tl.trans(lt), rt, acc, input_precision=DOT_PRECISION)
+    if FP8:  # the scales are constant along the rows: applied once, after the loop
+        acc *= tl.load(ls_ptr + e.to(tl.int64) * P + i_P, mask=mask_P, other=0.0)[:, None]
+        acc *= tl.load(rs_ptr + e.to(tl.int64) * Q + j_Q, mask=mask_Q, other=0.0)[None, :]
     out_ptrs = out_ptr + e.to(tl.int64) * s_o_e + i_P[:, None] * s_o_p + j_Q[None, :] * s_o_q
     tl.store(out_ptrs, (acc * scaling).to(out_ptr.dtype.element_ty), mask=mask_P[:, None] & mask_Q[None, :])
 
@@ -103,9 +114,33 @@ def grouped_xty(L: torch.Tensor, R: torch.Tensor, slots: SlotOrder, *, gather_l:
 
     launch(_grouped_xty_kernel, grid, (
         L, L.stride(0), L.stride(1), R, R.stride(0), R.stride(1), slots.order_S, slots.offsets_E1, rw_S,
-        slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.capacity)),
+        slots.topk, out_EPQ, *out_EPQ.stride(), scaling, P, Q, m_bucket(slots.capacity), None, None),
         {"GATHER_L": gather_l, "GATHER_R": gather_r, "SCALE_L": rw_S is not None,
-         "DOT_PRECISION": dot_precision(L.dtype)})
+         "DOT_PRECISION": dot_precision(L.dtype), "FP8": False})
+    return out_EPQ
+
+
+def grouped_xty_fp8(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder, out_dtype: torch.dtype) -> torch.Tensor:
+    """[E, P, Q] with out[e] = sum over expert e's rows of L[p]^T R[p] on e4m3 operands, both expert-sorted and
+    quantized here per (expert, column) along the expert's rows (quant.fp8_training.quantize_along_groups's
+    rule); rows past the last expert are never read, experts without rows get zeros."""
+    E, S, P, Q = slots.num_experts, L_SP.shape[0], L_SP.shape[1], R_SQ.shape[1]
+    gid_S = torch.searchsorted(slots.offsets_E1[1:], torch.arange(S, device=L_SP.device, dtype=torch.int32),
+                               right=True)  # E past the last expert: outside every group's scale
+    # [P, S] / [Q, S] codes, the rows innermost: the reduction dim contiguous in both dot operands
+    lq_PS, ls_EP = quantize_along_groups(L_SP, gid_S, E)
+    rq_QS, rs_EQ = quantize_along_groups(R_SQ, gid_S, E)
+    lq_SP, rq_SQ = lq_PS.t(), rq_QS.t()
+    out_EPQ = torch.empty(E, P, Q, device=L_SP.device, dtype=out_dtype)
+
+    def grid(meta):
+        return (cdiv(P, meta["BLOCK_P"]) * cdiv(Q, meta["BLOCK_Q"]), E)
+
+    launch(_grouped_xty_kernel, grid, (
+        lq_SP, *lq_SP.stride(), rq_SQ, *rq_SQ.stride(), slots.order_S, slots.offsets_E1, None,
+        slots.topk, out_EPQ, *out_EPQ.stride(), 1.0, P, Q, m_bucket(slots.capacity), ls_EP.contiguous(),
+        rs_EQ.contiguous()),
+        {"GATHER_L": False, "GATHER_R": False, "SCALE_L": False, "DOT_PRECISION": "tf32", "FP8": True})
     return out_EPQ
 
 
