@@ -51,6 +51,7 @@ class Capabilities:
     lora: bool = True  # with LoRA adapters
     quantized_base: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8")  # frozen base weight formats it reads
     train_fp8: bool = False  # trains its expert GEMMs in FP8 (quant.train_fp8)
+    compile_train_fp8: bool = True  # ... also inside torch.compile (where train_fp8)
     reference: bool = False  # the plainest implementation, the numerical reference (runtime.verify --exact)
 
 

@@ -62,6 +62,8 @@ def _mismatch(key: str, name: str, caps, needs: Needs, uses: set[str]) -> str | 
                 f"is {needs.dtype}), but compile.enabled is true")
     if "quantized" in uses and needs.train_fp8 and not caps.train_fp8:
         return f"{name} has no FP8 expert GEMMs (quant.train_fp8)"
+    if "compile" in uses and "quantized" in uses and needs.compile and needs.train_fp8 and not caps.compile_train_fp8:
+        return f"{name} trains its experts in FP8 (quant.train_fp8) in eager mode only, but compile.enabled is true"
     if "lora" in uses and needs.lora and not caps.lora:
         return f"{name} has no LoRA path (lora.enabled with experts in lora.target_modules)"
     if "ep" in uses and needs.ep > 1 and not caps.ep:

@@ -57,12 +57,13 @@ EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), prio
                                                    train_fp8=True,
                                                    compile_cpu_dtypes=("bfloat16",)),
                         _module("grouped_mm", "moe.backends.grouped_mm"))
-# Fused Triton kernels, LoRA, FP4 dequant and FP8 base GEMMs included: the fastest where CUDA and Triton are
-# (its FP8 base path not yet measured on a GPU).
+# Fused Triton kernels, LoRA, FP4 dequant, FP8 base GEMMs and FP8 training (eager only) included: the fastest
+# where CUDA and Triton are (its FP8 paths not yet measured on a GPU).
 EXPERT_BACKENDS.declare("scattermoe", Capabilities(devices=TRITON_DEVICES, unavailable=triton_missing,
                                                    auto_on=("cuda",), priority=2,
                                                    quantized_base=(*FP4_FORMATS, "fp8"),
-                                                   compile_quantized=(*FP4_FORMATS, "fp8")),
+                                                   compile_quantized=(*FP4_FORMATS, "fp8"),
+                                                   train_fp8=True, compile_train_fp8=False),
                         _module("scattermoe", "moe.backends.scattermoe"))
 # Eager only (SonicMoE asserts it is not compiling); slower than scattermoe, so never "auto".
 EXPERT_BACKENDS.declare("sonicmoe", Capabilities(devices=("cuda",), unavailable=_sonicmoe_missing, compile=False),

@@ -41,7 +41,6 @@ import triton.language as tl
 from gpu.launch import cdiv, launch, next_power_of_2
 from moe.kernels.precision import dot_precision
 from moe.kernels.routing import SlotOrder
-from quant.fp8_training import quantize_along_groups
 from moe.kernels.tuning import (
     FACTOR_GRAD_CONFIGS,
     XTY_CONFIGS,
@@ -51,6 +50,7 @@ from moe.kernels.tuning import (
     prune_factor_grads,
     prune_xty,
 )
+from quant.fp8_training import quantize_along_groups
 
 
 @autotune(configs=XTY_CONFIGS, key=["M_BUCKET", "P", "Q", "GATHER_L", "GATHER_R", "SCALE_L",

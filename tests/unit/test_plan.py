@@ -220,6 +220,25 @@ def test_fp8_experts_take_scattermoe_on_cuda_terms_and_grouped_mm_on_cpu():
     assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "scattermoe"
 
 
+def test_fp8_training_takes_scattermoe_on_cuda_terms_eager_and_grouped_mm_compiled():
+    """scattermoe declares FP8 training in eager mode only (compile_train_fp8=False): auto takes it on CUDA without
+    compile, grouped_mm (whose FP8 GEMMs compile) with compile or on the CPU; naming it under compile is refused."""
+    from runtime.choices import Needs, choose
+
+    uses = {"compile", "quantized", "lora", "ep"}
+    for device, compile_, expected in (("cuda", False, "scattermoe"), ("cuda", True, "grouped_mm"),
+                                       ("cpu", False, "grouped_mm")):
+        needs = Needs(device, compile=compile_, train_fp8=True, dtype="bfloat16")
+        assert choose("model.expert_backend", "auto", needs, uses)[0] == expected, (device, compile_)
+    with pytest.raises(ConfigError, match="model.expert_backend: scattermoe trains its experts in FP8 "
+                                          r"\(quant.train_fp8\) in eager mode only, but compile.enabled is true"):
+        choose("model.expert_backend", "scattermoe", Needs("cuda", compile=True, train_fp8=True, dtype="bfloat16"),
+               uses)
+    cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {"quant.train_fp8": "experts",
+                                                               "model.expert_backend": "auto"})
+    assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "scattermoe"
+
+
 CP = {
     "ulysses heads": ({"cp": 8, "cp_attention": "ulysses"}, None, "parallelism.cp_attention: ulysses splits the 4"),
     "gdn heads": ({"cp": 4}, None, "parallelism.cp=4: Gated DeltaNet layers run head-parallel"),
