@@ -13,7 +13,8 @@ weights trained, no LoRA) and `lora16` (LoRA r=16 on a frozen base), each with a
 and in the sentinel layout an EP rank sees (ep2/ep4: the rank owns the first 1/ep of the experts,
 every other slot is -1); `lora16-mxfp4` / `lora16-nvfp4` / `lora16-fp8` (asked for by --modes, or --quant
 mxfp4,nvfp4,fp8, which adds them and the bf16 lora16 rows beside them) run LoRA r=16 on quantized experts, and
-`full-fp8` (--quant fp8 adds it beside `full`) the full fine-tune's expert GEMMs in FP8 (grouped_mm only).
+`full-fp8` (--quant fp8 adds it beside `full`) the full fine-tune's expert GEMMs in FP8 (the backends declaring
+train_fp8: grouped_mm, scattermoe).
 Backends: ours (`eager` per-expert loop, `grouped_mm`, `scattermoe`),
 `transformers` (its own Qwen3MoeExperts on grouped_mm, LoRA by PEFT: what users would run instead;
 benchmarks/baselines/transformers_experts.py) and `scattermoe-fused` (scattermoe's fused-LoRA path

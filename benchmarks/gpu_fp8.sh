@@ -20,7 +20,8 @@ parts=${*:-tests bench e2e}
 
 if [[ $parts == *tests* ]]; then
   python -m pytest -q -rs tests/gpu/test_fp8_training_gpu.py tests/gpu/test_fp8_base_gpu.py \
-    tests/gpu/test_scattermoe_fp8_gpu.py tests/unit/test_quant_fp8.py tests/unit/test_fp8_training.py \
+    tests/gpu/test_scattermoe_fp8_gpu.py tests/gpu/test_scattermoe_fp8_training_gpu.py tests/unit/test_quant_fp8.py \
+    tests/unit/test_fp8_training.py \
     > "$OUT/fp8_tests.log" 2>&1
   tail -n 3 "$OUT/fp8_tests.log"
 fi
