@@ -8,7 +8,7 @@
 #          layer fwd+bwd at Qwen3-30B-A3B shapes, T=8192: full and LoRA r=16, bf16 (grouped_mm and scattermoe)
 #          against FP8 (full-fp8, lora16-fp8: grouped_mm), and the dense floor of its GEMMs
 #   e2e    bench_e2e, ours only, same call: full fine-tune 8 layers (bf16 masters) with quant.train_fp8 none /
-#          experts / experts+dense; LoRA 12 layers on bf16 experts (our default) and on an FP8 base (auto:
+#          experts (auto: scattermoe; then grouped_mm) / experts+dense; LoRA 12 layers on bf16 experts (our default) and on an FP8 base (auto:
 #          scattermoe; then grouped_mm)
 #   accuracy  issue 44's curves: the 8-layer Qwen3-30B-A3B-dims model (random init, rows of 8192 of the bundled
 #          chat data, lr 3e-4, no checkpointing), ACC_STEPS (300) steps each: full fine-tune bf16 vs
@@ -42,6 +42,8 @@ e2e() {  # tag, then bench flags
 if [[ $parts == *e2e* ]]; then
   e2e full_bf16 --mode full --layers 8 --master-dtype bf16
   e2e full_fp8_experts --mode full --layers 8 --master-dtype bf16 --set quant.train_fp8=experts
+  e2e full_fp8_experts_grouped_mm --mode full --layers 8 --master-dtype bf16 --set quant.train_fp8=experts \
+    --experts grouped_mm
   e2e full_fp8_dense --mode full --layers 8 --master-dtype bf16 --set quant.train_fp8=experts+dense
   e2e lora_bf16 --mode lora --layers 12
   e2e lora_fp8 --mode lora --layers 12 --set quant.base_weights=fp8
