@@ -545,7 +545,7 @@ def packed_gemms(shape: str, T: int, iters: int) -> None:
               + f"  {times[1] / times[0]:.2f}x {times[2] / times[0]:.2f}x", flush=True)
 
 
-def fp8_gemms(shape: str, T: int, iters: int, device: str = "cuda") -> None:
+def fp8_gemms(shape: str, T: int, iters: int) -> None:
     """The expert layer's bare grouped GEMMs (all slots valid, rows already expert-sorted: no gather, LoRA or
     SwiGLU), ms per call: bf16 torch._grouped_mm against FP8 torch._scaled_grouped_mm on operands quantized
     beforehand, and with the activation's rowwise quantization included: the ceiling FP8 sets for a layer that
@@ -556,10 +556,10 @@ def fp8_gemms(shape: str, T: int, iters: int, device: str = "cuda") -> None:
 
     s = SHAPES[shape]
     E, H, I, S = s.experts, s.hidden, s.intermediate, T * s.top_k
-    gen = torch.Generator(device=device).manual_seed(0)
-    counts = torch.bincount(torch.randint(0, E, (S,), device=device, generator=gen), minlength=E)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.bincount(torch.randint(0, E, (S,), device="cuda", generator=gen), minlength=E)
     offs = counts.cumsum(0).to(torch.int32)
-    bf = {"device": device, "dtype": torch.bfloat16}
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
     # (name, activation rows [S, K], weight [E, N, K]): y = a @ w_e^T for each GEMM of a step
     cases = [("gate_up fwd", torch.randn(S, H, **bf), torch.randn(E, 2 * I, H, **bf) * 0.02),
              ("down fwd", torch.randn(S, I, **bf), torch.randn(E, H, I, **bf) * 0.02),
@@ -569,8 +569,7 @@ def fp8_gemms(shape: str, T: int, iters: int, device: str = "cuda") -> None:
     for name, a, w in cases:
         wq, ws = quantize_rows(w)
         aq, as_ = quantize_rows(a)
-        calls = {"bf16": lambda a=a, w=w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs) if a.is_cuda
-                 else None,
+        calls = {"bf16": lambda a=a, w=w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs),
                  "fp8": lambda aq=aq, as_=as_, wq=wq, ws=ws: scaled_grouped_mm(aq, as_, wq.transpose(-2, -1), ws,
                                                                               offs, torch.bfloat16),
                  "fp8+q": lambda a=a, wq=wq, ws=ws: scaled_grouped_mm(*quantize_rows(a), wq.transpose(-2, -1), ws,
@@ -581,7 +580,7 @@ def fp8_gemms(shape: str, T: int, iters: int, device: str = "cuda") -> None:
     for name, dy, x in (("gate_up dW", torch.randn(S, 2 * I, **bf), torch.randn(S, H, **bf)),
                         ("down dW", torch.randn(S, H, **bf), torch.randn(S, I, **bf))):
         operands = grad_weight_operands(dy, x, offs)
-        calls = {"bf16": lambda dy=dy, x=x: torch._grouped_mm(dy.t(), x, offs=offs) if dy.is_cuda else None,
+        calls = {"bf16": lambda dy=dy, x=x: torch._grouped_mm(dy.t(), x, offs=offs),
                  "fp8": lambda operands=operands: scaled_grouped_mm_2d2d(*operands, torch.bfloat16)}
         times = [statistics.median(event_times_ms(fn, iters, 3)) for fn in calls.values()]
         print(f"  {name:12s}" + "".join(f"{ms:9.3f}" for ms in times) + f"   fp8 {times[0] / times[1]:.2f}x",

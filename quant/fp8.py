@@ -36,6 +36,13 @@ def quantize_rows(t_RK: torch.Tensor, scale_R: torch.Tensor | None = None) -> tu
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale_R
 
 
+def group_of_rows(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [rows]: the group of each row of a grouped layout whose group e ends at offs_E[e] (E for the rows
+    past the last group). No host sync."""
+    row_N = torch.arange(rows, device=offs_E.device, dtype=offs_E.dtype)
+    return torch.searchsorted(offs_E, row_N, right=True)
+
+
 def dequantize_rows(codes_RK: torch.Tensor, scale_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values [..., R, K] in `dtype` (computed in fp32)."""
     return (codes_RK.float() * scale_R.unsqueeze(-1)).to(dtype)

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from quant.fp8 import gemm_out_dtype, quantize_rows, scaled_grouped_mm
+from quant.fp8 import gemm_out_dtype, group_of_rows, quantize_rows, scaled_grouped_mm
 from quant.weight import FP8Weight
 
 
-def expert_of_rows(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
-    """int64 [rows]: the group of each sorted row (rows past the last group get the last group's index)."""
-    row_N = torch.arange(rows, device=offs_E.device, dtype=offs_E.dtype)
-    return torch.searchsorted(offs_E, row_N, right=True).clamp_(max=offs_E.numel() - 1)
+def quantize_rows_by_expert_scales(t_NO: torch.Tensor, scales_EO: torch.Tensor, offs_E: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of t[n, o] * scales[e(n), o] (rows sorted by expert, group e ending at offs_E[e]; rows past
+    the last group take the last expert's scales): the operand of a GEMM that reduces along the weight's scaled
+    dim O, whose scales are folded into the rows first (exact)."""
+    expert_N = group_of_rows(offs_E, t_NO.shape[0]).clamp_(max=offs_E.numel() - 1)
+    return quantize_rows(t_NO.float() * scales_EO.index_select(0, expert_N))
 
 
 class _FrozenFP8GroupedLinear(torch.autograd.Function):
@@ -38,8 +41,7 @@ class _FrozenFP8GroupedLinear(torch.autograd.Function):
     def backward(ctx, dy_NO: torch.Tensor):
         (offs_E,) = ctx.saved_tensors
         weight: FP8Weight = ctx.weight
-        scale_NO = weight.scales.index_select(0, expert_of_rows(offs_E, dy_NO.shape[0]))
-        dyq_NO, dys_N = quantize_rows(dy_NO.float() * scale_NO)
+        dyq_NO, dys_N = quantize_rows_by_expert_scales(dy_NO, weight.scales, offs_E)
         codes_EIO = weight.codes.transpose(-2, -1).contiguous()
         ones_EI = torch.ones(codes_EIO.shape[:2], dtype=torch.float32, device=dy_NO.device)
         dx_NI = scaled_grouped_mm(dyq_NO, dys_N, codes_EIO.transpose(-2, -1), ones_EI, offs_E,

@@ -25,7 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from quant.fp8 import E4M3, E4M3_MAX, gemm_out_dtype, quantize_rows, row_scales, scaled_grouped_mm
+from quant.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    gemm_out_dtype,
+    group_of_rows,
+    quantize_rows,
+    row_scales,
+    scaled_grouped_mm,
+)
 
 # Rows per group of the 2d-2d GEMM's operands on CUDA: a group's start along the reduction dim must be 16-byte
 # aligned for TMA (16 e4m3 values), and CUTLASS cannot run an empty group.
@@ -62,12 +70,17 @@ def _zero_tail(t_NC: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return torch.where((rows_N < offs_E[-1]).unsqueeze(-1), t_NC, 0)
 
 
+def quantize_transposed(w_EOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes of W^T [E, I, O], contiguous, scales [E, I]): W quantized along O per (expert, input column), the
+    reduction dim of dx = dy @ W_e innermost for the MMA (the quantization itself keeps w's layout)."""
+    codes_EIO, scales_EI = quantize_rows(w_EOI.transpose(-2, -1))
+    return codes_EIO.contiguous(), scales_EI
+
+
 def _grad_input(dy_NO: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W_e per group, W quantized along O per (expert, input column i)."""
     dyq_NO, dys_N = quantize_rows(dy_NO)
-    wq_EIO, ws_EI = quantize_rows(w_EOI.transpose(-2, -1))
-    # Codes of W^T contiguous: O, the reduction dim, innermost for the MMA (the quantization kept w's layout).
-    wq_EIO = wq_EIO.contiguous()
+    wq_EIO, ws_EI = quantize_transposed(w_EOI)
     dx_NI = scaled_grouped_mm(dyq_NO, dys_N, wq_EIO.transpose(-2, -1), ws_EI, offs_E, gemm_out_dtype(dy_NO))
     return _zero_tail(dx_NI, offs_E)
 
@@ -98,12 +111,12 @@ def _padded_layout(offs_E: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Te
     counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
     padded_E = torch.clamp(-(-counts_E // GROUP_ALIGN) * GROUP_ALIGN, min=GROUP_ALIGN)
     offs_pad_E = torch.cumsum(padded_E, 0, dtype=torch.int32)
-    rows_N = torch.arange(N, device=offs_E.device, dtype=torch.int32)
-    gid_N = torch.searchsorted(offs_E, rows_N, right=True)
+    gid_N = group_of_rows(offs_E, N)
     g_N = gid_N.clamp(max=E - 1)
     shift_N = (offs_pad_E - padded_E)[g_N] - (offs_E - counts_E)[g_N]
+    rows_N = torch.arange(N, device=offs_E.device)
     dest_N = torch.where(gid_N < E, rows_N + shift_N, P - 1).long()
-    gid_P = torch.searchsorted(offs_pad_E, torch.arange(P, device=offs_E.device, dtype=torch.int32), right=True)
+    gid_P = group_of_rows(offs_pad_E, P)
     return dest_N, gid_P, offs_pad_E
 
 

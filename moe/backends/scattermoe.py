@@ -80,6 +80,7 @@ from moe.kernels.routing import (
 )
 from quant import FP4Weight, FP8Weight, QuantizedWeight
 from quant.fp8 import quantize_rows
+from quant.fp8_training import quantize_transposed
 
 _SPLIT_MIN_WEIGHT_ELEMS = 1_000_000
 # The kernels' views of frozen quantized base weights (not tensors: they travel on ctx, not in saved tensors).
@@ -182,8 +183,7 @@ def _fp8_forward_view(w_EOI: torch.Tensor) -> FP8View:
 def _fp8_backward_view(w_EOI: torch.Tensor) -> FP8View:
     """W^T [E, I, O] for g and dx: quantized along O per (expert, input column), the codes copied O-innermost
     (K-major for the MMA) and read as a plain FP8 weight, whose scales sit on its output rows."""
-    codes_EIO, scales_EI = quantize_rows(w_EOI.transpose(1, 2))
-    return FP8View(codes_EIO.contiguous(), scales_EI)
+    return FP8View(*quantize_transposed(w_EOI))
 
 
 def _tensors_only(w_gu, w_down) -> tuple:

@@ -25,7 +25,7 @@ import torch
 from moe.kernels.routing import SlotOrder, gather_rows
 from quant import FP8Weight
 from quant.fp8 import quantize_rows
-from quant.fp8_base import expert_of_rows
+from quant.fp8_base import quantize_rows_by_expert_scales
 
 FMT_FP8 = 3  # W_FMT beside fp4.FMT_CODES (dense 0, mxfp4 1, nvfp4 2)
 
@@ -67,6 +67,5 @@ def fp8_input_rows(in_: torch.Tensor, slots: SlotOrder, w: FP8View, gather: bool
         codes, scale = quantize_rows(in_)
         return codes, scale, gather
     rows = gather_rows(in_, slots) if gather else in_
-    e_S = expert_of_rows(slots.offsets_E1[1:], rows.shape[0])
-    codes, scale = quantize_rows(rows.float() * w.scales.index_select(0, e_S))
+    codes, scale = quantize_rows_by_expert_scales(rows, w.scales, slots.offsets_E1[1:])
     return codes, scale, False

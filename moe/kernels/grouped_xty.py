@@ -50,6 +50,7 @@ from moe.kernels.tuning import (
     prune_factor_grads,
     prune_xty,
 )
+from quant.fp8 import group_of_rows
 from quant.fp8_training import quantize_along_groups
 
 
@@ -125,8 +126,7 @@ def grouped_xty_fp8(L_SP: torch.Tensor, R_SQ: torch.Tensor, slots: SlotOrder, ou
     quantized here per (expert, column) along the expert's rows (quant.fp8_training.quantize_along_groups's
     rule); rows past the last expert are never read, experts without rows get zeros."""
     E, S, P, Q = slots.num_experts, L_SP.shape[0], L_SP.shape[1], R_SQ.shape[1]
-    gid_S = torch.searchsorted(slots.offsets_E1[1:], torch.arange(S, device=L_SP.device, dtype=torch.int32),
-                               right=True)  # E past the last expert: outside every group's scale
+    gid_S = group_of_rows(slots.offsets_E1[1:], S)  # E past the last expert: outside every group's scale
     # [P, S] / [Q, S] codes, the rows innermost: the reduction dim contiguous in both dot operands
     lq_PS, ls_EP = quantize_along_groups(L_SP, gid_S, E)
     rq_QS, rs_EQ = quantize_along_groups(R_SQ, gid_S, E)
