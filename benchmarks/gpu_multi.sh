@@ -265,7 +265,9 @@ if [[ $parts == *epbench* ]]; then
       done
     done
   done
-  # first fit in queue order: runs start while GPUs are free, side by side (one host, separate GPUs)
+  # first fit, the one-GPU runs first (they pair up side by side), then queue order: runs start while GPUs are
+  # free, side by side (one host, separate GPUs)
+  mapfile -t queue < <(printf '%s\n' "${queue[@]}" | sort -s -t $'\t' -k1,1n)
   free=0
   for job in "${queue[@]}"; do
     IFS=$'\t' read -r world tag jflags <<< "$job"
