@@ -58,6 +58,7 @@ from runtime.models.factory import build_model
 from runtime.models.hf import config_from_hf
 from runtime.observe.metrics import device_peak_flops, flops_per_token
 from runtime.optim import build_optimizer
+from runtime.plan import plan
 from runtime.train import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +232,7 @@ def one_document_batch(ids: torch.Tensor):
 
 
 def build_ours(args, hf: dict, device: torch.device) -> Setup:
-    cfg = our_config(args, hf)
+    cfg = plan(our_config(args, hf), 1, device).config  # every auto resolved as a launch would (compile.enabled)
     env, dims = DistEnv(0, 1, 0, device), ParallelDims(1, 1, 1, 1, 1)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, env, dims)
@@ -368,7 +369,7 @@ def parse_args(argv=None):
     ap.add_argument("--experts", help="model.expert_backend (default: the Config's)")
     ap.add_argument("--master-dtype", choices=["fp32", "bf16"], help="optim.master_dtype (default: the Config's)")
     ap.add_argument("--loss-impl", help="model.loss_impl (passed only when given)")
-    ap.add_argument("--compile", action="store_true", help="compile.enabled")
+    ap.add_argument("--compile", action="store_true", help="compile.enabled: true (default auto: compiled for LoRA)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other Config key, dotted (value read as YAML); repeatable")
     ap.add_argument("--no-baseline", action="store_true", help="ours only")

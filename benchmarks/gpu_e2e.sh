@@ -92,7 +92,7 @@ if [[ $parts == *kernels* ]]; then
   echo "== kernels: $PEERS_LAYERS layers LoRA, 2 traced steps each: ours eager, ours compiled, Unsloth"
   for c in eager compiled; do
     timeout 200 python -m benchmarks.bench_e2e --mode lora --layers "$PEERS_LAYERS" --warmup 3 --steps 3 --no-baseline \
-      --profile --tag "k$c" --out "$OUT" $([ "$c" = compiled ] && echo --compile) > "$OUT/e2e_k$c.log" 2>&1
+      --profile --tag "k$c" --out "$OUT" --set compile.enabled=$([ "$c" = compiled ] && echo true || echo false) > "$OUT/e2e_k$c.log" 2>&1
     grep -E "^ours|GPU busy" "$OUT/e2e_k$c.log"
   done
   TRACE=$OUT/unsloth STEPS=3 T=$(( 580 - SECONDS )) bash benchmarks/peers/unsloth/run_unsloth.sh "$PEERS_LAYERS" experts \

@@ -189,9 +189,19 @@ class QuantConfig(Section):
 class CompileConfig(Section):
     """torch.compile of the decoder blocks."""
 
-    enabled: bool = Field(False, description="torch.compile every decoder block (fullgraph: a graph break is an error)")
+    enabled: bool | Literal["auto"] = Field("auto", description=(
+        "torch.compile every decoder block (fullgraph: a graph break is an error); auto compiles a LoRA run on one "
+        "CUDA device without FP8 training (runtime.plan)"))
     inductor_options: dict[str, Any] = Field(default_factory=dict, description=(
         "an allowlist of torch._inductor.config keys, e.g. max_autotune, coordinate_descent_tuning"))
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _bool_or_auto(cls, value):
+        # one error line for anything else (the union would report each of its members)
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise PydanticCustomError("bool_or_auto", "Input should be true, false or auto")
 
     @model_validator(mode="after")
     def _options(self):
@@ -199,7 +209,7 @@ class CompileConfig(Section):
         if unknown:
             raise ValueError(f"compile.inductor_options has unknown keys {unknown}; "
                              f"allowed: {sorted(INDUCTOR_OPTIONS)}")
-        if self.inductor_options and not self.enabled:
+        if self.inductor_options and self.enabled is False:
             raise ValueError("compile.inductor_options is set but compile.enabled is false; "
                              "set compile.enabled: true or drop the options")
         if self.inductor_options.get("triton.cudagraphs"):

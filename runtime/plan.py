@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +78,20 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     dims.check_experts(qcfg.num_experts)
     hybrid = any(qcfg.is_linear_attention(i) for i in range(qcfg.num_layers))
     has_moe = any(qcfg.is_moe_layer(i) for i in range(qcfg.num_layers))
-    needs = Needs(dev, compile=cfg.compile.enabled, quantized=cfg.quant.base_weights,
+    compiled = auto_compile(cfg, dims, dev)
+    needs = Needs(dev, compile=compiled, quantized=cfg.quant.base_weights,
                   train_fp8=cfg.quant.train_fp8 != "none",
                   lora=cfg.lora.enabled and "experts" in cfg.lora.target_modules, ep=dims.ep, cp=dims.cp,
                   dtype=cfg.model.dtype)
     m = cfg.model
-    names, notes = {}, {}
-    expert_uses = {"compile", "quantized", "lora", "ep"} if has_moe else set()
-    for field, uses in (("expert_backend", expert_uses), ("attn_backend", {"cp", "compile"}),
-                        ("norm_rope_impl", {"compile"}), ("loss_impl", set()),
-                        ("gdn_op_set", {"cp", "compile"} if hybrid else set())):
-        name = getattr(m, field)
-        if field == "gdn_op_set" and not hybrid and name == "auto":
-            names[field] = registry("model.gdn_op_set").reference()  # no GDN layer: nothing to choose
-            continue
-        names[field], notes[field] = choose(f"model.{field}", name, needs, uses)
+    try:
+        names, notes = choose_model(cfg, needs, has_moe, hybrid)
+    except ConfigError:
+        if not compiled or cfg.compile.enabled != "auto":
+            raise
+        # compile auto on, but an implementation the config names does not compile: it runs eager
+        compiled, needs = False, replace(needs, compile=False)
+        names, notes = choose_model(cfg, needs, has_moe, hybrid)
     dispatcher, _ = choose("parallelism.dispatcher", auto_dispatcher(cfg, dims, dev, device_memory),
                            needs, {"ep"})
     if hybrid and notes["gdn_op_set"] and m.gdn_op_set == "auto":
@@ -101,7 +100,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     if has_moe and cfg.quant.base_weights in FP4_FORMATS:
         check_fp4_blocks(cfg, qcfg)
     if has_moe and (cfg.quant.base_weights == "fp8" or cfg.quant.train_fp8 != "none"):
-        check_fp8(cfg, qcfg, dev)
+        check_fp8(cfg, qcfg, dev, compiled)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
     if p.frozen_dense == "replicate" and not cfg.lora.enabled:
@@ -112,8 +111,24 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     for field, name in names.items():
         setattr(resolved.model, field, name)
     resolved.parallelism.dispatcher = dispatcher
+    resolved.compile.enabled = compiled
     resolved.parallelism.fsdp_param_dtype = fsdp_dtype
     return Plan(user_config=cfg, config=resolved, dims=dims, device=dev)
+
+
+def choose_model(cfg: Config, needs: Needs, has_moe: bool, hybrid: bool) -> tuple[dict, dict]:
+    """({field: concrete name}, {field: notes on what auto passed over}) for every model choice of `cfg`."""
+    names, notes = {}, {}
+    expert_uses = {"compile", "quantized", "lora", "ep"} if has_moe else set()
+    for field, uses in (("expert_backend", expert_uses), ("attn_backend", {"cp", "compile"}),
+                        ("norm_rope_impl", {"compile"}), ("loss_impl", set()),
+                        ("gdn_op_set", {"cp", "compile"} if hybrid else set())):
+        name = getattr(cfg.model, field)
+        if field == "gdn_op_set" and not hybrid and name == "auto":
+            names[field] = registry("model.gdn_op_set").reference()  # no GDN layer: nothing to choose
+            continue
+        names[field], notes[field] = choose(f"model.{field}", name, needs, uses)
+    return names, notes
 
 
 def device_memory_bytes(device_type: str) -> int | None:
@@ -149,6 +164,17 @@ def auto_dispatcher(cfg: Config, dims, device: str, device_memory_bytes: int | N
     gathered.parallelism.gather_capacity = cfg.parallelism.gather_capacity * GATHER_GROWTH_MARGIN
     peak = estimate(gathered, dims, cuda=True, device_memory_bytes=device_memory_bytes).peak
     return "all_gather" if peak <= GATHER_MEMORY_SHARE * device_memory_bytes else "all_to_all"
+
+
+def auto_compile(cfg: Config, dims, device: str) -> bool:
+    """compile.enabled resolved: true or false as written; auto compiles a LoRA run on one CUDA device (world 1:
+    no ep, no cp) without FP8 training, where compiled steps measured faster than eager (docs/benchmarks.md),
+    else runs eager. plan() turns auto back to false where an implementation the config names cannot compile."""
+    enabled = cfg.compile.enabled
+    if enabled != "auto":
+        return enabled
+    return (cfg.lora.enabled and device == "cuda" and dims.world_size == 1 and dims.ep == 1 and dims.cp == 1
+            and cfg.quant.train_fp8 == "none")
 
 
 def check_combinations(cfg: Config) -> None:
@@ -191,16 +217,16 @@ def _model_key(cfg: Config, field: str) -> str:
     return f"model.config.{field}" if cfg.model.config is not None else f"{cfg.model.path}/config.json {field}"
 
 
-def check_fp8(cfg: Config, qcfg, device: str) -> None:
+def check_fp8(cfg: Config, qcfg, device: str, compiled: bool) -> None:
     """FP8 GEMMs need Hopper or newer on CUDA, and every dim they reduce or write a multiple of 16; FP8 training
-    compiles on CUDA only."""
+    compiles on CUDA only (`compiled`: compile.enabled resolved)."""
     key = "quant.base_weights: fp8" if cfg.quant.base_weights == "fp8" else f"quant.train_fp8: {cfg.quant.train_fp8}"
     # A plan for CUDA made elsewhere (runtime.estimate on a laptop) cannot see the GPU: checked where it runs.
     if device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
         raise ConfigError(f"{key} runs the expert GEMMs on FP8 tensor cores, which this GPU (sm"
                           f"{''.join(map(str, torch.cuda.get_device_capability()))}) lacks: they need sm90+ (H100, "
                           "H200, B200); use quant.base_weights: mxfp4 or none, quant.train_fp8: none")
-    if device == "cpu" and cfg.quant.train_fp8 != "none" and cfg.compile.enabled:
+    if device == "cpu" and cfg.quant.train_fp8 != "none" and compiled:
         # Seen on torch 2.13: the vectorized CPU kernels inductor generates for the whole expert layer give NaN
         # weight gradients (eager, and inductor without SIMD, agree with each other).
         raise ConfigError(f"quant.train_fp8: {cfg.quant.train_fp8} does not compile on the CPU (inductor's CPU "

@@ -19,21 +19,21 @@ from runtime.distributed.expert_parallel import wire_moe_blocks
 from runtime.distributed.fsdp import apply_fsdp, frozen_dense_bytes, frozen_dense_placement, fsdp_gather_dtype
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
-from runtime.plan import auto_dispatcher, device_memory_bytes
+from runtime.plan import auto_compile, auto_dispatcher, device_memory_bytes
 
 
 def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | None, cfg: Config,
                 autocast: bool = True) -> QwenForCausalLM:
     """`model`, wired and wrapped in place (module docstring). `autocast`: the step computes in bf16 on CUDA
     (FSDP gathers bf16 parameters)."""
-    device = meshes.world.device_type if meshes is not None else "cpu"
+    device = meshes.world.device_type if meshes is not None else next(model.parameters()).device.type
     memory = device_memory_bytes(device)
-    # plan() passes a concrete dispatcher; a model built without it gets plan's choice
+    # plan() passes a concrete dispatcher and compile.enabled; a model built without it gets plan's rules
     dispatcher = auto_dispatcher(cfg, dims, device, memory)
     moe_groups = wire_moe_blocks(model, dims, meshes, cfg, dispatcher)  # EP: dispatcher over the EP group
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint, keep_groups=moe_groups)
-    if cfg.compile.enabled:
+    if auto_compile(cfg, dims, device):
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
         frozen_dense = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled,

@@ -181,7 +181,8 @@ def test_inductor_options_validation():
     with pytest.raises(ConfigError, match=r"compile.inductor_options has unknown keys \['max_autotune_gem'\]"):
         config_from_dict(_raw(enabled=True, inductor_options={"max_autotune_gem": True}))
     with pytest.raises(ConfigError, match="set compile.enabled: true"):
-        config_from_dict(_raw(inductor_options={"epilogue_fusion": True}))
+        config_from_dict(_raw(enabled=False, inductor_options={"epilogue_fusion": True}))
+    assert config_from_dict(_raw(inductor_options={"epilogue_fusion": True})).compile.enabled == "auto"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config_from_dict(_raw(enabled=True, inductor_options={"triton.cudagraphs": True}))

@@ -48,8 +48,11 @@ BAD = {
                           "parallelism.cp_attention: Input should be 'allgather' or 'ulysses'"),
     "inductor option unknown": (lambda r: r.update(compile={"enabled": True, "inductor_options": {"foo": 1}}),
                                 "compile.inductor_options has unknown keys ['foo']"),
-    "inductor options without compile": (lambda r: r.update(compile={"inductor_options": {"max_autotune": True}}),
+    "inductor options without compile": (lambda r: r.update(compile={"enabled": False,
+                                                                      "inductor_options": {"max_autotune": True}}),
                                          "set compile.enabled: true"),
+    "compile typo": (lambda r: r.update(compile={"enabled": "yes please"}),
+                     "compile.enabled: Input should be true, false or auto (got 'yes please')"),
     "lora target typo": (lambda r: r.update(lora={"enabled": True, "target_modules": ["qproj"]}),
                          "lora.target_modules.0: Input should be"),
     "zero dp_shard": (lambda r: r.update(parallelism={"dp_shard": 0}), "parallelism.dp_shard must be >= 1"),
@@ -137,7 +140,7 @@ def test_launch_checks_mesh_against_world_size(monkeypatch):
                                   "qwen3-30b-a3b-lora-nvfp4.yaml", "qwen3.5-35b-a3b-long-context.yaml"])
 def test_real_shape_examples_validate(name):
     cfg = load_config(EXAMPLE.parent / name)
-    assert cfg.model.path and (cfg.parallelism.ep > 1 or cfg.compile.enabled or cfg.quant.base_weights != "none")
+    assert cfg.model.path and (cfg.parallelism.ep > 1 or cfg.compile.enabled is True or cfg.quant.base_weights != "none")
 
 
 # ----------------------------------------------------------------------------- model.config

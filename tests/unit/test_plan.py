@@ -80,6 +80,53 @@ def test_dispatcher_auto_gathers_for_lora_on_cuda_where_the_estimate_fits():
     assert pick(1, memory=2**40) == "all_to_all"  # the identity at ep 1 either way
 
 
+def test_compile_auto_compiles_lora_on_one_cuda_device():
+    """compile.enabled auto (the default): true for LoRA on one CUDA device without FP8 training, false for a full
+    fine-tune, several ranks or the CPU; true and false as written; the plan's config holds a bool."""
+    def compiled(world=1, device="cuda", lora=True, ep=1, **compile_section):
+        cfg = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=ep),
+                                r.setdefault("lora", {}).update(enabled=lora), r.update(compile=compile_section)))
+        p = plan(cfg, world, device, device_memory=2**40)
+        assert p.resolved()["compile.enabled"] is p.config.compile.enabled
+        return p.config.compile.enabled
+
+    assert cfg_of().compile.enabled == "auto"
+    assert compiled() is True
+    assert compiled(lora=False) is False
+    assert compiled(world=2, ep=2) is False
+    assert compiled(world=2) is False
+    assert compiled(device="cpu") is False
+    assert compiled(enabled=False) is False
+    assert compiled(lora=False, enabled=True) is True
+    assert compiled(enabled="auto", inductor_options={"max_autotune": True}) is True
+
+
+def test_compile_auto_runs_eager_where_a_named_implementation_cannot_compile():
+    """auto with an implementation that does not compile (eager on FP4 experts) resolves to false; an explicit
+    true is the one-line error."""
+    def fp4_eager(**compile_section):
+        return cfg_of(lambda r: (r["model"].update(expert_backend="eager", dtype="bfloat16"),
+                                 r.update(quant={"base_weights": "nvfp4"}, lora={"enabled": True},
+                                          compile=compile_section)))
+
+    p = plan(fp4_eager(), 1, "cuda")
+    assert p.config.compile.enabled is False and p.config.model.expert_backend == "eager"
+    with pytest.raises(ConfigError, match="^model.expert_backend: eager does not compile nvfp4 experts"):
+        plan(fp4_eager(enabled=True), 1, "cuda")
+
+
+def test_compile_auto_on_the_cpu_is_not_refused_for_compile():
+    """FP8 training compiles on CUDA only: auto on the CPU resolves to false and plans; an explicit true is
+    refused."""
+    def fp8(**compile_section):
+        return cfg_of(lambda r: (r["model"].update(dtype="bfloat16"),
+                                 r.update(quant={"train_fp8": "experts"}, compile=compile_section)))
+
+    assert plan(fp8(), 1, "cpu").config.compile.enabled is False
+    with pytest.raises(ConfigError, match="does not compile on the CPU"):
+        plan(fp8(enabled=True), 1, "cpu")
+
+
 def test_frozen_dense_replicate_needs_lora():
     with pytest.raises(ConfigError, match="parallelism.frozen_dense: replicate needs lora.enabled"):
         plan(cfg_of(set_("parallelism", frozen_dense="replicate")), 1, "cpu")
