@@ -23,8 +23,20 @@ def test_collects_only_on_scheduled_steps_with_automatic_collection_off(monkeypa
         calls.clear()  # the full collection before freezing
         for step in range(1, 8):
             collect(step)
-        assert calls == [2, 2]  # steps 3 and 6
+        assert calls == [2, 2, 2]  # after the first step, then steps 3 and 6
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_what_the_first_step_builds_is_frozen_out_of_later_passes():
+    with scheduled_gc(50) as collect:
+        frozen_before = gc.get_freeze_count()
+        compiled_code = [[i] for i in range(10_000)]  # long-lived containers the first step makes
+        collect(4)  # a resumed run's first step
+        assert gc.get_freeze_count() >= frozen_before + len(compiled_code)
+        per_step = [[i] for i in range(10)]
+        walked = {id(o) for o in gc.get_objects()}  # what a collection passes over: the frozen ones are not there
+        assert id(per_step[0]) in walked and id(compiled_code[0]) not in walked
+    assert gc.get_freeze_count() == 0
 
 
 def test_restores_the_collector_when_the_loop_raises():
