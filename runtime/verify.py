@@ -87,9 +87,11 @@ def record_run(cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes | N
 
 
 def exact_config(cfg: Config) -> Config:
-    """cfg on EXACT_MODEL's implementations with fp32 parameters and masters."""
+    """cfg on EXACT_MODEL's implementations with fp32 parameters and masters, without FP8 training (what the
+    fp32 run calibrating an FP8 run's bounds measures is the FP8 and bf16 error together)."""
     return cfg.model_copy(update={"model": cfg.model.model_copy(update=EXACT_MODEL),
-                                  "optim": cfg.optim.model_copy(update={"master_dtype": "fp32"})})
+                                  "optim": cfg.optim.model_copy(update={"master_dtype": "fp32"}),
+                                  "quant": cfg.quant.model_copy(update={"train_fp8": "none"})})
 
 
 def check_exact(cfg: Config) -> None:

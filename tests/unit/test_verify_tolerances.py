@@ -83,6 +83,24 @@ def test_exact_mode_runs_both_sides_in_fp32_on_the_plain_kernels():
     assert cfg.optim.master_dtype == "fp32"
 
 
+def test_the_fp32_run_calibrating_an_fp8_run_trains_without_fp8():
+    """The bf16 verify of quant.train_fp8 calibrates by an fp32 run on EXACT_MODEL's eager experts, which have
+    no FP8 GEMMs: that run must plan (on the GPU it raised 'eager has no FP8 expert GEMMs')."""
+    from pathlib import Path
+
+    import torch
+
+    from runtime.config import load_config
+    from runtime.plan import plan
+    from runtime.verify import exact_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe.yaml"
+    cfg = plan(load_config(example, {"quant.train_fp8": "experts+dense"}), 1, torch.device("cpu")).config
+    calibration = exact_config(cfg)
+    assert calibration.quant.train_fp8 == "none"
+    plan(calibration, 1, torch.device("cpu"))
+
+
 
 def test_exact_mode_refuses_a_dispatcher_that_combines_in_bf16():
     from pathlib import Path
