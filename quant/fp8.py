@@ -60,25 +60,36 @@ def scaled_grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.
         out[m, n] = sum_k a[m, k] * scale_a[m] * b[e(m), k, n] * scale_b[e(m), n]
     a and b in e4m3, a contiguous in K, b K-innermost (an [E, N, K] tensor's .transpose(-2, -1)). Rows past the
     last group are left unwritten on CUDA (torch._scaled_grouped_mm, sm90+) and zero on the CPU, where a
-    per-group torch._scaled_mm loop stands in (tests and CPU runs; one opaque op, so it compiles too)."""
-    if a_MK.device.type != "cpu":  # CUDA (and meta tensors: torch's checks of the CUDA call)
+    per-group loop stands in (tests and CPU runs). One opaque op on every device: inductor's own lowering of
+    torch._scaled_grouped_mm returned a zero dX on sm90 (tests/gpu/test_fp8_training_gpu.py)."""
+    return torch.ops.moert.fp8_grouped_mm(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype)
+
+
+def scaled_mm_on_cpu(a_MK: torch.Tensor, b_KN: torch.Tensor, scale_a_M1: torch.Tensor, scale_b_1N: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm's rowwise product for the CPU stand-ins: the e4m3 products are exact in fp32, summed in
+    fp32, then scaled (torch's CPU _scaled_mm takes rowwise scales only from torch 2.13)."""
+    return ((a_MK.float() @ b_KN.float()) * scale_a_M1 * scale_b_1N).to(out_dtype)
+
+
+@torch.library.custom_op("moert::fp8_grouped_mm", mutates_args=())
+def _grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.Tensor, scale_b_EN: torch.Tensor,
+                offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if a_MK.device.type != "cpu":
         return torch._scaled_grouped_mm(a_MK, b_EKN, scale_a_M, scale_b_EN, offs=offs_E, out_dtype=out_dtype)
-    return torch.ops.moert.fp8_grouped_mm_loop(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype)
-
-
-@torch.library.custom_op("moert::fp8_grouped_mm_loop", mutates_args=(), device_types="cpu")
-def _grouped_mm_loop(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.Tensor, scale_b_EN: torch.Tensor,
-                     offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[-1], dtype=out_dtype)
     start = 0
     for e, end in enumerate(offs_E.tolist()):  # a host sync: the CPU stand-in only
         if end > start:
-            out_MN[start:end] = torch._scaled_mm(a_MK[start:end], b_EKN[e], scale_a_M[start:end].unsqueeze(-1),
-                                                 scale_b_EN[e].unsqueeze(0), out_dtype=out_dtype)
+            out_MN[start:end] = scaled_mm_on_cpu(a_MK[start:end], b_EKN[e], scale_a_M[start:end].unsqueeze(-1),
+                                                 scale_b_EN[e].unsqueeze(0), out_dtype)
         start = end
     return out_MN
 
 
-@_grouped_mm_loop.register_fake
+@_grouped_mm.register_fake
 def _(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype):
-    return a_MK.new_empty(a_MK.shape[0], b_EKN.shape[-1], dtype=out_dtype)
+    if a_MK.device.type == "cpu":
+        return a_MK.new_empty(a_MK.shape[0], b_EKN.shape[-1], dtype=out_dtype)
+    # torch's own shape, layout and dtype checks of the CUDA call (also for meta tensors)
+    return torch._scaled_grouped_mm(a_MK, b_EKN, scale_a_M, scale_b_EN, offs=offs_E, out_dtype=out_dtype)

@@ -33,6 +33,7 @@ from quant.fp8 import (
     quantize_rows,
     row_scales,
     scaled_grouped_mm,
+    scaled_mm_on_cpu,
 )
 
 # Rows per group of the 2d-2d GEMM's operands on CUDA: a group's start along the reduction dim must be 16-byte
@@ -145,27 +146,30 @@ def scaled_grouped_mm_2d2d(a_ON: torch.Tensor, scale_a_EO: torch.Tensor, b_NI: t
     a and b e4m3, a row-major, b column-major (the .t() of a contiguous [I, N]); an empty group gives 0.
     CUDA (sm90+): torch._scaled_grouped_mm in its 2d-2d form, out_dtype bf16; it needs every group non-empty and,
     but the last, a multiple of 16 rows (kernel asserts), N, O and I multiples of 16 (fp8_grouped_linear pads its
-    groups to meet this). The CUDA path is not yet validated on a GPU. CPU: a per-group torch._scaled_mm loop (a
-    host sync; one opaque op, so it compiles too)."""
+    groups to meet this). CPU: a per-group loop (a host sync). One opaque op on every device, as
+    quant.fp8.scaled_grouped_mm."""
+    return torch.ops.moert.fp8_grouped_mm_2d2d(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype)
+
+
+@torch.library.custom_op("moert::fp8_grouped_mm_2d2d", mutates_args=())
+def _grouped_mm_2d2d(a_ON: torch.Tensor, scale_a_EO: torch.Tensor, b_NI: torch.Tensor,
+                     scale_b_EI: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if a_ON.device.type != "cpu":
         return torch._scaled_grouped_mm(a_ON, b_NI, scale_a_EO.reshape(-1), scale_b_EI.reshape(-1), offs=offs_E,
                                         out_dtype=out_dtype)
-    return torch.ops.moert.fp8_grouped_mm_2d2d_loop(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype)
-
-
-@torch.library.custom_op("moert::fp8_grouped_mm_2d2d_loop", mutates_args=(), device_types="cpu")
-def _grouped_mm_2d2d_loop(a_ON: torch.Tensor, scale_a_EO: torch.Tensor, b_NI: torch.Tensor,
-                          scale_b_EI: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     out_EOI = a_ON.new_zeros(offs_E.shape[0], a_ON.shape[0], b_NI.shape[1], dtype=out_dtype)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
-            out_EOI[e] = torch._scaled_mm(a_ON[:, start:end], b_NI[start:end], scale_a_EO[e].unsqueeze(-1),
-                                          scale_b_EI[e].unsqueeze(0), out_dtype=out_dtype)
+            out_EOI[e] = scaled_mm_on_cpu(a_ON[:, start:end], b_NI[start:end], scale_a_EO[e].unsqueeze(-1),
+                                          scale_b_EI[e].unsqueeze(0), out_dtype)
         start = end
     return out_EOI
 
 
-@_grouped_mm_2d2d_loop.register_fake
+@_grouped_mm_2d2d.register_fake
 def _(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype):
-    return a_ON.new_empty(offs_E.shape[0], a_ON.shape[0], b_NI.shape[1], dtype=out_dtype)
+    if a_ON.device.type == "cpu":
+        return a_ON.new_empty(offs_E.shape[0], a_ON.shape[0], b_NI.shape[1], dtype=out_dtype)
+    return torch._scaled_grouped_mm(a_ON, b_NI, scale_a_EO.reshape(-1), scale_b_EI.reshape(-1), offs=offs_E,
+                                    out_dtype=out_dtype)
