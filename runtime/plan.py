@@ -100,7 +100,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     if has_moe and cfg.quant.base_weights in FP4_FORMATS:
         check_fp4_blocks(cfg, qcfg)
     if has_moe and (cfg.quant.base_weights == "fp8" or cfg.quant.train_fp8 != "none"):
-        check_fp8(cfg, qcfg, dev, compiled)
+        check_fp8(cfg, qcfg, dev)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
     if p.frozen_dense == "replicate" and not cfg.lora.enabled:
@@ -217,20 +217,15 @@ def _model_key(cfg: Config, field: str) -> str:
     return f"model.config.{field}" if cfg.model.config is not None else f"{cfg.model.path}/config.json {field}"
 
 
-def check_fp8(cfg: Config, qcfg, device: str, compiled: bool) -> None:
-    """FP8 GEMMs need Hopper or newer on CUDA, and every dim they reduce or write a multiple of 16; FP8 training
-    compiles on CUDA only (`compiled`: compile.enabled resolved)."""
+def check_fp8(cfg: Config, qcfg, device: str) -> None:
+    """FP8 GEMMs need Hopper or newer on CUDA, and every dim they reduce or write a multiple of 16 (that FP8
+    training runs eager is a backend capability: runtime.choices)."""
     key = "quant.base_weights: fp8" if cfg.quant.base_weights == "fp8" else f"quant.train_fp8: {cfg.quant.train_fp8}"
     # A plan for CUDA made elsewhere (runtime.estimate on a laptop) cannot see the GPU: checked where it runs.
     if device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
         raise ConfigError(f"{key} runs the expert GEMMs on FP8 tensor cores, which this GPU (sm"
                           f"{''.join(map(str, torch.cuda.get_device_capability()))}) lacks: they need sm90+ (H100, "
                           "H200, B200); use quant.base_weights: mxfp4 or none, quant.train_fp8: none")
-    if device == "cpu" and cfg.quant.train_fp8 != "none" and compiled:
-        # Seen on torch 2.13: the vectorized CPU kernels inductor generates for the whole expert layer give NaN
-        # weight gradients (eager, and inductor without SIMD, agree with each other).
-        raise ConfigError(f"quant.train_fp8: {cfg.quant.train_fp8} does not compile on the CPU (inductor's CPU "
-                          "code gives NaN expert gradients); set compile.enabled: false, or train on CUDA")
     for field, size in (("moe_intermediate_size", qcfg.moe_intermediate_size), ("hidden_size", qcfg.hidden_size)):
         if size % 16:
             raise ConfigError(f"{key}: FP8 GEMMs need each expert dim a multiple of 16, but "

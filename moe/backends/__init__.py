@@ -52,13 +52,14 @@ EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.exp
 EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=()),
                         _module("eager", "moe.backends.eager"))
 # torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count, FP8 ones run
-# on FP8 GEMMs (which trace).
+# on FP8 GEMMs (which trace). FP8 training eager only: compiled, its dX came out zero on an H200 (and inductor's
+# CPU code gave NaN weight gradients), docs/validation.md.
 EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=("fp8",),
-                                                   train_fp8=True,
+                                                   train_fp8=True, compile_train_fp8=False,
                                                    compile_cpu_dtypes=("bfloat16",)),
                         _module("grouped_mm", "moe.backends.grouped_mm"))
 # Fused Triton kernels, LoRA, FP4 dequant, FP8 base GEMMs and FP8 training (eager only) included: the fastest
-# where CUDA and Triton are (its FP8 paths not yet measured on a GPU).
+# where CUDA and Triton are, FP8 paths included (docs/benchmarks.md, FP8 experts).
 EXPERT_BACKENDS.declare("scattermoe", Capabilities(devices=TRITON_DEVICES, unavailable=triton_missing,
                                                    auto_on=("cuda",), priority=2,
                                                    quantized_base=(*FP4_FORMATS, "fp8"),

@@ -115,16 +115,17 @@ def test_compile_auto_runs_eager_where_a_named_implementation_cannot_compile():
         plan(fp4_eager(enabled=True), 1, "cuda")
 
 
-def test_compile_auto_on_the_cpu_is_not_refused_for_compile():
-    """FP8 training compiles on CUDA only: auto on the CPU resolves to false and plans; an explicit true is
-    refused."""
+def test_fp8_training_runs_eager():
+    """No backend compiles FP8 training: compile auto resolves to false and plans; an explicit true is refused,
+    naming the setting."""
     def fp8(**compile_section):
         return cfg_of(lambda r: (r["model"].update(dtype="bfloat16"),
                                  r.update(quant={"train_fp8": "experts"}, compile=compile_section)))
 
-    assert plan(fp8(), 1, "cpu").config.compile.enabled is False
-    with pytest.raises(ConfigError, match="does not compile on the CPU"):
-        plan(fp8(enabled=True), 1, "cpu")
+    for device in ("cpu", "cuda"):
+        assert plan(fp8(), 1, device).config.compile.enabled is False
+        with pytest.raises(ConfigError, match=r"in eager mode only, but compile.enabled is true"):
+            plan(fp8(enabled=True), 1, device)
 
 
 def test_frozen_dense_replicate_needs_lora():
@@ -267,20 +268,20 @@ def test_fp8_experts_take_scattermoe_on_cuda_terms_and_grouped_mm_on_cpu():
     assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "scattermoe"
 
 
-def test_fp8_training_takes_scattermoe_on_cuda_terms_eager_and_grouped_mm_compiled():
-    """scattermoe declares FP8 training in eager mode only (compile_train_fp8=False): auto takes it on CUDA without
-    compile, grouped_mm (whose FP8 GEMMs compile) with compile or on the CPU; naming it under compile is refused."""
+def test_fp8_training_takes_scattermoe_on_cuda_and_grouped_mm_on_the_cpu():
+    """Both FP8-training backends declare it in eager mode only (compile_train_fp8=False): auto takes scattermoe on
+    CUDA, grouped_mm on the CPU; naming either under compile is refused."""
     from runtime.choices import Needs, choose
 
     uses = {"compile", "quantized", "lora", "ep"}
-    for device, compile_, expected in (("cuda", False, "scattermoe"), ("cuda", True, "grouped_mm"),
-                                       ("cpu", False, "grouped_mm")):
-        needs = Needs(device, compile=compile_, train_fp8=True, dtype="bfloat16")
-        assert choose("model.expert_backend", "auto", needs, uses)[0] == expected, (device, compile_)
-    with pytest.raises(ConfigError, match="model.expert_backend: scattermoe trains its experts in FP8 "
-                                          r"\(quant.train_fp8\) in eager mode only, but compile.enabled is true"):
-        choose("model.expert_backend", "scattermoe", Needs("cuda", compile=True, train_fp8=True, dtype="bfloat16"),
-               uses)
+    for device, expected in (("cuda", "scattermoe"), ("cpu", "grouped_mm")):
+        needs = Needs(device, compile=False, train_fp8=True, dtype="bfloat16")
+        assert choose("model.expert_backend", "auto", needs, uses)[0] == expected, device
+    for name in ("scattermoe", "grouped_mm"):
+        with pytest.raises(ConfigError, match=f"model.expert_backend: {name} trains its experts in FP8 "
+                                              r"\(quant.train_fp8\) in eager mode only, but compile.enabled is true"):
+            choose("model.expert_backend", name, Needs("cuda", compile=True, train_fp8=True, dtype="bfloat16"),
+                   uses)
     cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {"quant.train_fp8": "experts",
                                                                "model.expert_backend": "auto"})
     assert plan(cfg, world=1, device="cuda").config.model.expert_backend == "scattermoe"
