@@ -69,7 +69,7 @@ def test_gemm_equals_cpu_emulation_eager_and_compiled():
     dy = torch.randn(x.shape[0], 2 * s.intermediate, generator=g).bfloat16().float()
 
     def run(fn, device, dtype):
-        xd = x.to(device, dtype).requires_grad_()
+        xd = x.detach().to(device, dtype).requires_grad_()  # a leaf of its own on every device (no CPU alias)
         y = fn(xd, weight.to(device), offs.to(device))
         y.backward(dy.to(device, dtype))
         return y.detach(), xd.grad
