@@ -301,6 +301,7 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 guard.check(step, result, last_good)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
+                collect_garbage(step)  # in this step's time: the first step's freeze is warm-up, as its compile
                 record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
                 record["recompiles"] = recompiles.after_step(step, warn=env.is_main)
                 records.append(record)
@@ -312,7 +313,6 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 if every and step % every == 0 and step < cfg.train.max_steps:
                     last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
                 timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
-                collect_garbage(step)  # its time counts in the next step's
         if cfg.checkpoint.save_final:
             save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:
