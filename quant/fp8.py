@@ -60,8 +60,8 @@ def scaled_grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.
         out[m, n] = sum_k a[m, k] * scale_a[m] * b[e(m), k, n] * scale_b[e(m), n]
     a and b in e4m3, a contiguous in K, b K-innermost (an [E, N, K] tensor's .transpose(-2, -1)). Rows past the
     last group are left unwritten on CUDA (torch._scaled_grouped_mm, sm90+) and zero on the CPU, where a
-    per-group loop stands in (tests and CPU runs). One opaque op on every device: inductor's own lowering of
-    torch._scaled_grouped_mm returned a zero dX on sm90 (tests/gpu/test_fp8_training_gpu.py)."""
+    per-group loop stands in (tests and CPU runs). One opaque op on every device, so a compiled graph holds the
+    same call on each, and the stand-in's host loop traces."""
     return torch.ops.moert.fp8_grouped_mm(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype)
 
 
