@@ -4,8 +4,8 @@ with forced-balanced and random-init routing, and per layer where the traced ste
     python -m benchmarks.ep_table OUT --layers 8 --eps 1 2 4
 
 Run folders are named `ep-<mode>-L<layers>-ep<E>-<balanced|random>`; a mode `<mode>+<dispatcher>` (ep > 1 on
-another dispatcher than all_to_all) is compared to its mode's ep=1 run. Throughput is the median over steps 4..
-of metrics.jsonl (tok/s over the world, so tokens per second per GPU); the split reads rank 0's trace of step 6
+another dispatcher than all_to_all) is compared to its mode's ep=1 run. Throughput is the median over the run's
+second half (after step 6) of metrics.jsonl (tok/s over the world, so tokens per second per GPU); the split reads rank 0's trace of step 6
 (runtime.observe.profiling) with runtime.timeline and sorts the compute stream's kernels by name into experts (the
 grouped GEMMs and their LoRA products), routing (the dispatch's sort, gather and combine kernels) and the rest.
 """
@@ -33,12 +33,14 @@ _BASE = re.compile(r"[+]\w+")  # a mode's dispatcher suffix: its ep=1 run is the
 
 
 def steady(run: Path, world: int) -> dict | None:
-    """Median tok/s/GPU, MFU, step seconds and ep_imbalance over steps 4..; peak GiB over the run."""
+    """Median tok/s/GPU, MFU, step seconds and ep_imbalance over the second half of the run, after the traced
+    step 6 (an ep=2 LoRA run still settles over steps 2-8); peak GiB over the run."""
     metrics = run / "metrics.jsonl"
     if not metrics.exists():
         return None
     rows = [json.loads(line) for line in metrics.open() if '"loss"' in line]
-    tail = [r for r in rows if r["step"] >= 4] or rows
+    first = max(7, rows[-1]["step"] // 2 + 1) if rows else 0
+    tail = [r for r in rows if r["step"] >= first] or rows
     if not tail:
         return None
     imbalance = [r["ep_imbalance"] for r in tail if r.get("ep_imbalance")]

@@ -243,7 +243,7 @@ if [[ $parts == *epbench* ]]; then
   queue=()  # "world<TAB>tag<TAB>flags" of every run, packed onto the GPUs below
   for mode in ${EPBENCH_MODES:-full-fp32 lora}; do
     flags="--set model.num_layers_override=$layers --set parallelism.activation_checkpoint=none"
-    flags+=" --set train.max_steps=${EPBENCH_STEPS:-10} --set profiling.steps=[6]"
+    flags+=" --set train.max_steps=${EPBENCH_STEPS:-16} --set profiling.steps=[6]"
     case $mode in
       full-bf16*) flags+=" --set optim.master_dtype=bf16" ;;
       full-fp32*) flags+=" --set optim.master_dtype=fp32" ;;
