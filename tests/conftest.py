@@ -9,9 +9,12 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -363,3 +366,100 @@ def cli(capsys):
                 signal.signal(signum, handler)
         return Finished(code, capsys.readouterr().err)
     return run
+
+
+class Ahead:
+    """A test's work outside this process (a fresh Python, torchrun and its workers), done ahead of the test on a
+    lane beside the session: on CI's two cores the in-process tests keep one busy, and the lane the other.
+
+        JOB = Ahead(lambda tmp: subprocess.run([...], cwd=tmp, capture_output=True, ...))   # module level
+
+        @pytest.mark.ahead(JOB)
+        def test_x():
+            done = JOB.result()    # what the job returned, or the error it raised
+
+    The session moves the marked tests to its end and starts their jobs, one at a time in test order, on one
+    thread once the tests of tests/dist (whose ranks use both cores) are over; each job gets a temporary folder
+    of its own. The job runs on that thread: it may start and wait on processes (subprocess: fork and exec),
+    never fork this process (multiprocessing, Forked) nor compute with torch. A test whose job has not started
+    by then (run alone, or -k) runs it itself."""
+
+    def __init__(self, job: Callable[[Path], Any]):
+        self.job = job
+        self._lock = threading.Lock()
+        self._started = False
+        self._done = threading.Event()
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
+
+    def run(self, tmp: Path) -> None:
+        """The job, unless it has started already."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        try:
+            self._outcome = (self.job(tmp), None)
+        except BaseException as err:  # noqa: BLE001 (the test re-raises it)
+            self._outcome = (None, err)
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        if not self._started:
+            self.run(_LANE.tmp_path_factory.mktemp("ahead"))
+        self._done.wait()
+        value, err = self._outcome
+        if err is not None:
+            raise err
+        return value
+
+
+class _Lane:
+    """The session's Ahead jobs (those of the selected tests, in test order) and the thread that runs them."""
+
+    def __init__(self):
+        self.jobs: list[Ahead] = []
+        self.thread: threading.Thread | None = None
+        self.closing = False
+        self.tmp_path_factory = None
+
+    def start(self, tmp_path_factory) -> None:
+        runs = [(job, tmp_path_factory.mktemp("ahead")) for job in self.jobs]  # here: mktemp is not threadsafe
+
+        def lane():
+            for job, tmp in runs:
+                if self.closing:
+                    return
+                job.run(tmp)
+        self.thread = threading.Thread(target=lane, name="ahead", daemon=True)
+        self.thread.start()
+
+
+_LANE = _Lane()
+_DIST = Path(__file__).resolve().parent / "dist"
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(items):
+    """Tests marked ahead go last: the jobs they read get the rest of the session to run in."""
+    items.sort(key=lambda item: item.get_closest_marker("ahead") is not None)  # stable
+    for item in items:
+        for marker in item.iter_markers("ahead"):
+            _LANE.jobs.extend(job for job in marker.args if job not in _LANE.jobs)
+
+
+@pytest.fixture(autouse=True)
+def _ahead_lane(request, tmp_path_factory):
+    """Starts the Ahead lane at the first test outside tests/dist (or at a marked test, whichever comes first)."""
+    _LANE.tmp_path_factory = tmp_path_factory
+    if _LANE.thread is None and _LANE.jobs and (not request.node.path.is_relative_to(_DIST)
+                                                 or request.node.get_closest_marker("ahead")):
+        _LANE.start(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ahead_lane_closed():
+    yield
+    _LANE.closing = True  # a session cut short (-x) waits for the running job only
+    if _LANE.thread is not None:
+        _LANE.thread.join()

@@ -4,7 +4,6 @@ be traced (no recompile when the routing changes); compile.inductor_options are 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -23,7 +22,7 @@ from runtime.config import ConfigError, config_from_dict
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile, apply_inductor_options
 from runtime.models import from_pretrained
-from tests.conftest import label_loss_sum, write_hf_checkpoint
+from tests.conftest import Ahead, label_loss_sum, write_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -271,13 +270,18 @@ assert [b.__name__ for b in backends] == ["eager_backend", "grouped_mm_backend",
 """
 
 
+# In a fresh Python: the first lookups of the process. CI time: that Python runs beside the in-process tests.
+FIRST_LOOKUP = Ahead(lambda tmp: subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED],
+                                                cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                                                text=True, timeout=300, check=False))
+
+
+@pytest.mark.ahead(FIRST_LOOKUP)
 def test_first_expert_backend_lookup_inside_fullgraph_compile():
     """After the build-time lookup (which imports the backend modules), lookups inside
     torch.compile(fullgraph=True) are dict reads: no graph break (fullgraph raises on one), and they return the
     registered backends."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], cwd=repo, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = FIRST_LOOKUP.result()
     assert done.returncode == 0, done.stderr[-3000:]
 
 
