@@ -70,7 +70,7 @@ def small_chat_data(records: int = 300) -> str:
     text = "".join(TINY_CHAT.read_text().splitlines(keepends=True)[:records])
     path = Path(tempfile.gettempdir()) / f"tiny-chat-{records}-{zlib.crc32(text.encode()):08x}.jsonl"
     if not path.is_file():
-        part = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # Ahead's thread too
         part.write_text(text)
         os.replace(part, path)
     return str(path)
@@ -302,16 +302,6 @@ class Forked:
 def forked_launch(args: list, stderr_path, new_session: bool = False) -> Forked:
     """`python -m runtime.launch ARGS` in a forked child (Forked)."""
     return Forked(f"import sys\nfrom runtime.launch import main\nsys.exit(main({[str(a) for a in args]!r}))",
-                  stderr_path, new_session)
-
-
-def forked_torchrun(args: list, stderr_path, new_session: bool = False, env: dict | None = None) -> Forked:
-    """`python -m torch.distributed.run ARGS` (torchrun's agent) in a forked child (Forked) working in the
-    checkout, with `env` added to its environment; the workers it starts are fresh processes, as with the
-    command."""
-    checkout = str(Path(__file__).resolve().parents[1])
-    return Forked(f"import os\nos.chdir({checkout!r})\nos.environ.update({env or {}!r})\n"
-                  f"from torch.distributed.run import main\nmain({[str(a) for a in args]!r})",
                   stderr_path, new_session)
 
 
