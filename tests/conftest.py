@@ -434,6 +434,9 @@ def pytest_collection_modifyitems(items):
     """Tests marked ahead go last: the jobs they read get the rest of the session to run in."""
     items.sort(key=lambda item: item.get_closest_marker("ahead") is not None)  # stable
     for item in items:
+        if any(mark.name == "skip" or (mark.name == "skipif" and mark.args and not isinstance(mark.args[0], str)
+                                       and mark.args[0]) for mark in item.iter_markers()):
+            continue  # skipped here: nothing will read its job
         for marker in item.iter_markers("ahead"):
             _LANE.jobs.extend(job for job in marker.args if job not in _LANE.jobs)
 
