@@ -369,10 +369,11 @@ class Ahead:
             done = JOB.result()    # what the job returned, or the error it raised
 
     The session moves the marked tests to its end and starts their jobs, one at a time in test order, on one
-    thread once the tests of tests/dist (whose ranks use both cores) are over; each job gets a temporary folder
-    of its own. The job runs on that thread: it may start and wait on processes (subprocess: fork and exec),
-    never fork this process (multiprocessing, Forked) nor compute with torch. A test whose job has not started
-    by then (run alone, or -k) runs it itself."""
+    thread at a lower priority (LANE_NICE) once the tests of tests/dist (whose ranks use both cores) are over;
+    each job gets a temporary folder of its own. The job runs on that thread: it may start and wait on processes
+    (subprocess: fork and exec), never fork this process (multiprocessing, Forked) nor compute with torch. Timing
+    checks stay in the session (a starved job only ends later). A test whose job has not started by then (run
+    alone, or -k) runs it itself."""
 
     def __init__(self, job: Callable[[Path], Any]):
         self.job = job
@@ -417,6 +418,10 @@ class _Lane:
         runs = [(job, tmp_path_factory.mktemp("ahead")) for job in self.jobs]  # here: mktemp is not threadsafe
 
         def lane():
+            # Below the tests in priority, and so the processes it starts: the lane takes the core they leave
+            # idle, never theirs (Linux: a thread's own nice value, which its children inherit).
+            if sys.platform == "linux":  # elsewhere the call would lower the whole session
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
             for job, tmp in runs:
                 if self.closing:
                     return
@@ -426,6 +431,7 @@ class _Lane:
 
 
 _LANE = _Lane()
+LANE_NICE = 10
 _DIST = Path(__file__).resolve().parent / "dist"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Ahead, small_chat_data
+from tests.conftest import small_chat_data
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads worker pids from /proc")]
@@ -309,28 +309,17 @@ JOBS = {"frozen_rank": _frozen_rank, "slow": _slow, "frozen_store": _frozen_stor
         "out_of_step": _out_of_step, "handler_on_frozen_store": _handler_on_frozen_store}
 
 
-def _all_jobs(tmp: Path) -> dict:
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
     """The jobs (four of torchrun), started together: most of their time goes to starting Python and to waiting
     out a timeout or a sleep, so on CI's two cores they overlap (CI time: one after another took ~40 s).
     {name: future of the job's outcome}; a test's .result() raises what its job raised."""
-    for name in JOBS:
-        (tmp / name).mkdir()
-    with ThreadPoolExecutor(len(JOBS)) as pool:
-        return {name: pool.submit(job, tmp / name) for name, job in JOBS.items()}
-
-
-# CI time: the jobs (threads that start and wait on processes) run beside the in-process tests, on the
-# tests.conftest.Ahead lane.
-ALL_JOBS = Ahead(_all_jobs)
-
-
-@pytest.fixture
-def jobs():
-    return ALL_JOBS.result()
+    pool = ThreadPoolExecutor(len(JOBS))
+    yield {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in JOBS.items()}
+    pool.shutdown(wait=True)
 
 
 @pytest.mark.slow
-@pytest.mark.ahead(ALL_JOBS)
 def test_a_frozen_rank_ends_every_rank_naming_it(jobs):
     pids, exited, steps_before, code, err = jobs["frozen_rank"].result()
     assert code != 0
@@ -344,7 +333,6 @@ def test_a_frozen_rank_ends_every_rank_naming_it(jobs):
     assert steps_before < 200  # it stopped the run, not the end of training
 
 
-@pytest.mark.ahead(ALL_JOBS)
 def test_slow_ranks_and_a_late_finisher_are_not_stalls(jobs):
     """Rank 1 busy in Python and rank 0 asleep, both longer than the timeout, then rank 0 works on
     alone for longer than the timeout after rank 1 has ended: no watchdog line, exit 0."""
@@ -354,7 +342,6 @@ def test_slow_ranks_and_a_late_finisher_are_not_stalls(jobs):
     assert STALL_LINE not in err and "error" not in err.lower(), err
 
 
-@pytest.mark.ahead(ALL_JOBS)
 def test_a_frozen_store_ends_every_rank(jobs):
     """torchrun hosts the store: frozen, no heartbeat can be read, and each rank says so and exits."""
     exited, code, err = jobs["frozen_store"].result()
@@ -366,7 +353,6 @@ def test_a_frozen_store_ends_every_rank(jobs):
                for line in lost)
 
 
-@pytest.mark.ahead(ALL_JOBS)
 def test_a_collective_timeout_on_live_ranks_names_the_key(jobs):
     """Both ranks beat, rank 0 waits in a collective rank 1 never joins: gloo raises after the timeout
     plus the watchdog's grace, and collective_error_message turns it into one line naming the key."""
@@ -377,7 +363,6 @@ def test_a_collective_timeout_on_live_ranks_names_the_key(jobs):
             "plus 2.5 s of watchdog grace)") in err, err
 
 
-@pytest.mark.ahead(ALL_JOBS)
 def test_a_failure_handler_on_a_frozen_store_ends_on_the_store_verdict(jobs):
     """A collective broken by a peer's exit on its store verdict reaches this rank's failure handler
     before this rank's own verdict: the handler's check waits for that verdict instead of returning."""
