@@ -371,7 +371,8 @@ class Ahead:
     The session moves the marked tests to its end and starts their jobs, one at a time in test order, on one
     thread at a lower priority (LANE_NICE) once the tests of tests/dist (whose ranks use both cores) are over;
     each job gets a temporary folder of its own. The job runs on that thread: it may start and wait on processes
-    (subprocess: fork and exec), never fork this process (multiprocessing, Forked) nor compute with torch. Timing
+    (subprocess: fork and exec) with the environment lane_environ(), never fork this process (multiprocessing,
+    Forked) nor compute with torch. Timing
     checks stay in the session (a starved job only ends later). A test whose job has not started by then (run
     alone, or -k) runs it itself."""
 
@@ -413,9 +414,11 @@ class _Lane:
         self.thread: threading.Thread | None = None
         self.closing = False
         self.tmp_path_factory = None
+        self.environ: dict[str, str] | None = None
 
     def start(self, tmp_path_factory) -> None:
         runs = [(job, tmp_path_factory.mktemp("ahead")) for job in self.jobs]  # here: mktemp is not threadsafe
+        self.environ = dict(os.environ)
 
         def lane():
             # Below the tests in priority, and so the processes it starts: the lane takes the core they leave
@@ -432,6 +435,12 @@ class _Lane:
 
 _LANE = _Lane()
 LANE_NICE = 10
+
+
+def lane_environ() -> dict[str, str]:
+    """The environment of an Ahead job's processes: the session's as the lane started, not what a test running
+    meanwhile set (monkeypatch.setenv of WORLD_SIZE, say) and os.environ shows to every thread."""
+    return dict(_LANE.environ if _LANE.environ is not None else os.environ)
 _DIST = Path(__file__).resolve().parent / "dist"
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import Ahead, Finished, forked_launch, small_chat_data
+from tests.conftest import Ahead, Finished, forked_launch, lane_environ, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
@@ -68,7 +68,7 @@ def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S):
     and its workers. .returncode and .stderr."""
     if nproc == 1:
         return subprocess.run([sys.executable, "-m", "runtime.launch", *map(str, args)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **CHILD_ENV},
+                              capture_output=True, text=True, timeout=timeout, env={**lane_environ(), **CHILD_ENV},
                               check=False)
     proc, stderr = _torchrun(args, nproc)
     try:
@@ -85,7 +85,7 @@ def _torchrun(args: list[str], nproc: int) -> tuple[subprocess.Popen, Path]:
     with stderr.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  f"--nproc_per_node={nproc}", "-m", "runtime.launch", *map(str, args)],
-                                cwd=ROOT, env={**os.environ, **CHILD_ENV}, stdout=subprocess.DEVNULL, stderr=err,
+                                cwd=ROOT, env={**lane_environ(), **CHILD_ENV}, stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)
     return proc, stderr
 

@@ -20,7 +20,7 @@ from benchmarks.bench_e2e import PRESETS, our_config, parse_args, qwen3_5_moe_co
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.models.factory import build_model
-from tests.conftest import Ahead
+from tests.conftest import Ahead, lane_environ
 from tests.unit.test_peers import check_table_of_a_real_dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _dry_run(tmp: Path):
     """`python -m benchmarks.bench_e2e --dry` as a user runs it: (its run, its output folder)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = lane_environ()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "t", "--out", str(tmp)],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=300, check=False)
     return done, tmp

@@ -22,7 +22,7 @@ from runtime.config import ConfigError, config_from_dict
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile, apply_inductor_options
 from runtime.models import from_pretrained
-from tests.conftest import Ahead, label_loss_sum, write_hf_checkpoint
+from tests.conftest import Ahead, label_loss_sum, lane_environ, write_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,7 @@ assert [b.__name__ for b in backends] == ["eager_backend", "grouped_mm_backend",
 
 
 # In a fresh Python: the first lookups of the process. CI time: that Python runs beside the in-process tests.
-FIRST_LOOKUP = Ahead(lambda tmp: subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED],
+FIRST_LOOKUP = Ahead(lambda tmp: subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], env=lane_environ(),
                                                 cwd=Path(__file__).resolve().parents[2], capture_output=True,
                                                 text=True, timeout=300, check=False))
 

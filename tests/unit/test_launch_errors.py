@@ -31,7 +31,7 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
-from tests.conftest import Ahead, Finished, Forked, forked_launch, small_chat_data
+from tests.conftest import Ahead, Finished, Forked, forked_launch, lane_environ, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -177,7 +177,7 @@ def _torchrun_with_empty_data(tmp: Path) -> tuple[Finished, Path]:
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "runtime.launch", str(EXAMPLE), *FAST, "--set", f"data.path={empty}",
                            "--output-dir", str(tmp / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+                          cwd=ROOT, env=lane_environ(), capture_output=True, text=True, timeout=180, check=False)
     return Finished(done.returncode, done.stderr), empty
 
 

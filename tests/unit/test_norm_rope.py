@@ -25,7 +25,7 @@ import torch
 from attention.kernels import norm_rope as kernels
 from attention.kernels.norm_rope import DEFAULT_LAUNCH_SETTINGS, LaunchSettings
 from attention.norm_rope import NORM_ROPE_IMPLS, qk_norm_rope, qk_norm_rope_reference
-from tests.conftest import Ahead
+from tests.conftest import Ahead, lane_environ
 
 EPS = 1e-6
 
@@ -313,7 +313,7 @@ print("ok")
 
 # CI time: the compiling Python runs beside the in-process tests.
 FP64_EPS_COMPILE = Ahead(lambda tmp: subprocess.run(
-    [sys.executable, "-c", _FP64_EPS_COMPILE], env={**os.environ, "TRITON_INTERPRET": "0"},
+    [sys.executable, "-c", _FP64_EPS_COMPILE], env={**lane_environ(), "TRITON_INTERPRET": "0"},
     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), capture_output=True,
     text=True, timeout=300, check=False))
 

@@ -14,7 +14,7 @@ import yaml
 from runtime.choices import MODEL_CHOICES, resolve_model_choices
 from runtime.config import ConfigError, config_from_dict
 from runtime.plan import check_context_parallel, plan
-from tests.conftest import TINY_HYBRID, Ahead
+from tests.conftest import TINY_HYBRID, Ahead, lane_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -222,7 +222,7 @@ SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: i
 def _fresh_process(tmp: Path):
     """(the run of _FRESH_PROCESS, the command's output dir)."""
     out = tmp / "run"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in lane_environ().items() if k != "TRITON_INTERPRET"}
     argv = [sys.executable, "-c", _FRESH_PROCESS, str(EXAMPLE),
             "model.expert_backend=scattermoe,quant.base_weights=mxfp4,lora.enabled=true",
             str(EXAMPLE), "--output-dir", str(out), "--set", "model.expert_backend=scattermoe"]

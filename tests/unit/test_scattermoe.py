@@ -24,7 +24,7 @@ from moe.backends import expert_backend
 from moe.experts import GroupedExperts
 from moe.kernels import tuning
 from moe.kernels.routing import slot_capacity, sort_slots
-from tests.conftest import Ahead, nan_slot_buffers
+from tests.conftest import Ahead, lane_environ, nan_slot_buffers
 
 if not tuning.INTERPRET:
     pytest.skip("interpreter tests (CPU); with a GPU, tests/gpu/test_scattermoe_gpu.py covers the kernels",
@@ -345,7 +345,7 @@ def test_swiglu_backward_pass(monkeypatch):
 # CI time: the importing Python runs beside the in-process tests.
 IMPORT_WITHOUT_INTERPRETER = Ahead(lambda tmp: subprocess.run(
     [sys.executable, "-c", "import moe.backends.scattermoe"], capture_output=True, text=True, check=False,
-    env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    env={k: v for k, v in lane_environ().items() if k != "TRITON_INTERPRET"},
     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 
