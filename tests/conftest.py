@@ -9,9 +9,12 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,7 +70,7 @@ def small_chat_data(records: int = 300) -> str:
     text = "".join(TINY_CHAT.read_text().splitlines(keepends=True)[:records])
     path = Path(tempfile.gettempdir()) / f"tiny-chat-{records}-{zlib.crc32(text.encode()):08x}.jsonl"
     if not path.is_file():
-        part = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # Ahead's thread too
         part.write_text(text)
         os.replace(part, path)
     return str(path)
@@ -302,16 +305,6 @@ def forked_launch(args: list, stderr_path, new_session: bool = False) -> Forked:
                   stderr_path, new_session)
 
 
-def forked_torchrun(args: list, stderr_path, new_session: bool = False, env: dict | None = None) -> Forked:
-    """`python -m torch.distributed.run ARGS` (torchrun's agent) in a forked child (Forked) working in the
-    checkout, with `env` added to its environment; the workers it starts are fresh processes, as with the
-    command."""
-    checkout = str(Path(__file__).resolve().parents[1])
-    return Forked(f"import os\nos.chdir({checkout!r})\nos.environ.update({env or {}!r})\n"
-                  f"from torch.distributed.run import main\nmain({[str(a) for a in args]!r})",
-                  stderr_path, new_session)
-
-
 @dataclass
 class Finished:
     """How a run of the command ended: its exit code and what it printed on stderr."""
@@ -363,3 +356,118 @@ def cli(capsys):
                 signal.signal(signum, handler)
         return Finished(code, capsys.readouterr().err)
     return run
+
+
+class Ahead:
+    """A test's work outside this process (a fresh Python, torchrun and its workers), done ahead of the test on a
+    lane beside the session: on CI's two cores the in-process tests keep one busy, and the lane the other.
+
+        JOB = Ahead(lambda tmp: subprocess.run([...], cwd=tmp, capture_output=True, ...))   # module level
+
+        @pytest.mark.ahead(JOB)
+        def test_x():
+            done = JOB.result()    # what the job returned, or the error it raised
+
+    The session moves the marked tests to its end and starts their jobs, one at a time in test order, on one
+    thread at a lower priority (LANE_NICE) once the tests of tests/dist (whose ranks use both cores) are over;
+    each job gets a temporary folder of its own. The job runs on that thread: it may start and wait on processes
+    (subprocess: fork and exec) with the environment lane_environ(), never fork this process (multiprocessing,
+    Forked) nor compute with torch. Timing
+    checks stay in the session (a starved job only ends later). A test whose job has not started by then (run
+    alone, or -k) runs it itself."""
+
+    def __init__(self, job: Callable[[Path], Any]):
+        self.job = job
+        self._lock = threading.Lock()
+        self._started = False
+        self._done = threading.Event()
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
+
+    def run(self, tmp: Path) -> None:
+        """The job, unless it has started already."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        try:
+            self._outcome = (self.job(tmp), None)
+        except BaseException as err:  # noqa: BLE001 (the test re-raises it)
+            self._outcome = (None, err)
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        if not self._started:
+            self.run(_LANE.tmp_path_factory.mktemp("ahead"))
+        self._done.wait()
+        value, err = self._outcome
+        if err is not None:
+            raise err
+        return value
+
+
+class _Lane:
+    """The session's Ahead jobs (those of the selected tests, in test order) and the thread that runs them."""
+
+    def __init__(self):
+        self.jobs: list[Ahead] = []
+        self.thread: threading.Thread | None = None
+        self.closing = False
+        self.tmp_path_factory = None
+        self.environ: dict[str, str] | None = None
+
+    def start(self, tmp_path_factory) -> None:
+        runs = [(job, tmp_path_factory.mktemp("ahead")) for job in self.jobs]  # here: mktemp is not threadsafe
+        self.environ = dict(os.environ)
+
+        def lane():
+            # Below the tests in priority, and so the processes it starts: the lane takes the core they leave
+            # idle, never theirs (Linux: a thread's own nice value, which its children inherit).
+            if sys.platform == "linux":  # elsewhere the call would lower the whole session
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
+            for job, tmp in runs:
+                if self.closing:
+                    return
+                job.run(tmp)
+        self.thread = threading.Thread(target=lane, name="ahead", daemon=True)
+        self.thread.start()
+
+
+_LANE = _Lane()
+LANE_NICE = 10
+
+
+def lane_environ() -> dict[str, str]:
+    """The environment of an Ahead job's processes: the session's as the lane started, not what a test running
+    meanwhile set (monkeypatch.setenv of WORLD_SIZE, say) and os.environ shows to every thread."""
+    return dict(_LANE.environ if _LANE.environ is not None else os.environ)
+_DIST = Path(__file__).resolve().parent / "dist"
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(items):
+    """Tests marked ahead go last: the jobs they read get the rest of the session to run in."""
+    items.sort(key=lambda item: item.get_closest_marker("ahead") is not None)  # stable
+    for item in items:
+        if any(mark.name == "skip" or (mark.name == "skipif" and mark.args and not isinstance(mark.args[0], str)
+                                       and mark.args[0]) for mark in item.iter_markers()):
+            continue  # skipped here: nothing will read its job
+        for marker in item.iter_markers("ahead"):
+            _LANE.jobs.extend(job for job in marker.args if job not in _LANE.jobs)
+
+
+@pytest.fixture(autouse=True)
+def _ahead_lane(request, tmp_path_factory):
+    """Starts the Ahead lane at the first test outside tests/dist (or at a marked test, whichever comes first)."""
+    _LANE.tmp_path_factory = tmp_path_factory
+    if _LANE.thread is None and _LANE.jobs and (not request.node.path.is_relative_to(_DIST)
+                                                 or request.node.get_closest_marker("ahead")):
+        _LANE.start(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ahead_lane_closed():
+    yield
+    _LANE.closing = True  # a session cut short (-x) waits for the running job only
+    if _LANE.thread is not None:
+        _LANE.thread.join()

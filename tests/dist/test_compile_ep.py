@@ -36,6 +36,7 @@ def _config(tmp: str, compiled: bool, parallelism: dict, model: dict | None = No
     if "config" in model:
         model["config"] = {**cfg.model.config, **model["config"]}
     return cfg.model_copy(update={
+        "lora": cfg.lora.model_copy(update={"rank": LORA_RANK}),
         # torch._grouped_mm traces in bf16 only
         "model": cfg.model.model_copy(update={"dtype": "bfloat16", **model}),
         "train": cfg.train.model_copy(update={"max_steps": STEPS}),
@@ -82,10 +83,13 @@ MESHES = {
     "ep2_lora": (2, {"ep": 2, "lora": True}),
 }
 # model keys of a case: aux-loss-free balancing (the routers' slot counts go to a buffer outside their
-# graphs); LoRA: rank 4 in bf16 (8-byte rows) takes grouped_mm's per-expert loop, traced once per local
-# expert: 4 experts, 2 per rank, trace it at half the cost (CI time) of the example's 8
+# graphs); LoRA: 4 experts, 2 per rank (CI time: the example's 8 trace at ~1.6x the cost)
 MODEL = {"ep2_selective_ac_bias": {"router_bias_update_rate": 1e-2},
          "ep2_lora": {"config": {"num_experts": 4}}}
+# 16-byte bf16 rows: torch._grouped_mm itself. Rank 4's 8-byte rows take grouped_mm's per-expert loop, whose trace
+# over host-read row counts made the LoRA case 3x as long (CI time); that loop compiled with -1 slots, forward and
+# backward, is tests/unit/test_compile.py's test_compiled_grouped_mm_per_expert_fallback_traces_first.
+LORA_RANK = 8
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import Finished, forked_launch, forked_torchrun, small_chat_data
+from tests.conftest import Ahead, Finished, forked_launch, lane_environ, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny"
@@ -65,31 +65,43 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 def launch(args: list[str], nproc: int = 1, timeout: float = TIMEOUT_S):
     """The command run to its end: one process, `python -m runtime.launch` itself; several, torchrun's agent
-    forked from this process (forked_torchrun) and its workers, fresh processes. .returncode and .stderr."""
+    and its workers. .returncode and .stderr."""
     if nproc == 1:
         return subprocess.run([sys.executable, "-m", "runtime.launch", *map(str, args)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **CHILD_ENV},
+                              capture_output=True, text=True, timeout=timeout, env={**lane_environ(), **CHILD_ENV},
                               check=False)
-    proc = _torchrun(args, nproc, new_session=False)
-    _, stderr = proc.communicate(timeout)
-    return Finished(proc.returncode, stderr)
+    proc, stderr = _torchrun(args, nproc)
+    try:
+        proc.wait(timeout)
+    finally:
+        _end(proc)
+    return Finished(proc.returncode, stderr.read_text())
 
 
-def _torchrun(args: list[str], nproc: int, new_session: bool):
+def _torchrun(args: list[str], nproc: int) -> tuple[subprocess.Popen, Path]:
+    """torchrun's agent and its workers, fresh processes in a process group of their own (the torchrun cases are
+    Ahead jobs, whose thread may not fork this process): (the agent, the file of its stderr)."""
     stderr = Path(str(args[0])).parent / f"torchrun-{time.monotonic_ns()}.stderr"
-    return forked_torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "runtime.launch", *args], stderr,
-                           new_session, env=CHILD_ENV)
+    with stderr.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc_per_node={nproc}", "-m", "runtime.launch", *map(str, args)],
+                                cwd=ROOT, env={**lane_environ(), **CHILD_ENV}, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+    return proc, stderr
 
 
-def start(args: list[str], nproc: int = 1):
+def _end(proc: subprocess.Popen) -> None:
+    """Whatever a failed case left of torchrun: its process group, the agent and its workers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def start(args: list[str]):
     """The command in the background, in a process group of its own, in a child forked from this process
     (tests.conftest.Forked: no Python start, the same signals and exit codes; the command's own start is
-    test_config_error_through_the_command's): runtime.launch's main, or torchrun's agent whose workers are
-    fresh processes."""
-    if nproc == 1:
-        return forked_launch(args, Path(str(args[0])).parent / f"stderr-{time.monotonic_ns()}.txt",
-                             new_session=True)
-    return _torchrun(args, nproc, new_session=True)
+    test_config_error_through_the_command's): runtime.launch's main."""
+    return forked_launch(args, Path(str(args[0])).parent / f"stderr-{time.monotonic_ns()}.txt", new_session=True)
 
 
 _AGENT_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
@@ -201,12 +213,21 @@ def test_config_error_is_one_clear_line(name, tmp_path, cli):
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
 
 
-def test_config_error_through_the_command(tmp_path):
-    """The config error class as a user meets it: `python -m runtime.launch` in its own process."""
-    cfg = base_config(tmp_path / "run")
+def _config_error_through_the_command(tmp: Path):
+    cfg = base_config(tmp / "run")
     _set(cfg, "optim.learning_rate", 1e-3)
-    assert_clear_error(launch([write_config(tmp_path, cfg)]), r"optim.learning_rate: unknown key")
-    assert not (tmp_path / "run").exists()
+    return launch([write_config(tmp, cfg)]), tmp / "run"
+
+
+CONFIG_ERROR_THROUGH_THE_COMMAND = Ahead(_config_error_through_the_command)  # CI time: beside in-process tests
+
+
+@pytest.mark.ahead(CONFIG_ERROR_THROUGH_THE_COMMAND)
+def test_config_error_through_the_command():
+    """The config error class as a user meets it: `python -m runtime.launch` in its own process."""
+    done, out = CONFIG_ERROR_THROUGH_THE_COMMAND.result()
+    assert_clear_error(done, r"optim.learning_rate: unknown key")
+    assert not out.exists()
 
 
 CLI_CASES = {
@@ -387,11 +408,24 @@ def test_resume_into_another_model_is_one_clear_line(tmp_path, cli):
     assert_clear_error(_train(cli, tmp_path, out, 4, "--resume", lora__enabled=True), r"different model")
 
 
+def _resume_on_another_world_size(tmp: Path):
+    """Two steps on one process, then a resume to step 4 on two ranks with ep 2: (both runs, the run folder)."""
+    out = tmp / "run"
+    first = _train(launch, tmp, out, 2)
+    if first.returncode != 0:
+        return first, None, out
+    return first, _train(partial(launch, nproc=2), tmp, out, 4, "--resume", "--ep", "2"), out
+
+
+RESUME_ON_ANOTHER_WORLD_SIZE = Ahead(_resume_on_another_world_size)  # CI time: beside the in-process tests
+
+
 @pytest.mark.slow
-def test_resume_on_another_world_size_and_ep_reshards(tmp_path, cli):
-    out = tmp_path / "run"
-    assert _train(cli, tmp_path, out, 2).returncode == 0
-    assert_trains(_train(partial(launch, nproc=2), tmp_path, out, 4, "--resume", "--ep", "2"), out, [1, 2, 3, 4])
+@pytest.mark.ahead(RESUME_ON_ANOTHER_WORLD_SIZE)
+def test_resume_on_another_world_size_and_ep_reshards():
+    first, resumed, out = RESUME_ON_ANOTHER_WORLD_SIZE.result()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert_trains(resumed, out, [1, 2, 3, 4])
 
 
 def test_output_dir_is_a_file_fails_before_training(tmp_path, cli):
@@ -447,16 +481,36 @@ def test_sigterm_says_where_to_resume(tmp_path):
     assert re.search(r"interrupted at step \d+.*step_\d{8}.*--resume", err, re.DOTALL), err[-3000:]
 
 
-@pytest.mark.slow
-def test_a_killed_rank_ends_the_whole_run(tmp_path):
-    out = tmp_path / "run"
+def _a_killed_rank(tmp: Path) -> tuple[list[str], int]:
+    """Two ranks under torchrun, one killed once the run has logged a step: (torchrun's workers then, its exit
+    code)."""
+    out = tmp / "run"
     cfg = base_config(out)
     cfg["train"]["max_steps"] = LONG_RUN
-    proc = start([write_config(tmp_path, cfg)], nproc=2)
-    _wait_for(lambda: (out / "metrics.jsonl").is_file(), proc)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
-                             check=False).stdout.split()
+    proc, stderr = _torchrun([write_config(tmp, cfg)], 2)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (out / "metrics.jsonl").is_file():
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended early: {stderr.read_text()[-3000:]}")
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
+                                 check=False).stdout.split()
+        if len(workers) == 2:
+            os.kill(int(workers[-1]), signal.SIGKILL)
+            proc.wait(timeout=120)  # no hang: torchrun ends the surviving rank
+    finally:
+        _end(proc)
+    return workers, proc.returncode
+
+
+A_KILLED_RANK = Ahead(_a_killed_rank)  # CI time: beside the in-process tests
+
+
+@pytest.mark.slow
+@pytest.mark.ahead(A_KILLED_RANK)
+def test_a_killed_rank_ends_the_whole_run():
+    workers, returncode = A_KILLED_RANK.result()
     assert len(workers) == 2
-    os.kill(int(workers[-1]), signal.SIGKILL)
-    proc.communicate(timeout=120)  # no hang: torchrun ends the surviving rank
-    assert proc.returncode != 0
+    assert returncode != 0

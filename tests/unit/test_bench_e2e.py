@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,21 +20,35 @@ from benchmarks.bench_e2e import PRESETS, our_config, parse_args, qwen3_5_moe_co
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.models.factory import build_model
-from tests.conftest import Forked
+from tests.conftest import Ahead, lane_environ
 from tests.unit.test_peers import check_table_of_a_real_dry_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _dry_run(tmp: Path):
+    """`python -m benchmarks.bench_e2e --dry` as a user runs it: (its run, its output folder)."""
+    env = lane_environ()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--dry", "--tag", "t", "--out", str(tmp)],
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return done, tmp
+
+
+# CI time: the bench (its parent and each side a fresh Python) runs beside the in-process tests.
+DRY_RUN = Ahead(_dry_run)
 
 
 @pytest.mark.slow
+@pytest.mark.ahead(DRY_RUN)
 def test_dry_run_end_to_end(tmp_path):
-    """The bench's parent (`python -m benchmarks.bench_e2e --dry`) in a child forked from this process
-    (tests.conftest.Forked: no Python start of its own); each side in a fresh process, as the bench starts it."""
-    argv = ["benchmarks.bench_e2e", "--dry", "--tag", "t", "--out", str(tmp_path)]
-    proc = Forked(f"import sys\nsys.argv = {argv!r}\nfrom benchmarks.bench_e2e import main\nmain()",
-                  tmp_path / "stderr.txt", stdout_path=tmp_path / "stdout.txt")
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    """The bench's command (`python -m benchmarks.bench_e2e --dry`), each side in a fresh process, as the bench
+    starts it."""
+    done, out = DRY_RUN.result()
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 0, stderr[-3000:]
     assert "ratio ours/baseline tokens/s = " in stdout
-    rows = json.loads((tmp_path / "bench_e2e_t.json").read_text())["rows"]
+    rows = json.loads((out / "bench_e2e_t.json").read_text())["rows"]
     assert [r["side"] for r in rows] == ["ours", "baseline"]
     for r in rows:
         assert "error" not in r, r["error"]
@@ -39,7 +57,7 @@ def test_dry_run_end_to_end(tmp_path):
     # The same ids and the same mean next-token cross-entropy on both sides (the inits differ).
     assert abs(rows[0]["loss1"] - rows[1]["loss1"]) < 0.1
     assert "sdpa grouped_mm" in rows[1]["note"] and "peft" in rows[1]["note"]
-    check_table_of_a_real_dry_run(tmp_path / "bench_e2e_t.json", tmp_path)  # issue 43's peers table, on this run
+    check_table_of_a_real_dry_run(out / "bench_e2e_t.json", tmp_path)  # issue 43's peers table, on this run
 
 
 def _trainable(model):

@@ -4,7 +4,6 @@ be traced (no recompile when the routing changes); compile.inductor_options are 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -23,7 +22,7 @@ from runtime.config import ConfigError, config_from_dict
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile, apply_inductor_options
 from runtime.models import from_pretrained
-from tests.conftest import label_loss_sum, write_hf_checkpoint
+from tests.conftest import Ahead, label_loss_sum, lane_environ, write_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -220,22 +219,36 @@ def test_compiled_grouped_mm_skips_sentinels_without_sync():
 
 def test_compiled_grouped_mm_per_expert_fallback_traces_first():
     """LoRA rank 4 in bf16 (8-byte rows: torch._grouped_mm refuses them) takes the per-expert loop; compiled
-    fullgraph before any eager call (whose once-only warning would not trace), it matches eager."""
+    fullgraph (AOT autograd) before any eager call (whose once-only warning would not trace), it matches eager,
+    forward and backward, with -1 slots (another EP rank's) and the row count read on the host. Two experts, as
+    an EP rank of tests/dist/test_compile_ep.py holds (whose LoRA case takes torch._grouped_mm: CI time)."""
     from moe.backends import expert_backend
     from moe.experts import GroupedExperts
 
     torch.manual_seed(0)
-    experts = GroupedExperts(4, 64, 32, lora_rank=4, lora_alpha=8, dtype=torch.bfloat16)
+    experts = GroupedExperts(2, 64, 32, lora_rank=4, lora_alpha=8, dtype=torch.bfloat16)
     with torch.no_grad():
         experts.gate_up_lora_B.normal_(0, 0.1)
-    ids = torch.randint(0, 4, (12, 2))
-    x = torch.randn(12, 64, dtype=torch.bfloat16)
-    w = torch.rand(12, 2, dtype=torch.bfloat16)
+        experts.down_lora_B.normal_(0, 0.1)
+    ids = torch.randint(0, 2, (12, 2))
+    ids[0, 1] = -1
+    ids[5] = -1
+    x = torch.randn(12, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(12, 2, dtype=torch.bfloat16, requires_grad=True)
+    factors = [p for name, p in experts.named_parameters() if "lora" in name]
     torch._dynamo.reset()
-    compiled = torch.compile(expert_backend("grouped_mm"), backend="eager", fullgraph=True)
-    y = compiled(x, ids, w, experts)
-    y_ref = expert_backend("eager")(x, ids, w, experts)
+    counters.clear()
+    compiled = torch.compile(expert_backend("grouped_mm"), backend="aot_eager", fullgraph=True)
+    outs = []
+    for fn in (compiled, expert_backend("eager")):
+        y = fn(x, ids, w, experts)
+        outs.append((y, torch.autograd.grad(y.float().square().sum(), [x, w, *factors])))
+    assert not counters["graph_break"]
+    (y, g), (y_ref, g_ref) = outs
     assert (y.float() - y_ref.float()).norm() / y_ref.float().norm() <= 1e-2
+    assert len(factors) == 4
+    for a, b in zip(g, g_ref):
+        assert torch.isfinite(a).all() and (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "auto"])  # auto is grouped_mm on the CPU
@@ -271,13 +284,18 @@ assert [b.__name__ for b in backends] == ["eager_backend", "grouped_mm_backend",
 """
 
 
+# In a fresh Python: the first lookups of the process. CI time: that Python runs beside the in-process tests.
+FIRST_LOOKUP = Ahead(lambda tmp: subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], env=lane_environ(),
+                                                cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                                                text=True, timeout=300, check=False))
+
+
+@pytest.mark.ahead(FIRST_LOOKUP)
 def test_first_expert_backend_lookup_inside_fullgraph_compile():
     """After the build-time lookup (which imports the backend modules), lookups inside
     torch.compile(fullgraph=True) are dict reads: no graph break (fullgraph raises on one), and they return the
     registered backends."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _FIRST_LOOKUP_COMPILED], cwd=repo, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = FIRST_LOOKUP.result()
     assert done.returncode == 0, done.stderr[-3000:]
 
 

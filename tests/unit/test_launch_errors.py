@@ -17,6 +17,8 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from runtime.guard import preflight as preflight_mod
 from runtime.guard.failure_report import PeerBoard, debug_requested, report_as_peer, report_as_rank0
 from runtime.guard.failures import EXIT_INTERNAL_ERROR, Failure, RunContext, describe
 from runtime.guard.preflight import PreflightError, estimate_checkpoints, preflight
-from tests.conftest import Finished, Forked, forked_launch, forked_torchrun, small_chat_data
+from tests.conftest import Ahead, Finished, Forked, forked_launch, lane_environ, small_chat_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -168,15 +170,27 @@ def test_internal_error_keeps_its_traceback(tmp_path):
 
 # --- torchrun: printed once ----------------------------------------------------------------------------------
 
-def test_torchrun_two_ranks_print_the_error_once(tmp_path):
-    """Both ranks raise the same DataError after the process group exists; rank 0 prints it, rank 1 learns
-    so through the PeerBoard and stays silent. (torchrun's agent, forked from this process, prints its own
-    ChildFailedError report.)"""
-    empty = tmp_path / "empty.jsonl"
+def _torchrun_with_empty_data(tmp: Path) -> tuple[Finished, Path]:
+    """`torchrun --nproc_per_node 2 -m runtime.launch` on an empty data file: (its end, the data file)."""
+    empty = tmp / "empty.jsonl"
     empty.write_text("")
-    proc = forked_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "runtime.launch", EXAMPLE, *FAST,
-                            "--set", f"data.path={empty}", "--output-dir", tmp_path / "run"], tmp_path / "stderr.txt")
-    _, stderr = proc.communicate(timeout=180)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "runtime.launch", str(EXAMPLE), *FAST, "--set", f"data.path={empty}",
+                           "--output-dir", str(tmp / "run")],
+                          cwd=ROOT, env=lane_environ(), capture_output=True, text=True, timeout=180, check=False)
+    return Finished(done.returncode, done.stderr), empty
+
+
+# CI time: torchrun's agent and workers (fresh processes) run beside the in-process tests.
+TORCHRUN_WITH_EMPTY_DATA = Ahead(_torchrun_with_empty_data)
+
+
+@pytest.mark.ahead(TORCHRUN_WITH_EMPTY_DATA)
+def test_torchrun_two_ranks_print_the_error_once():
+    """Both ranks raise the same DataError after the process group exists; rank 0 prints it, rank 1 learns
+    so through the PeerBoard and stays silent. (torchrun's agent prints its own ChildFailedError report.)"""
+    proc, empty = TORCHRUN_WITH_EMPTY_DATA.result()
+    stderr = proc.stderr
     assert proc.returncode != 0
     expected = (f"error: {empty}: no usable records (0 skipped as bad); check data.path, data.kind and "
                 "data.text_field / data.messages_field")

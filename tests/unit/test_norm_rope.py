@@ -25,6 +25,7 @@ import torch
 from attention.kernels import norm_rope as kernels
 from attention.kernels.norm_rope import DEFAULT_LAUNCH_SETTINGS, LaunchSettings
 from attention.norm_rope import NORM_ROPE_IMPLS, qk_norm_rope, qk_norm_rope_reference
+from tests.conftest import Ahead, lane_environ
 
 EPS = 1e-6
 
@@ -310,15 +311,20 @@ print("ok")
 """
 
 
+# CI time: the compiling Python runs beside the in-process tests.
+FP64_EPS_COMPILE = Ahead(lambda tmp: subprocess.run(
+    [sys.executable, "-c", _FP64_EPS_COMPILE], env={**lane_environ(), "TRITON_INTERPRET": "0"},
+    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), capture_output=True,
+    text=True, timeout=300, check=False))
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.ahead(FP64_EPS_COMPILE)
 def test_kernels_compile_with_fp64_eps_for_sm90():
     """Inductor hands Python floats to user Triton kernels as fp64 scalars. The first GPU run failed
     there ("loop-carried variable dw1 ... re-assigned to fp64"): compile both kernels for sm_90 with eps
     typed fp64 (no GPU needed; skipped where this triton build has no CUDA backend or API)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", _FP64_EPS_COMPILE], env=env, cwd=repo_root,
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = FP64_EPS_COMPILE.result()
     if result.returncode != 0 and ("CompilationError" not in result.stderr
                                    and "AssertionError" not in result.stderr):
         pytest.skip("cannot compile for sm_90 here: " + result.stderr.strip().splitlines()[-1][:200])

@@ -14,7 +14,7 @@ import yaml
 from runtime.choices import MODEL_CHOICES, resolve_model_choices
 from runtime.config import ConfigError, config_from_dict
 from runtime.plan import check_context_parallel, plan
-from tests.conftest import TINY_HYBRID
+from tests.conftest import TINY_HYBRID, Ahead, lane_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe.yaml"
@@ -220,11 +220,10 @@ SCATTERMOE_ON_CPU = ("error: model.expert_backend: scattermoe cannot run here: i
                      "this machine has cpu; choose one of ['eager', 'grouped_mm'] (or auto)")
 
 
-@pytest.fixture(scope="module")
-def fresh_process(tmp_path_factory):
+def _fresh_process(tmp: Path):
     """(the run of _FRESH_PROCESS, the command's output dir)."""
-    out = tmp_path_factory.mktemp("fresh") / "run"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp / "run"
+    env = {k: v for k, v in lane_environ().items() if k != "TRITON_INTERPRET"}
     argv = [sys.executable, "-c", _FRESH_PROCESS, str(EXAMPLE),
             "model.expert_backend=scattermoe,quant.base_weights=mxfp4,lora.enabled=true",
             str(EXAMPLE), "--output-dir", str(out), "--set", "model.expert_backend=scattermoe"]
@@ -233,11 +232,15 @@ def fresh_process(tmp_path_factory):
     return done, out
 
 
-def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step(fresh_process):
+FRESH_PROCESS = Ahead(_fresh_process)  # CI time: a Python start, beside the in-process tests
+
+
+@pytest.mark.ahead(FRESH_PROCESS)
+def test_scattermoe_on_a_cpu_machine_is_one_line_before_any_step():
     """Outside the tests' Triton interpreter a CPU machine cannot run the Triton backend: the launch says so at
     plan time (it used to die at step 1 in gpu/launch.py as an internal error), with FP4 experts and LoRA
     too."""
-    done, out = fresh_process
+    done, out = FRESH_PROCESS.result()
     assert done.returncode != 0
     assert done.stdout.split("--\n", 1)[1].strip() == SCATTERMOE_ON_CPU, done.stdout  # plan, FP4 + LoRA
     assert done.stderr.strip().splitlines()[-1] == SCATTERMOE_ON_CPU  # the command
@@ -307,7 +310,8 @@ def test_context_parallel_checks(case):
         check_context_parallel(cfg, model_config(cfg))
 
 
-def test_import_runtime_config_loads_no_kernel(fresh_process):
-    done, _ = fresh_process
+@pytest.mark.ahead(FRESH_PROCESS)
+def test_import_runtime_config_loads_no_kernel():
+    done, _ = FRESH_PROCESS.result()
     assert "--\n" in done.stdout, done.stderr[-3000:]
     assert done.stdout.split("--\n", 1)[0].strip() == "", done.stdout  # no kernel module after the import
