@@ -72,11 +72,16 @@ def scaled_mm_on_cpu(a_MK: torch.Tensor, b_KN: torch.Tensor, scale_a_M1: torch.T
     return ((a_MK.float() @ b_KN.float()) * scale_a_M1 * scale_b_1N).to(out_dtype)
 
 
+def _cuda_grouped_mm(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype):
+    # also the fake kernel's, on fake / meta tensors: torch's own shape, layout and dtype checks of the call
+    return torch._scaled_grouped_mm(a_MK, b_EKN, scale_a_M, scale_b_EN, offs=offs_E, out_dtype=out_dtype)
+
+
 @torch.library.custom_op("moert::fp8_grouped_mm", mutates_args=())
 def _grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.Tensor, scale_b_EN: torch.Tensor,
                 offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if a_MK.device.type != "cpu":
-        return torch._scaled_grouped_mm(a_MK, b_EKN, scale_a_M, scale_b_EN, offs=offs_E, out_dtype=out_dtype)
+        return _cuda_grouped_mm(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype)
     out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[-1], dtype=out_dtype)
     start = 0
     for e, end in enumerate(offs_E.tolist()):  # a host sync: the CPU stand-in only
@@ -91,5 +96,4 @@ def _grouped_mm(a_MK: torch.Tensor, scale_a_M: torch.Tensor, b_EKN: torch.Tensor
 def _(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype):
     if a_MK.device.type == "cpu":
         return a_MK.new_empty(a_MK.shape[0], b_EKN.shape[-1], dtype=out_dtype)
-    # torch's own shape, layout and dtype checks of the CUDA call (also for meta tensors)
-    return torch._scaled_grouped_mm(a_MK, b_EKN, scale_a_M, scale_b_EN, offs=offs_E, out_dtype=out_dtype)
+    return _cuda_grouped_mm(a_MK, scale_a_M, b_EKN, scale_b_EN, offs_E, out_dtype)

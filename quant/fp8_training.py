@@ -151,12 +151,17 @@ def scaled_grouped_mm_2d2d(a_ON: torch.Tensor, scale_a_EO: torch.Tensor, b_NI: t
     return torch.ops.moert.fp8_grouped_mm_2d2d(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype)
 
 
+def _cuda_grouped_mm_2d2d(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype):
+    # also the fake kernel's, as quant.fp8's
+    return torch._scaled_grouped_mm(a_ON, b_NI, scale_a_EO.reshape(-1), scale_b_EI.reshape(-1), offs=offs_E,
+                                    out_dtype=out_dtype)
+
+
 @torch.library.custom_op("moert::fp8_grouped_mm_2d2d", mutates_args=())
 def _grouped_mm_2d2d(a_ON: torch.Tensor, scale_a_EO: torch.Tensor, b_NI: torch.Tensor,
                      scale_b_EI: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if a_ON.device.type != "cpu":
-        return torch._scaled_grouped_mm(a_ON, b_NI, scale_a_EO.reshape(-1), scale_b_EI.reshape(-1), offs=offs_E,
-                                        out_dtype=out_dtype)
+        return _cuda_grouped_mm_2d2d(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype)
     out_EOI = a_ON.new_zeros(offs_E.shape[0], a_ON.shape[0], b_NI.shape[1], dtype=out_dtype)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
@@ -171,5 +176,4 @@ def _grouped_mm_2d2d(a_ON: torch.Tensor, scale_a_EO: torch.Tensor, b_NI: torch.T
 def _(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype):
     if a_ON.device.type == "cpu":
         return a_ON.new_empty(offs_E.shape[0], a_ON.shape[0], b_NI.shape[1], dtype=out_dtype)
-    return torch._scaled_grouped_mm(a_ON, b_NI, scale_a_EO.reshape(-1), scale_b_EI.reshape(-1), offs=offs_E,
-                                    out_dtype=out_dtype)
+    return _cuda_grouped_mm_2d2d(a_ON, scale_a_EO, b_NI, scale_b_EI, offs_E, out_dtype)

@@ -5,9 +5,9 @@
 experts: every GroupedExperts trains its base GEMMs in FP8 with rowwise scales (GroupedExperts.fp8_training; the
 grouped_mm backend runs them through quant.fp8_training, scattermoe through its FP8 kernels in eager mode).
 experts+dense also swaps the decoder layers' dense linears (attention and GDN projections, shared experts, dense
-MLPs) for torchao's Float8Linear, tensorwise (its
-default recipe, the fastest), where torchao's own filter expects FP8 to pay: dims multiples of 16 and large
-enough (at Qwen3-30B-A3B's dims q_proj and o_proj, not the 512-wide k_proj and v_proj). The embedding, the
+MLPs) for torchao's Float8Linear, tensorwise (its default recipe, the fastest), where torchao's own filter expects
+FP8 to pay: dims multiples of 16 and large enough (at Qwen3-30B-A3B's dims q_proj and o_proj, not the 512-wide
+k_proj and v_proj). The embedding, the
 router and the lm_head stay in the model dtype. Parameters keep their names and dtypes: checkpoints do not change.
 """
 
