@@ -21,8 +21,10 @@ predicted tokens, on fp32 logits); grad-norm clipping at 1.0 as HF's Trainer; fu
 betas (0.9, 0.95), no weight decay.
 
 Each side runs in its own subprocess, one after the other (its peak memory is its own; an OOM ends only
-that side); the parent prints the table and the ratio. Per side: ms/step (median of the steady steps,
-each between CUDA events from an idle GPU), tokens/s, MFU (runtime.observe.metrics.flops_per_token of the same
+that side); the parent prints the table and the ratios. Per side: ms/step (median of the steady steps,
+each between CUDA events from an idle GPU, its loss read on the host), back-to-back ms/step (the mean of
+`--steps` steps queued one after another with one sync at the end, as a training loop that reads its
+numbers late runs them: the host prepares a step while the GPU computes the one before), tokens/s, MFU (runtime.observe.metrics.flops_per_token of the same
 config for both sides, 6 x active parameters + attention, against the device's dense bf16 peak), peak
 GiB (max allocated over the whole run, build and warmup included, as a user sees it), step-1 seconds
 (build start to the end of step 1). `--profile` (ours): torch.profiler over 2 steady steps: the top 15
@@ -48,7 +50,7 @@ import torch
 import yaml
 
 from attention.gdn import GatedDeltaNet
-from benchmarks.harness import SHAPES, Column, Report, event_times_ms, wall_times_ms
+from benchmarks.harness import SHAPES, Column, Report, event_times_ms, steady_ms, wall_times_ms
 from runtime.config import config_from_dict
 from runtime.data.packing import Batch
 from runtime.distributed.mesh import ParallelDims
@@ -117,10 +119,16 @@ def token_ids(vocab: int, seq: int) -> torch.Tensor:
 
 @dataclass
 class Setup:
-    """A built side: `step()` runs one optimizer step and returns its loss."""
+    """A built side: `launch()` queues one optimizer step and returns its loss unread; `read` reads it."""
 
-    step: Callable[[], float]
+    launch: Callable[[], object]
+    read: Callable[[object], float]
     note: str
+    model: torch.nn.Module | None = None  # ours: the model the steps train
+
+    def step(self) -> float:
+        """One step, its loss read (waits for the step's end)."""
+        return self.read(self.launch())
 
 
 def measure(build, args, device: torch.device, flops_tok: float) -> dict:
@@ -136,8 +144,9 @@ def measure(build, args, device: torch.device, flops_tok: float) -> dict:
     timer = event_times_ms if device.type == "cuda" else wall_times_ms  # --dry runs on the CPU beside a GPU too
     times = timer(lambda: losses.append(setup.step()), args.steps, max(args.warmup - 1, 0))
     ms = statistics.median(times)
+    b2b_ms = steady_ms(setup.launch, args.steps, warmup=1)
     peak = device_peak_flops(device)
-    result = {"ms": ms, "tok_s": args.seq / ms * 1e3, "mfu": flops_tok * args.seq / ms * 1e3 / peak if peak else None,
+    result = {"ms": ms, "b2b_ms": b2b_ms, "tok_s": args.seq / ms * 1e3, "mfu": flops_tok * args.seq / ms * 1e3 / peak if peak else None,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
               "build_gib": build_gib, "first_step_s": first_step_s, "loss1": first_loss, "loss": losses[-1],
               "times_ms": times, "note": setup.note}
@@ -240,12 +249,14 @@ def build_ours(args, hf: dict, device: torch.device) -> Setup:
     optimizer, scheduler = build_optimizer(model, cfg, device)
     batch = one_document_batch(token_ids(hf["vocab_size"], args.seq))
 
-    def step() -> float:
-        result = train_step(model, [batch], optimizer, cfg, env)
+    def launch():
+        launched = train_step(model, [batch], optimizer, cfg, env)
         scheduler.step()
-        return result.loss
+        return launched
 
-    return Setup(step, f"{trainable(model)}, {implementations(cfg, model, device)}")
+    # An older tree's train_step returns its StepResult itself (gpu_e2e.sh against runs this file there).
+    return Setup(launch, lambda launched: getattr(launched, "result", lambda: launched)().loss,
+                 f"{trainable(model)}, {implementations(cfg, model, device)}", model)
 
 
 def implementations(cfg, model: torch.nn.Module, device: torch.device) -> str:
@@ -268,7 +279,7 @@ def build_baseline(args, hf: dict, device: torch.device) -> Setup:
     optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=0.0, fused=cuda)
     ids = token_ids(hf["vocab_size"], args.seq)
 
-    def step() -> float:
+    def launch() -> torch.Tensor:
         batch = ids.to(device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels itself
@@ -276,9 +287,9 @@ def build_baseline(args, hf: dict, device: torch.device) -> Setup:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.detach()
 
-    return Setup(step, f"{trainable(model)}, {note}")
+    return Setup(launch, lambda loss: loss.item(), f"{trainable(model)}, {note}")
 
 
 def trainable(model: torch.nn.Module) -> str:
@@ -309,6 +320,7 @@ def run_side(args) -> None:
 
 
 COLUMNS = [Column("side", "side", width=8), Column("mode", "mode", width=4), Column("ms", "ms/step", ".1f", 9),
+           Column("b2b_ms", "b2b ms", ".1f", 8),
            Column("tok_s", "tokens/s", ".0f", 9), Column("mfu", "MFU", ".3f"), Column("peak_gib", "peak GiB", ".2f"),
            Column("build_gib", "model GiB", ".2f"), Column("first_step_s", "step-1 s", ".1f"),
            Column("loss1", "loss1", ".3f")]
@@ -353,8 +365,8 @@ def ratio_line(ours: dict, base: dict) -> str:
     def gib(r):
         return "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
 
-    return (f"ratio ours/baseline tokens/s = {ours['tok_s'] / base['tok_s']:.2f}x; "
-            f"memory {gib(ours)} GiB vs {gib(base)} GiB")
+    return (f"ratio ours/baseline tokens/s = {ours['tok_s'] / base['tok_s']:.2f}x "
+            f"(back to back {base['b2b_ms'] / ours['b2b_ms']:.2f}x); memory {gib(ours)} GiB vs {gib(base)} GiB")
 
 
 def parse_args(argv=None):

@@ -15,7 +15,10 @@
 #         5% of the median)
 #   against  ours only, this tree against an older one carried as OLD=<ignored folder> (`git archive REV | tar x -C
 #         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
-#         again, so drift between the runs shows
+#         again, so drift between the runs shows. Both trees run this tree's bench_e2e.py (copied into OLD), so
+#         both have its columns (back-to-back ms)
+#   sync  the sync-free step's GPU tests: no host sync in a steady step (tests/gpu/test_step_sync_gpu.py) and a
+#         non-finite step skipped on the device (tests/unit/test_step.py, CUDA cases)
 #   kernels  issue 43's profile: ours (eager, then compiled) and Unsloth at PEERS_LAYERS (8) layers, 2 traced steps
 #         each after 3 warmup + 3 timed, benchmarks/kernel_split.py's table of kernel classes (forward / backward)
 #         and each side's largest kernels (carry [".whl", ".whl-unsloth"], as peers)
@@ -34,7 +37,7 @@
 #         reachable by `bash benchmarks/peers/unsloth/wheels.sh`; carry [".whl", ".whl-unsloth"].
 # One device call, carry [".whl"] (pydantic and the rest the image lacks): `bash benchmarks/gpu_e2e.sh`
 # (~1 min per side: imports, build, 7 steps).
-# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles] [against] [peers] [kernels]`.
+# Parts: `bash benchmarks/gpu_e2e.sh [lora] [full] [step1] [recompiles] [against] [peers] [kernels] [sync]`.
 # Memory: 8 full layers are 5.6 G parameters; fp32 masters + grads + AdamW states take 16 B each, ~90 GB:
 # over an 80 GB H100 (that row then reads OutOfMemoryError), within an H200. FULL_LAYERS=4 fits either.
 # Logs per run in $OUT/e2e_<tag>.log, rows in $OUT/bench_e2e_<tag>.json; the summary table comes last.
@@ -74,7 +77,14 @@ if [[ $parts == *recompiles* ]]; then
   grep -E "Recompiling function|guard failure|^.*- [0-9]+/[0-9]+: " "$OUT/e2e_recompiles.log" | sed "s/^.*__recompiles\] */  /"
   python -m benchmarks.recompiles "$config" "$run_dir/metrics.jsonl"
 fi
+if [[ $parts == *sync* ]]; then
+  echo "== sync: the step's GPU tests"
+  python -m pytest -q -m gpu tests/gpu/test_step_sync_gpu.py tests/unit/test_step.py -p no:cacheprovider \
+    > "$OUT/e2e_sync.log" 2>&1
+  grep -E "passed|failed|^E |^FAILED" "$OUT/e2e_sync.log" | head -30
+fi
 if [[ $parts == *against* ]]; then
+  cp benchmarks/bench_e2e.py "${OLD:?OLD names the older tree}/benchmarks/bench_e2e.py"
   for round in old1 new old2; do
     tree=$PWD
     [[ $round == old* ]] && tree=$PWD/${OLD:?OLD names the older tree}
@@ -112,7 +122,7 @@ if [[ $parts == *peers* ]]; then
   T=$(( 580 - SECONDS )) bash benchmarks/peers/unsloth/run_unsloth.sh "$PEERS_LAYERS" experts | tee "$OUT/unsloth_peers.txt"
   python -m benchmarks.peers_table --e2e "$OUT/bench_e2e_peers.json" --unsloth "$OUT/unsloth_peers.txt"
 fi
-echo "== summary (tag: side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
+echo "== summary (tag: side mode ms/step b2b-ms tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
 for tag in "${tags[@]}"; do
   grep -E "^\w.*\[.*torch|^(ours|baseline) +(lora|full) |^ratio" "$OUT/e2e_$tag.log" | sed "s/^/$tag: /"
 done

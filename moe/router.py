@@ -143,8 +143,9 @@ class SoftmaxTopKRouter(nn.Module):
         return counts
 
     @torch.no_grad()
-    def update_bias(self, global_counts_E: torch.Tensor) -> None:
-        """bias += rate * sign(mean - count) from the step's counts over all data ranks (the same on every
-        rank, so the biases stay identical)."""
+    def update_bias(self, global_counts_E: torch.Tensor, keep: torch.Tensor | float = 1.0) -> None:
+        """bias += keep * rate * sign(mean - count) from the step's counts over all data ranks (the same on every
+        rank, so the biases stay identical). `keep`: 0 for a step whose update was skipped (a device scalar
+        the caller need not read)."""
         counts = global_counts_E.to(torch.float64)
-        self.e_score_correction_bias.add_(self.bias_update_rate * torch.sign(counts.mean() - counts).float())
+        self.e_score_correction_bias.add_(self.bias_update_rate * torch.sign(counts.mean() - counts).float() * keep)

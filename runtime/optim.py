@@ -78,28 +78,30 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     return optimizer, scheduler
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
-    """optimizer.step() on every gradient times grad_scale (the clipping factor, or 1.0). Our AdamW and
-    torch's fused AdamW multiply inside their update kernel; a separate multiply would read and write
-    every gradient once more (milliseconds per step at billions of parameters). Other optimizers get
-    the separate multiply. The gradients are dropped after the step, so which way they are left is moot."""
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, skip: torch.Tensor) -> None:
+    """optimizer.step() on every gradient times grad_scale (the clip factor), or no update at all where skip
+    is 1: both device scalars, decided on the device, so the host queues the update without waiting for it.
+    Our AdamW and torch's fused AdamW take both inside their update kernel (fused AdamW through torch's AMP
+    protocol, the grad_scale / found_inf GradScaler sets: it divides by grad_scale and counts no step on
+    found_inf); a separate multiply would read and write every gradient once more. Any other optimizer
+    (the non-fused AdamW off CUDA) reads the two on the host, where that costs no wait. The gradients are
+    dropped after the step, so which way they are left is moot."""
     if isinstance(optimizer, StochasticRoundingAdamW):
-        optimizer.step(grad_scale=grad_scale)
+        optimizer.step(grad_scale=grad_scale, skip=skip)
         return
-    if grad_scale == 1.0:
-        optimizer.step()
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if optimizer.defaults.get("fused") and params:
-        # torch's AMP protocol (what GradScaler sets): fused Adam(W) divides each gradient by `grad_scale`
-        # in its kernel.
-        optimizer.grad_scale = torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=_local(params[0]).device)
+    if optimizer.defaults.get("fused"):
+        optimizer.grad_scale = (1 / grad_scale).float()
+        optimizer.found_inf = skip.float()
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale
+            del optimizer.grad_scale, optimizer.found_inf
         return
-    torch._foreach_mul_([_local(p.grad) for p in params], grad_scale)
+    if skip.item():
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if (scale := grad_scale.item()) != 1.0:
+        torch._foreach_mul_([_local(p.grad) for p in params], scale)
     optimizer.step()
 
 
@@ -133,20 +135,24 @@ def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are zero
 
 
-def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, bias_c1, bias_c2_sqrt, grad_scale, beta1: float,
-                  beta2: float, eps: float, weight_decay: float) -> None:
+def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, step, grad_scale, keep, beta1: float, beta2: float,
+                  eps: float, weight_decay: float) -> None:
     """torch.optim.AdamW's update of every parameter on its gradient times grad_scale, in fp32 from bf16
-    tensors: states stored rounded to nearest, parameters stochastically. lr, the bias corrections and
-    grad_scale are 0-dim tensors, so a new value each step does not recompile."""
+    tensors: states stored rounded to nearest, parameters stochastically; where keep is 0 every tensor keeps
+    its value. lr, the step count, grad_scale and keep are 0-dim tensors, so a new value each step does not
+    recompile."""
+    bias_c1 = 1 - beta1**step
+    bias_c2_sqrt = (1 - beta2**step).sqrt()
+    kept = keep > 0
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         g32 = g.float() * grad_scale
         m32 = m.float().lerp(g32, 1 - beta1)
         v32 = v.float().lerp(g32 * g32, 1 - beta2)
-        m.copy_(m32)
-        v.copy_(v32)
         p32 = p.float() * (1 - lr * weight_decay)
         p32 = p32 - (lr / bias_c1) * m32 / (v32.sqrt() / bias_c2_sqrt + eps)
-        p.copy_(round_to_bf16_stochastically(p32))
+        m.copy_(torch.where(kept, m32, m.float()))
+        v.copy_(torch.where(kept, v32, v.float()))
+        p.copy_(torch.where(kept, round_to_bf16_stochastically(p32), p))
 
 
 _compiled_adamw_update = torch.compile(_adamw_update, fullgraph=True, dynamic=False)
@@ -167,9 +173,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         self._chunk_of = chunk_of or {}
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
+    def step(self, closure=None, grad_scale: torch.Tensor | float = 1.0, skip: torch.Tensor | None = None):
         """One update of every parameter with a gradient, on its gradient times grad_scale (the multiply
-        is inside the update: the gradients are read once and left as they were)."""
+        is inside the update: the gradients are read once and left as they were); none where skip is 1
+        (a device scalar: parameters, states and step counts keep their values)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -177,18 +184,18 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                self._step_group(group, params, grad_scale)
+                self._step_group(group, params, grad_scale, skip)
         return loss
 
-    def _step_group(self, group: dict, params: list[torch.Tensor], grad_scale: float) -> None:
+    def _step_group(self, group: dict, params: list[torch.Tensor], grad_scale, skip) -> None:
         states = [self._state(p) for p in params]
-        for state in states:
-            state["step"] += 1
+        device = states[0]["step"].device
+        keep = torch.ones((), device=device) if skip is None else (1 - skip).to(device, torch.float32)
+        torch._foreach_add_([s["step"] for s in states], keep)
         beta1, beta2 = group["betas"]
-        step = float(states[0]["step"])  # a group steps together: one count for all
-        scalars = [torch.tensor(x, dtype=torch.float32) for x in
-                   (group["lr"], 1 - beta1**step, math.sqrt(1 - beta2**step), grad_scale)]
-        update = _compiled_adamw_update if _local(params[0]).is_cuda else _adamw_update
+        scalars = (torch.tensor(group["lr"], dtype=torch.float32), states[0]["step"],  # a group steps together
+                   torch.as_tensor(grad_scale, dtype=torch.float32, device=device), keep)
+        update = _compiled_adamw_update if device.type == "cuda" else _adamw_update
         # consecutive parameters of one chunk per call, in order (the rounding draws stay in order)
         for _, run in itertools.groupby(zip(params, states), key=lambda pair: self._chunk_of.get(pair[0], "")):
             ps, ss = zip(*run)
@@ -199,7 +206,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0)
+            # on the device, as fused AdamW's: a skipped step (decided there) does not count
+            state["step"] = torch.zeros((), device=_local(p).device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state

@@ -5,16 +5,19 @@ is its summed token cross-entropy divided by the label-token count of the whole 
 micro-batches of all data ranks), so the distributed loss and gradients equal those of one process
 that sees the whole global batch.
 
+A step (runtime.step) is queued without host reads; the loop reads step N's numbers once step N+1 is
+queued, so the host prepares the next step while the device computes this one. Before an evaluation, a
+checkpoint or the end, the step under way is read first.
+
 A step is skipped (no update, counted, logged with `"skipped"`) when its global batch holds no label
 token, or when its loss or grad norm is not finite and `train.nan_policy: skip`; with `stop` (the
 default), or after `train.max_nan_skips` non-finite steps in a row, the run ends with TrainingDiverged
-naming the step and the last good (finite) checkpoint. The optimizer never sees a non-finite gradient.
+naming the step and the last good (finite) checkpoint. The optimizer never applies a non-finite gradient.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -22,16 +25,13 @@ import torch
 import torch.distributed as dist
 
 from moe.backends import kernel_warm_up
-from moe.dispatch import LoadReading
 from runtime.checkpoint import CheckpointManager, NonFiniteParameters, check_same_model, model_changes
 from runtime.config import Config
 from runtime.data.chat import load_tokenizer
 from runtime.data.loader import build_dataloader, eval_batches
-from runtime.distributed.expert_parallel import ep_load, moe_dispatcher
-from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.parallelize import parallelize
-from runtime.distributed.process_group import DistEnv, all_reduce_sum, all_reduce_sums
+from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
 from runtime.guard.failures import Progress
 from runtime.guard.run_dir import (
@@ -57,118 +57,16 @@ from runtime.observe.metrics import (
 from runtime.observe.profiling import StepProfiler
 from runtime.observe.slow_step import SlowStepNotice
 from runtime.observe.trackers import Trackers
-from runtime.optim import build_optimizer, optimizer_step
+from runtime.optim import build_optimizer
 from runtime.plan import Plan
 from runtime.plan import plan as make_plan
+from runtime.step import LaunchedStep, StepResult, train_step
 
 log = logging.getLogger("runtime")
 
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or grad norm; the message names the step and the last good checkpoint."""
-
-
-def grad_norm_and_clip_scale(model: torch.nn.Module, max_norm: float, world_size: int) -> tuple[float, float]:
-    """(total gradient norm over all parameters, dense and expert meshes alike; the factor that scales the
-    gradients down to max_norm when it is exceeded, else 1.0). The optimizer applies the factor inside its
-    update (runtime.optim.optimizer_step). The norm is read on the host: the step needs it there anyway."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = float(total_grad_norm(grads, world_size))
-    if 0 < max_norm < norm:  # a non-finite norm is never clipped: that step is not applied
-        return norm, max_norm / (norm + 1e-6)
-    return norm, 1.0
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    num_tokens: int
-    skipped: str | None = None  # "no_labels" | "non_finite": the optimizer did not step
-    ep_load: LoadReading | None = None  # routing imbalance and host skew of the EP exchanges (moe/dispatch/load.py)
-
-
-def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None,
-               autocast: bool = True) -> StepResult:
-    cp = model.context_parallel  # the cp ranks of a data slice hold the same whole rows
-    cp_size = cp.size if cp is not None else 1
-    num_tokens = sum(b.input_ids.numel() for b in batches)  # this data slice's, shared by its cp ranks
-    global_labels = all_reduce_sum(sum(b.num_label_tokens for b in batches), env) // cp_size
-    if global_labels == 0:  # every rank sees the same sum, so all skip alike
-        return StepResult(float("nan"), float("nan"), num_tokens, skipped="no_labels")
-    compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
-               else nullcontext())
-    while True:
-        loss_total = forward_backward(model, batches, env, compute, global_labels)
-        # the dropped-slot count rides on the loss's sum: one collective per step either way
-        loss_value, dropped = all_reduce_sums([loss_total.item(), take_dropped_slots(model)], env)
-        if not dropped:
-            break
-        grow_bound(model, int(dropped))  # the same micro-batches again, on every rank alike
-        optimizer.zero_grad(set_to_none=True)
-    if on_grads is not None:
-        on_grads(model)
-    grad_norm, grad_scale = grad_norm_and_clip_scale(model, cfg.optim.grad_clip, env.world_size)
-    # Both numbers are global (all-reduced), so every rank takes the same branch.
-    skipped = None if math.isfinite(loss_value) and math.isfinite(grad_norm) else "non_finite"
-    if skipped is None:
-        optimizer_step(optimizer, grad_scale)
-    update_router_biases(model, env, applied=skipped is None)
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, grad_norm, num_tokens, skipped, ep_load(model, env.device))
-
-
-def forward_backward(model, batches: list, env: DistEnv, compute, global_labels: int) -> torch.Tensor:
-    """Accumulates the gradients of the step's micro-batches; returns their summed loss (a device scalar)."""
-    cp = model.context_parallel
-    loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
-    for batch in batches:
-        batch = batch.to(env.device)
-        if cp is not None:
-            batch = cp.shard(batch)  # the one place a batch is split along the sequence
-        with compute:
-            loss_sum = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
-                             max_seqlen=batch.max_seqlen, labels=batch.labels,
-                             cp=batch.cp if cp is not None else None)
-            # The router balance losses ride on the MoE outputs' backward (moe.layer._AttachAuxLoss).
-            loss = loss_sum / global_labels
-        loss.backward()
-        loss_total += loss.detach()
-    return loss_total
-
-
-def take_dropped_slots(model) -> int:
-    """The expert slots a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped on
-    this rank since the last call, its counter zeroed; 0 without such a bound (no device read)."""
-    dispatcher = moe_dispatcher(model)
-    if dispatcher is None or dispatcher.dropped is None:
-        return 0
-    dropped = int(dispatcher.dropped.item())
-    dispatcher.dropped.zero_()
-    return dropped
-
-
-def grow_bound(model, dropped: int) -> None:
-    """Raises the bound after `dropped` slots (summed over the ranks) did not fit, with one warning."""
-    capacity = moe_dispatcher(model).grow()
-    log.warning("parallelism.gather_capacity: %d expert slots did not fit the bound; computing the step again "
-                "at capacity %.3g (set parallelism.gather_capacity: %.3g to start there)", dropped, capacity, capacity)
-
-
-def update_router_biases(model, env: DistEnv, applied: bool) -> None:
-    """Aux-loss-free balancing (model.router_bias_update_rate): every biased router's bias moves by the
-    step's global expert counts, all layers' summed over the ranks in one all-reduce. A step whose update
-    was not applied (the same on every rank) drops its counts without the collective."""
-    routers = [block.gate for block in model.moe_blocks() if block.gate.bias_update_rate > 0]
-    if not routers:
-        return
-    counts_LE = torch.stack([router.take_counts() for router in routers])
-    if not applied:
-        return
-    if env.world_size > 1:
-        torch.distributed.all_reduce(counts_LE)  # every rank's tokens: data, context and EP shards alike
-    for router, counts_E in zip(routers, counts_LE):
-        router.update_bias(counts_E)
 
 
 class StepGuard:
@@ -290,29 +188,43 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         """The first step makes the kernels' timed choices, agreed over every rank (moe.backends.kernel_warm_up)."""
         return kernel_warm_up(world_group) if first else nullcontext()
 
+    def finish(queued: QueuedStep) -> None:
+        """Reads a queued step's numbers (waiting for its end), then judges, records and logs it."""
+        result = queued.launched.result()
+        guard.check(queued.step, result, last_good)
+        record = step_record(queued.step, result, queued.lr, timer.lap(), dims, env, peak, flops_tok)
+        record["recompiles"] = queued.recompiles
+        records.append(record)
+        metrics.log(record)
+
     try:
         with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage, SlowStepNotice() as notice:
+            queued = None
             for step in range(start + 1, cfg.train.max_steps + 1):
                 progress.step, progress.training = step, True
                 with notice.step(step):
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                     with profiler.step(step), warm_up(step == start + 1):
-                        result = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
-                guard.check(step, result, last_good)
+                        launched = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
+                    if queued is not None:
+                        finish(queued)  # the step before, read while this one computes
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 collect_garbage(step)  # in this step's time: the first step's freeze is warm-up, as its compile
-                record = step_record(step, result, lr, timer.lap(), dims, env, peak, flops_tok)
-                record["recompiles"] = recompiles.after_step(step, warn=env.is_main)
-                records.append(record)
-                metrics.log(record)
-                if eval_data is not None and (step == cfg.train.max_steps or step % (cfg.train.eval_every_n_steps or
-                                                                                     cfg.train.max_steps) == 0):
-                    metrics.log(evaluate(model, eval_data, env, step))  # in metrics.jsonl and the trackers
+                queued = QueuedStep(step, launched, lr, recompiles.after_step(step, warn=env.is_main))
+                evaluating = eval_data is not None and (step == cfg.train.max_steps or step % (
+                    cfg.train.eval_every_n_steps or cfg.train.max_steps) == 0)
                 every = cfg.checkpoint.every_n_steps
-                if every and step % every == 0 and step < cfg.train.max_steps:
+                saving = every and step % every == 0 and step < cfg.train.max_steps
+                if evaluating or saving or step == cfg.train.max_steps:
+                    finish(queued)
+                    queued = None
+                if evaluating:
+                    metrics.log(evaluate(model, eval_data, env, step))  # in metrics.jsonl and the trackers
+                if saving:
                     last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
-                timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
+                if evaluating or saving:
+                    timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
         if cfg.checkpoint.save_final:
             save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:
@@ -330,6 +242,16 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         metrics.close()
         recompiles.close()
     return records
+
+
+@dataclass
+class QueuedStep:
+    """A step launched and not yet read, with what the loop knew of it at launch."""
+
+    step: int
+    launched: LaunchedStep
+    lr: float
+    recompiles: int
 
 
 def mesh_summary(dims: ParallelDims) -> dict:

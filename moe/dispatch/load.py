@@ -85,8 +85,14 @@ class DeviceLoadLog:
         ratio = torch.where(mean > 0, slots_R.max() / mean.clamp_min(1e-30), 1.0)
         self._sums.add_(torch.stack([ratio, torch.ones_like(ratio)]))
 
+    def take(self) -> torch.Tensor:
+        """[imbalance summed over dispatches, dispatches] since the last take, on the device (no host read);
+        every rank holds the same."""
+        sums = self._sums.clone()
+        self._sums.zero_()  # in place: a compiled dispatch keeps adding to the same tensor
+        return sums
+
     def read(self, group: dist.ProcessGroup, device: torch.device) -> LoadReading | None:
         """The reading since the last read (None: none logged); no collective, every rank holds the same."""
-        total, dispatches = self._sums.tolist()
-        self._sums.zero_()  # in place: a compiled dispatch keeps adding to the same tensor
+        total, dispatches = self.take().tolist()
         return None if dispatches == 0 else LoadReading(total / dispatches, None, None)

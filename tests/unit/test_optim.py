@@ -230,7 +230,7 @@ def test_optimizer_step_with_a_grad_scale_equals_a_step_on_scaled_gradients(kind
     grad = torch.randn_like(ours)
     ours.grad, ref.grad = grad.clone(), (grad.float() * scale).to(grad.dtype)
     torch.manual_seed(1)  # the same stochastic rounding draws on both sides
-    optimizer_step(opt, scale)
+    optimizer_step(opt, torch.tensor(scale, device=device), torch.zeros((), device=device))
     torch.manual_seed(1)
     ref_opt.step()
     exact = scale in (0.5, 1.0)
@@ -242,14 +242,38 @@ def test_optimizer_step_with_a_grad_scale_equals_a_step_on_scaled_gradients(kind
 
 
 def test_fused_adamw_is_left_without_a_grad_scale():
-    """The AMP attribute lent to torch's fused AdamW for one step does not stay (a later plain step, or a
-    GradScaler, would find it)."""
+    """The AMP attributes lent to torch's fused AdamW for one step do not stay (a later plain step, or a
+    GradScaler, would find them)."""
     from runtime.optim import optimizer_step
 
     (p, opt), _ = _adamw_pair("fused", "cpu")
     p.grad = torch.randn_like(p)
-    optimizer_step(opt, 0.25)
-    assert not hasattr(opt, "grad_scale")
+    optimizer_step(opt, torch.tensor(0.25), torch.tensor(0.0))
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["plain", "fused", "sr"])
+def test_a_skipped_step_changes_nothing_and_is_not_counted(kind, device):
+    """A step skipped on the device (a non-finite gradient) leaves the parameter and the states as they were,
+    and does not count: the next step equals a first step of an optimizer that never saw the skipped one."""
+    from runtime.optim import optimizer_step
+
+    (ours, opt), (ref, ref_opt) = _adamw_pair(kind, device)
+    before = ours.detach().clone()
+    ours.grad = torch.full_like(ours, float("nan"))
+    optimizer_step(opt, torch.tensor(1.0, device=device), torch.ones((), device=device))
+    assert torch.equal(ours.detach(), before)
+    grad = torch.randn_like(ours)
+    ours.grad, ref.grad = grad.clone(), grad.clone()
+    torch.manual_seed(1)
+    optimizer_step(opt, torch.tensor(1.0, device=device), torch.zeros((), device=device))
+    torch.manual_seed(1)
+    ref_opt.step()
+    assert float(opt.state[ours]["step"]) == 1.0
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(opt.state[ours][key], ref_opt.state[ref][key], rtol=0, atol=0)
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=0)
 
 
 class _Stack(nn.Module):

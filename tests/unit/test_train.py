@@ -73,29 +73,28 @@ def test_cli_error_is_one_clean_message(tmp_path, cli):
 
 
 def test_grad_norm_over_mixed_dtypes_matches_the_concatenated_norm():
-    from runtime.train import grad_norm_and_clip_scale
+    from runtime.distributed.fsdp import total_grad_norm
+    from runtime.step import clip_factor
 
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3).bfloat16())
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 3
     before = [p.grad.clone() for p in model.parameters()]
     expected = torch.cat([g.float().flatten() for g in before]).norm().item()
-    norm, scale = grad_norm_and_clip_scale(model, max_norm=1.0, world_size=1)
-    assert norm == pytest.approx(expected, rel=1e-6)
-    assert scale == pytest.approx(1.0 / expected, rel=1e-5)
+    norm = total_grad_norm([p.grad for p in model.parameters()], world_size=1)
+    assert norm.item() == pytest.approx(expected, rel=1e-6)
+    assert clip_factor(norm, max_norm=1.0).item() == pytest.approx(1.0 / expected, rel=1e-5)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))  # the optimizer scales
 
 
 def test_small_or_non_finite_gradients_are_not_clipped():
-    from runtime.train import grad_norm_and_clip_scale
+    from runtime.step import clip_factor
 
-    layer = torch.nn.Linear(4, 3)
-    for p in layer.parameters():
-        p.grad = torch.full_like(p, 0.01)
-    norm, scale = grad_norm_and_clip_scale(layer, max_norm=1.0, world_size=1)
-    assert norm < 1.0 and scale == 1.0
-    layer.weight.grad[0, 0] = float("nan")
-    assert grad_norm_and_clip_scale(layer, max_norm=1.0, world_size=1)[1] == 1.0
+    assert clip_factor(torch.tensor(0.5), max_norm=1.0).item() == 1.0
+    assert clip_factor(torch.tensor(float("nan")), max_norm=1.0).item() == 1.0
+    assert clip_factor(torch.tensor(float("inf")), max_norm=1.0).item() == 1.0
+    assert clip_factor(torch.tensor(4.0), max_norm=0.0).item() == 1.0  # optim.grad_clip: 0 is off
+
 
 
 def test_profiled_step_writes_trace_and_summary(tmp_path, caplog):

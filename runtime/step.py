@@ -1,0 +1,203 @@
+"""One optimizer step, launched without reading the device on the host.
+
+Contract
+    launched = train_step(model, batches, optimizer, cfg, env)   # queues the whole step's work
+    result = launched.result()                                   # waits for that step's end only; a StepResult
+
+The loss of every micro-batch is its summed token cross-entropy divided by the label-token count of the whole
+global step (every micro-batch of every data rank), so distributed gradients equal one process's.
+
+Why no host reads: a host that waits for the device (a loss's .item(), a norm compared on the host, a
+pageable batch copy) cannot queue the next work meanwhile, so the device idles while the host launches. Here
+the label count travels to the device (and over the ranks) as a tensor; the clip factor and the decision to
+skip a step stay on the device and reach the optimizer as its grad_scale / found_inf (runtime.optim); the
+step's numbers are copied to pinned host memory behind an event. The training loop reads step N while step
+N+1 is queued. One read is left where a dispatcher bounds its buffers (parallelism.gather_capacity): a step
+that dropped slots is computed again before its update, which needs the count on the host.
+
+A step is skipped (no update, the router biases kept) when its global batch holds no label token, or when
+its loss or grad norm is not finite; the reason reaches the host with the numbers (StepResult.skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from moe.dispatch import LoadReading
+from moe.dispatch.load import DeviceLoadLog
+from runtime.config import Config
+from runtime.distributed.expert_parallel import ep_load, moe_dispatcher
+from runtime.distributed.fsdp import total_grad_norm
+from runtime.distributed.process_group import DistEnv
+from runtime.optim import optimizer_step
+
+log = logging.getLogger("runtime")
+
+SKIP_REASONS = {1: "no_labels", 2: "non_finite"}  # the step's skip code on the device; 0: applied
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    skipped: str | None = None  # "no_labels" | "non_finite": the optimizer did not step
+    ep_load: LoadReading | None = None  # routing imbalance and host skew of the EP exchanges (moe/dispatch/load.py)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued: its numbers arrive in `numbers` (host) once `done` has passed."""
+
+    num_tokens: int
+    numbers: torch.Tensor  # [loss, grad norm, skip code, EP imbalance sum, EP dispatches] (float64)
+    done: torch.cuda.Event | None  # None: the numbers are already there (a CPU step)
+    host_load: LoadReading | None  # a host-side load log's reading (an exchange that syncs anyway)
+
+    def result(self) -> StepResult:
+        if self.done is not None:
+            self.done.synchronize()
+        loss, grad_norm, code, imbalance_sum, dispatches = self.numbers.tolist()
+        load = self.host_load or (LoadReading(imbalance_sum / dispatches, None, None) if dispatches else None)
+        skipped = SKIP_REASONS.get(int(code))
+        if skipped == "no_labels":  # no token to average over: the loss and its gradients mean nothing
+            loss = grad_norm = float("nan")
+        return StepResult(loss, grad_norm, self.num_tokens, skipped, load)
+
+
+def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None,
+               autocast: bool = True) -> LaunchedStep:
+    """Queues one optimizer step over `batches` (this data rank's micro-batches); every rank calls it alike."""
+    num_tokens = sum(b.input_ids.numel() for b in batches)  # this data slice's, shared by its cp ranks
+    labels = global_label_count(batches, model, env)
+    compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
+               else nullcontext())
+    while True:
+        loss = forward_backward(model, batches, env, compute, labels)
+        dropped = take_dropped_slots(model, env)
+        if not dropped:
+            break
+        grow_bound(model, dropped)  # the same micro-batches again, on every rank alike
+        optimizer.zero_grad(set_to_none=True)
+    if on_grads is not None:
+        on_grads(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_norm = total_grad_norm(grads, env.world_size).to(loss.device, torch.float64)
+    # Both numbers are global (all-reduced), so every rank decides alike.
+    code = torch.where(labels == 0, 1, torch.where(loss.isfinite() & grad_norm.isfinite(), 0, 2))
+    skip = (code != 0).float()
+    optimizer_step(optimizer, clip_factor(grad_norm, cfg.optim.grad_clip), skip)
+    update_router_biases(model, env, keep=1 - skip)
+    optimizer.zero_grad(set_to_none=True)
+    load_sums, host_load = take_ep_load(model, env.device)
+    return launch_read(num_tokens, torch.cat([torch.stack([loss, grad_norm, code.double()]), load_sums]),
+                       host_load)
+
+
+def global_label_count(batches: list, model, env: DistEnv) -> torch.Tensor:
+    """The step's label tokens over every data rank, a float64 device scalar (context-parallel ranks of a data
+    slice hold the same rows, so their count is divided out). A collective on the device: no host wait."""
+    cp = model.context_parallel
+    count = to_device([float(sum(b.num_label_tokens for b in batches))], env.device)[0]
+    if env.world_size > 1:
+        torch.distributed.all_reduce(count)
+    return count / (cp.size if cp is not None else 1)
+
+
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as a float64 device tensor, without waiting for the device: a copy from pageable memory
+    would wait for the stream, i.e. for the work the host queued before."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def forward_backward(model, batches: list, env: DistEnv, compute, labels: torch.Tensor) -> torch.Tensor:
+    """Accumulates the gradients of the step's micro-batches; returns their summed loss (a float64 device
+    scalar). `labels`: the global label count (0 gives a zero loss: global_label_count's step is skipped)."""
+    cp = model.context_parallel
+    loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
+    divisor = labels.clamp_min(1)
+    for batch in batches:
+        batch = batch.to(env.device)
+        if cp is not None:
+            batch = cp.shard(batch)  # the one place a batch is split along the sequence
+        with compute:
+            loss_sum = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+                             max_seqlen=batch.max_seqlen, labels=batch.labels,
+                             cp=batch.cp if cp is not None else None)
+            # The router balance losses ride on the MoE outputs' backward (moe.layer._AttachAuxLoss).
+            loss = loss_sum / divisor.to(loss_sum.dtype)
+        loss.backward()
+        loss_total += loss.detach()
+    if env.world_size > 1:
+        torch.distributed.all_reduce(loss_total)
+    return loss_total
+
+
+def clip_factor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that scales the gradients down to max_norm when their norm exceeds it, else 1 (a device
+    scalar); the optimizer applies it inside its update (runtime.optim.optimizer_step). A non-finite norm is
+    never clipped: that step is skipped."""
+    if max_norm <= 0:
+        return torch.ones((), device=grad_norm.device, dtype=torch.float32)
+    return torch.where(grad_norm.isfinite() & (grad_norm > max_norm), max_norm / (grad_norm + 1e-6), 1.0).float()
+
+
+def take_dropped_slots(model, env: DistEnv) -> int:
+    """The expert slots a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped on
+    every rank since the last call, its counter zeroed; 0 without such a bound (no device read)."""
+    dispatcher = moe_dispatcher(model)
+    if dispatcher is None or dispatcher.dropped is None:
+        return 0
+    dropped = dispatcher.dropped.clone()
+    dispatcher.dropped.zero_()
+    if env.world_size > 1:
+        torch.distributed.all_reduce(dropped)
+    return int(dropped.item())  # the one host read of a bounded dispatcher's step
+
+
+def grow_bound(model, dropped: int) -> None:
+    """Raises the bound after `dropped` slots (summed over the ranks) did not fit, with one warning."""
+    capacity = moe_dispatcher(model).grow()
+    log.warning("parallelism.gather_capacity: %d expert slots did not fit the bound; computing the step again "
+                "at capacity %.3g (set parallelism.gather_capacity: %.3g to start there)", dropped, capacity, capacity)
+
+
+def update_router_biases(model, env: DistEnv, keep: torch.Tensor) -> None:
+    """Aux-loss-free balancing (model.router_bias_update_rate): every biased router's bias moves by the
+    step's global expert counts, all layers' summed over the ranks in one all-reduce. `keep` (a device 0/1)
+    is 0 for a skipped step: its counts move nothing."""
+    routers = [block.gate for block in model.moe_blocks() if block.gate.bias_update_rate > 0]
+    if not routers:
+        return
+    counts_LE = torch.stack([router.take_counts() for router in routers])
+    if env.world_size > 1:
+        torch.distributed.all_reduce(counts_LE)  # every rank's tokens: data, context and EP shards alike
+    for router, counts_E in zip(routers, counts_LE):
+        router.update_bias(counts_E, keep)
+
+
+def take_ep_load(model, device: torch.device) -> tuple[torch.Tensor, LoadReading | None]:
+    """The EP load since the last call: ([imbalance sum, dispatches] on the device, None) from a device log,
+    or (zeros, its reading) from a host log, whose exchange reads the host anyway."""
+    dispatcher = moe_dispatcher(model)
+    if dispatcher is not None and isinstance(dispatcher.loads, DeviceLoadLog):
+        return dispatcher.loads.take().to(device), None
+    return torch.zeros(2, device=device, dtype=torch.float64), ep_load(model, device)
+
+
+def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading | None) -> LaunchedStep:
+    """Queues the copy of the step's numbers to the host behind the step's work."""
+    if numbers.device.type != "cuda":
+        return LaunchedStep(num_tokens, numbers, None, host_load)
+    host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
+    host.copy_(numbers, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return LaunchedStep(num_tokens, host, done, host_load)

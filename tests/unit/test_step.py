@@ -1,0 +1,81 @@
+"""runtime.step: a step whose loss is not finite is skipped on the device (reported, no parameter or
+optimizer state moved), and a global batch without label tokens is skipped as such; the launched step's
+numbers equal what the host-side reference computes from the same gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.bench_e2e import build_ours, hf_config, parse_args
+
+CASES = [("cpu", "lora", "fp32"), ("cpu", "full", "fp32")] + [
+    pytest.param("cuda", mode, master, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])
+    for mode, master in (("lora", "fp32"), ("full", "fp32"), ("full", "bf16"))]
+
+
+def _setup(device: str, mode: str, master: str, *overrides: str):
+    args = parse_args(["--dry", "--mode", mode, "--master-dtype", master, "--seq", "64",
+                       *(arg for item in overrides for arg in ("--set", item))])
+    return build_ours(args, hf_config(args), torch.device(device))
+
+
+def _trained(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize(("device", "mode", "master"), CASES)
+def test_a_non_finite_step_moves_nothing(device, mode, master, monkeypatch):
+    from runtime.models.qwen import QwenForCausalLM
+
+    setup = _setup(device, mode, master)
+    setup.step()
+    before = _trained(setup.model)
+    real = QwenForCausalLM.forward
+    monkeypatch.setattr(QwenForCausalLM, "forward", lambda self, *a, **k: real(self, *a, **k) * float("nan"))
+    result = setup.launch().result()
+    assert result.skipped == "non_finite" and math.isnan(result.loss)
+    assert all(torch.equal(a, b) for a, b in zip(_trained(setup.model), before))
+    monkeypatch.undo()
+    assert setup.launch().result().skipped is None  # the next finite step is applied
+    assert not all(torch.equal(a, b) for a, b in zip(_trained(setup.model), before))
+
+
+def test_a_step_without_labels_is_skipped_as_such(monkeypatch):
+    from benchmarks import bench_e2e
+
+    real = bench_e2e.one_document_batch
+
+    def unlabelled(ids):
+        batch = real(ids)
+        batch.labels.fill_(-100)
+        batch.num_label_tokens = 0
+        return batch
+
+    monkeypatch.setattr(bench_e2e, "one_document_batch", unlabelled)
+    setup = _setup("cpu", "lora", "fp32")
+    before = _trained(setup.model)
+    result = setup.launch().result()
+    assert result.skipped == "no_labels" and math.isnan(result.loss) and math.isnan(result.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(_trained(setup.model), before))
+
+
+def test_the_launched_numbers_are_the_hosts(monkeypatch):
+    """Loss and grad norm of a launched step equal the forward's mean loss and the norm of the gradients the
+    optimizer received, computed on the host by the test (clipping off, so the gradients are left as made)."""
+    seen = {}
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *args, **kwargs):
+        grads = [p.grad.double().flatten() for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen["norm"] = torch.cat(grads).norm().item()
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    setup = _setup("cpu", "full", "fp32", "optim.grad_clip=0")
+    result = setup.launch().result()
+    assert result.grad_norm == pytest.approx(seen["norm"], rel=1e-5)
+    assert math.isfinite(result.loss) and result.skipped is None and result.num_tokens == 64
