@@ -4,13 +4,15 @@ but the reference materializes [tokens, vocab] logits (8192 tokens x 151936 voca
 
 Contract, shared by every implementation in LOSS_IMPLS (config key model.loss_impl)::
 
-    fn(h_TH, weight_VH, labels_T) -> loss_sum
+    fn(h_TH, weight_VH, labels_T, num_labels=None) -> loss_sum
 
 T tokens, H hidden, V vocab. `h_TH` is the final-norm hidden state (fp32 or bf16), `weight_VH` the lm_head
 weight (an fp32 master or bf16; it may be tied to the embedding), `labels_T` the (pre-shifted) targets,
 IGNORE_INDEX where a token has no loss. `loss_sum` is an fp32 scalar: the summed token cross-entropy over
 label tokens; the caller divides by the global label count. Gradients flow to h and, only when it
 requires grad, to the weight (a frozen lm_head under LoRA gets no [V, H] gradient, none is allocated).
+`num_labels`: how many of labels_T are not IGNORE_INDEX, where the caller knows it on the host (the collator
+counts them); an implementation that sizes its work by that count then reads nothing back from the device.
 
 Precision is that of `nn.Linear` + `F.cross_entropy(logits.float())`: under autocast the matmuls run in
 the autocast dtype (h and weight cast to it), outside autocast in the inputs' (common) dtype;
@@ -20,7 +22,8 @@ Implementations:
 - "plain": materialized logits, the reference semantics.
 - "chunked": pure torch, CPU and CUDA. Walks the label tokens in chunks and computes, already in forward,
   the loss and the gradients wrt h and weight; only those are kept for backward, which scales them.
-  Tokens without a label cost nothing (their loss and gradient are zero). One host sync per call.
+  Tokens without a label cost nothing (their loss and gradient are zero). One host sync per call (the label
+  count sets the loop) unless `num_labels` is given.
 - "triton": "chunked" with each chunk's softmax, loss and logits' gradient in one Triton kernel
   (runtime/loss_kernel.py) over the matmul-dtype logits, in place: two reads and a write of the chunk instead
   of six fp32 passes, and no fp32 [chunk, V] buffer.
@@ -52,10 +55,10 @@ LOSS_IMPLS: Registry = Registry("loss implementation", "model.loss_impl", auto=T
 
 
 def linear_cross_entropy_sum(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
-                             impl: str = "chunked") -> torch.Tensor:
+                             impl: str = "chunked", num_labels: int | None = None) -> torch.Tensor:
     """Summed cross-entropy of `h_TH @ weight_VH.T` against `labels_T`; see the module docstring."""
     _check_inputs(h_TH, weight_VH, labels_T)
-    return LOSS_IMPLS.get(impl)(h_TH, weight_VH, labels_T)
+    return LOSS_IMPLS.get(impl)(h_TH, weight_VH, labels_T, num_labels=num_labels)
 
 
 def _check_inputs(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> None:
@@ -72,26 +75,27 @@ def _check_inputs(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.T
 
 
 @LOSS_IMPLS.register("plain", Capabilities(reference=True))
-def plain(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+def plain(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+          num_labels: int | None = None) -> torch.Tensor:
     """Materialized [T, V] logits (upcast to fp32 for the loss): the reference."""
     logits_TV = F.linear(h_TH, weight_VH)
     return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 @LOSS_IMPLS.register("chunked", Capabilities(auto_on=("cpu", "cuda"), priority=1))
-def chunked(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+def chunked(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor, num_labels: int | None = None,
             chunk_size: int | None = None) -> torch.Tensor:
     """Label tokens in chunks of `chunk_size` (default: ~LOGITS_CHUNK_BYTES of fp32 logits per chunk)."""
-    return _chunked(h_TH, weight_VH, labels_T, chunk_size, _chunk_loss_and_grad_logits)
+    return _chunked(h_TH, weight_VH, labels_T, num_labels, chunk_size, _chunk_loss_and_grad_logits)
 
 
-def _chunked(h_TH, weight_VH, labels_T, chunk_size: int | None, chunk_fn) -> torch.Tensor:
+def _chunked(h_TH, weight_VH, labels_T, num_labels: int | None, chunk_size: int | None, chunk_fn) -> torch.Tensor:
     """The chunk loop of "chunked" and "triton", with `chunk_fn` computing each chunk's loss and logits' grad."""
     chunk_size = chunk_size or default_chunk_size(weight_VH.shape[0])
     # Decided here: inside Function.forward grad mode is off, and under no_grad no gradient is wanted.
     grad_h = torch.is_grad_enabled() and h_TH.requires_grad
     grad_w = torch.is_grad_enabled() and weight_VH.requires_grad
-    return _ChunkedLinearCrossEntropy.apply(h_TH, weight_VH, labels_T, compute_dtype(h_TH),
+    return _ChunkedLinearCrossEntropy.apply(h_TH, weight_VH, labels_T, num_labels, compute_dtype(h_TH),
                                             chunk_size, grad_h, grad_w, chunk_fn)
 
 
@@ -104,10 +108,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the (unscaled) input gradients; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h, grad_w, chunk_fn):
+    def forward(ctx, h_TH, weight_VH, labels_T, num_labels, dtype, chunk_size, grad_h, grad_w, chunk_fn):
         with torch.autocast(h_TH.device.type, enabled=False):  # the casts below decide every dtype
-            loss, grad_h_TH, grad_w_VH = _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size,
-                                                                 grad_h, grad_w, chunk_fn)
+            loss, grad_h_TH, grad_w_VH = _chunked_loss_and_grads(h_TH, weight_VH, labels_T, num_labels, dtype,
+                                                                 chunk_size, grad_h, grad_w, chunk_fn)
         ctx.save_for_backward(grad_h_TH, grad_w_VH)
         return loss
 
@@ -121,12 +125,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h_TH.mul_(grad_loss)
         if grad_w_VH is not None:
             grad_w_VH.mul_(grad_loss)
-        return grad_h_TH, grad_w_VH, None, None, None, None, None, None
+        return grad_h_TH, grad_w_VH, None, None, None, None, None, None, None
 
 
-def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h: bool, grad_w: bool, chunk_fn):
+def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, num_labels, dtype, chunk_size, grad_h: bool, grad_w: bool,
+                            chunk_fn):
     """(loss_sum, d loss_sum / d h or None, d loss_sum / d weight or None), visiting label tokens only."""
-    rows_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # the host sync: the label count sets the loop
+    rows_N = label_rows(labels_T, num_labels)
     labels_N = labels_T[rows_N]
     w_VH = weight_VH.to(dtype)  # once, not per chunk: autocast would cast (and cache) it the same way
     loss = torch.zeros((), dtype=torch.float32, device=h_TH.device)
@@ -143,6 +148,16 @@ def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, dtype, chunk_size, grad_h
         if grad_w:
             grad_w_VH += grad_logits_CV.T @ h_CH
     return loss, grad_h_TH, grad_w_VH.to(weight_VH.dtype) if grad_w else None
+
+
+def label_rows(labels_T: torch.Tensor, num_labels: int | None) -> torch.Tensor:
+    """The positions of the label tokens, in order. Their count sets the chunk loop: given, nothing is read
+    back; else nonzero syncs the host with the device. A count above the true one pads with T, out of range
+    for every index that follows (a device-side error, never a wrong row)."""
+    mask_T = labels_T != IGNORE_INDEX
+    if num_labels is None:
+        return mask_T.nonzero().squeeze(1)
+    return torch.nonzero_static(mask_T, size=num_labels, fill_value=labels_T.shape[0]).squeeze(1)
 
 
 def _chunk_loss_and_grad_logits(h_CH, w_VH, labels_C, with_grad: bool):
@@ -167,8 +182,8 @@ def _load_triton():
         return cross_entropy_rows_(logits_CV, labels_C, with_grad), logits_CV if with_grad else None
 
     def triton_loss(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
-                    chunk_size: int | None = None) -> torch.Tensor:
-        return _chunked(h_TH, weight_VH, labels_T, chunk_size, chunk_fn)
+                    num_labels: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
+        return _chunked(h_TH, weight_VH, labels_T, num_labels, chunk_size, chunk_fn)
     return triton_loss
 
 
@@ -181,7 +196,8 @@ def _missing(module: str, pip: str):
 def _load_liger():
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    def liger(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    def liger(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+              num_labels: int | None = None) -> torch.Tensor:
         """Liger's chunked Triton loss. We cast to the matmul dtype ourselves and turn autocast off so it
         takes its same-dtype path; grad_weight accumulates in fp32 (accum_dtype) before its cast back."""
         dtype = compute_dtype(h_TH)
@@ -195,7 +211,8 @@ def _load_liger():
 def _load_cce():
     from cut_cross_entropy import linear_cross_entropy
 
-    def cce(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    def cce(h_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+            num_labels: int | None = None) -> torch.Tensor:
         """Cut Cross-Entropy: its Triton kernels see no autocast, so h and weight are cast here (its
         backward takes bf16/fp16 h only)."""
         dtype = compute_dtype(h_TH)

@@ -210,15 +210,17 @@ class QwenForCausalLM(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                labels: torch.Tensor | None = None, cp: CPShard | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, cp: CPShard | None = None,
+                num_labels: int | None = None) -> torch.Tensor:
         """Logits [B, S, V]; with `labels` [B, S], the summed cross-entropy over label tokens instead,
-        computed by runtime.loss without [B, S, V] logits (inside forward, so FSDP has gathered lm_head).
+        computed by runtime.loss without [B, S, V] logits (inside forward, so FSDP has gathered lm_head);
+        `num_labels`, the count of label tokens where the caller knows it, spares the loss a host sync.
         With `cp` (context parallelism) every tensor holds this rank's tokens of the rows (CPShard.take)."""
         h_BSH = self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen, cp)
         if labels is None:
             return self.lm_head(h_BSH)
         return linear_cross_entropy_sum(h_BSH.flatten(0, 1), self.lm_head.weight, labels.flatten(),
-                                        self.config.loss_impl)
+                                        self.config.loss_impl, num_labels)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]

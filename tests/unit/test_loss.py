@@ -326,3 +326,23 @@ def test_model_forward_with_labels_is_the_loss_of_its_logits(tiny_moe_ckpt, impl
     assert rel_err(loss, ref_loss) < 1e-6
     assert grads.keys() == ref_grads.keys() and "lm_head.weight" in grads
     assert max(rel_err(grads[n], ref_grads[n]) for n in grads) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["chunked", "triton"])
+def test_a_given_label_count_gives_the_counted_result(impl):
+    """The host's label count (no device read) selects the rows nonzero would: the same loss and gradients;
+    a count above the true one fails loudly instead of reading a wrong row."""
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 23, 8, 37
+    h = torch.randn(T, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::3] = IGNORE_INDEX
+    count = int((labels != IGNORE_INDEX).sum())
+    fn = LOSS_IMPLS.get(impl)
+    expected = loss_and_grads(lambda *a: fn(*a, chunk_size=4), h, w, labels)
+    given = loss_and_grads(lambda *a: fn(*a, num_labels=count, chunk_size=4), h, w, labels)
+    for a, b in zip(given, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        fn(h, w, labels, num_labels=count + 1, chunk_size=4)
