@@ -12,8 +12,15 @@ pageable batch copy) cannot queue the next work meanwhile, so the device idles w
 the label count travels to the device (and over the ranks) as a tensor; the clip factor and the decision to
 skip a step stay on the device and reach the optimizer as its grad_scale / found_inf (runtime.optim); the
 step's numbers are copied to pinned host memory behind an event. The training loop reads step N while step
-N+1 is queued. One read is left where a dispatcher bounds its buffers (parallelism.gather_capacity): a step
-that dropped slots is computed again before its update, which needs the count on the host.
+N+1 is queued.
+
+A dispatcher that bounds its buffers (parallelism.gather_capacity) may drop slots; such a step must not
+count. Its update is skipped on the device, and the next step, once its own forward and backward are queued,
+reads the count of the step before (long finished by then): when slots were dropped it raises the bound,
+computes that step again (at once, reading its count until nothing drops), then its own forward and backward
+again, from the parameters the redone update left; the order of updates is the single process's. The loop
+settles the last step the same way before it reads it. With `on_grads` (runtime.verify) every step reads its
+count at once instead, so the hook sees each step's gradients once.
 
 A step is skipped (no update, the router biases kept) when its global batch holds no label token, or when
 its loss or grad norm is not finite; the reason reaches the host with the numbers (StepResult.skipped).
@@ -37,7 +44,9 @@ from runtime.optim import optimizer_step
 
 log = logging.getLogger("runtime")
 
-SKIP_REASONS = {1: "no_labels", 2: "non_finite"}  # the step's skip code on the device; 0: applied
+# the step's skip code on the device; 0: applied. 3 (slots dropped) never reaches a result: settle redoes the step
+SKIP_REASONS = {1: "no_labels", 2: "non_finite"}
+DROPPED = 3
 
 
 @dataclass
@@ -50,18 +59,35 @@ class StepResult:
 
 
 @dataclass
+class Redo:
+    """What computing a step again takes: its micro-batches and the optimizer's learning rates at its launch."""
+
+    batches: list
+    lrs: list[float]
+
+
+@dataclass
 class LaunchedStep:
     """A step whose work is queued: its numbers arrive in `numbers` (host) once `done` has passed."""
 
     num_tokens: int
-    numbers: torch.Tensor  # [loss, grad norm, skip code, EP imbalance sum, EP dispatches] (float64)
+    numbers: torch.Tensor  # [loss, grad norm, skip code, EP imbalance sum, EP dispatches, dropped slots] (float64)
     done: torch.cuda.Event | None  # None: the numbers are already there (a CPU step)
     host_load: LoadReading | None  # a host-side load log's reading (an exchange that syncs anyway)
+    redo: Redo | None = None  # under a bounded dispatcher: to compute the step again, should it drop slots
 
-    def result(self) -> StepResult:
+    def read(self) -> list[float]:
         if self.done is not None:
             self.done.synchronize()
-        loss, grad_norm, code, imbalance_sum, dispatches = self.numbers.tolist()
+        return self.numbers.tolist()
+
+    def dropped(self) -> int:
+        return int(self.read()[5]) if self.redo is not None else 0
+
+    def result(self) -> StepResult:
+        loss, grad_norm, code, imbalance_sum, dispatches, _ = self.read()
+        if code == DROPPED:
+            raise RuntimeError("a step that dropped expert slots was read before settle() computed it again")
         load = self.host_load or (LoadReading(imbalance_sum / dispatches, None, None) if dispatches else None)
         skipped = SKIP_REASONS.get(int(code))
         if skipped == "no_labels":  # no token to average over: the loss and its gradients mean nothing
@@ -69,33 +95,83 @@ class LaunchedStep:
         return StepResult(loss, grad_norm, self.num_tokens, skipped, load)
 
 
-def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None,
-               autocast: bool = True) -> LaunchedStep:
-    """Queues one optimizer step over `batches` (this data rank's micro-batches); every rank calls it alike."""
-    num_tokens = sum(b.input_ids.numel() for b in batches)  # this data slice's, shared by its cp ranks
-    labels = global_label_count(batches, model, env)
+def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_grads=None, autocast: bool = True,
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+    """Queues one optimizer step over `batches` (this data rank's micro-batches); every rank calls it alike.
+    `previous`: the step launched before, settled here (module docstring)."""
     compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
                else nullcontext())
+    labels = global_label_count(batches, model, env)
+    if on_grads is not None:
+        loss = fitting_forward_backward(model, batches, optimizer, env, compute, labels)
+    else:
+        loss = forward_backward(model, batches, env, compute, labels)
+        if previous is not None and settle(previous, model, optimizer, cfg, env, autocast):
+            # this step's gradients came from the parameters before the redone update
+            loss = forward_backward(model, batches, env, compute, labels)
+    if on_grads is not None:
+        on_grads(model)
+    return update(model, batches, optimizer, cfg, env, loss, labels)
+
+
+def settle(launched: LaunchedStep, model, optimizer, cfg: Config, env: DistEnv, autocast: bool = True) -> bool:
+    """Computes `launched` again when it dropped slots (a host read of its count; the same on every rank):
+    the bound grows until its slots fit, and its update is applied. Gradients and tallies of work queued
+    since are dropped. Returns whether it did."""
+    dropped = launched.dropped()
+    if not dropped:
+        return False
+    optimizer.zero_grad(set_to_none=True)
+    discard_tallies(model)
+    grow_bound(model, dropped)
+    compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
+               else nullcontext())
+    batches, lrs = launched.redo.batches, launched.redo.lrs
+    labels = global_label_count(batches, model, env)
+    loss = fitting_forward_backward(model, batches, optimizer, env, compute, labels)
+    now = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    redone = update(model, batches, optimizer, cfg, env, loss, labels)
+    for group, lr in zip(optimizer.param_groups, now):
+        group["lr"] = lr
+    launched.__dict__.update(redone.__dict__)
+    return True
+
+
+def fitting_forward_backward(model, batches: list, optimizer, env: DistEnv, compute, labels: torch.Tensor):
+    """forward_backward, read back and computed again with a grown bound until no slot is dropped."""
     while True:
         loss = forward_backward(model, batches, env, compute, labels)
         dropped = take_dropped_slots(model, env)
-        if not dropped:
-            break
-        grow_bound(model, dropped)  # the same micro-batches again, on every rank alike
+        if dropped is None or not (count := int(dropped.item())):
+            return loss
+        grow_bound(model, count)  # the same micro-batches again, on every rank alike
         optimizer.zero_grad(set_to_none=True)
-    if on_grads is not None:
-        on_grads(model)
+        discard_tallies(model)
+
+
+def update(model, batches: list, optimizer, cfg: Config, env: DistEnv, loss: torch.Tensor,
+           labels: torch.Tensor) -> LaunchedStep:
+    """Queues the step's update after its backward: clip factor and skip decided on the device, the
+    optimizer, the router biases, and the copy of the step's numbers to the host."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = total_grad_norm(grads, env.world_size).to(loss.device, torch.float64)
-    # Both numbers are global (all-reduced), so every rank decides alike.
+    dropped = take_dropped_slots(model, env)
+    dropped = torch.zeros((), device=loss.device, dtype=torch.float64) if dropped is None else dropped.double()
+    # Every number is global (all-reduced), so every rank decides alike.
     code = torch.where(labels == 0, 1, torch.where(loss.isfinite() & grad_norm.isfinite(), 0, 2))
+    code = torch.where(dropped > 0, DROPPED, code)
     skip = (code != 0).float()
     optimizer_step(optimizer, clip_factor(grad_norm, cfg.optim.grad_clip), skip)
     update_router_biases(model, env, keep=1 - skip)
     optimizer.zero_grad(set_to_none=True)
     load_sums, host_load = take_ep_load(model, env.device)
-    return launch_read(num_tokens, torch.cat([torch.stack([loss, grad_norm, code.double()]), load_sums]),
-                       host_load)
+    numbers = torch.cat([torch.stack([loss, grad_norm, code.double()]), load_sums, dropped[None]])
+    dispatcher = moe_dispatcher(model)
+    bounded = dispatcher is not None and dispatcher.dropped is not None
+    redo = Redo(batches, [group["lr"] for group in optimizer.param_groups]) if bounded else None
+    return launch_read(sum(b.input_ids.numel() for b in batches), numbers, host_load, redo)
 
 
 def global_label_count(batches: list, model, env: DistEnv) -> torch.Tensor:
@@ -149,17 +225,30 @@ def clip_factor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(grad_norm.isfinite() & (grad_norm > max_norm), max_norm / (grad_norm + 1e-6), 1.0).float()
 
 
-def take_dropped_slots(model, env: DistEnv) -> int:
+def take_dropped_slots(model, env: DistEnv) -> torch.Tensor | None:
     """The expert slots a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped on
-    every rank since the last call, its counter zeroed; 0 without such a bound (no device read)."""
+    every rank since the last call (a device int64, all-reduced), its counter zeroed; None without a bound."""
     dispatcher = moe_dispatcher(model)
     if dispatcher is None or dispatcher.dropped is None:
-        return 0
+        return None
     dropped = dispatcher.dropped.clone()
     dispatcher.dropped.zero_()
     if env.world_size > 1:
         torch.distributed.all_reduce(dropped)
-    return int(dropped.item())  # the one host read of a bounded dispatcher's step
+    return dropped
+
+
+def discard_tallies(model) -> None:
+    """Forgets what the MoE layers counted during work that will not count (a step computed again): the
+    routers' expert counts, the EP load log's sums, the dropped slots."""
+    for block in model.moe_blocks():
+        if block.gate.bias_update_rate > 0:  # only a biased router counts
+            block.gate.take_counts()
+    dispatcher = moe_dispatcher(model)
+    if dispatcher is not None and isinstance(dispatcher.loads, DeviceLoadLog):
+        dispatcher.loads.take()
+    if dispatcher is not None and dispatcher.dropped is not None:
+        dispatcher.dropped.zero_()
 
 
 def grow_bound(model, dropped: int) -> None:
@@ -192,12 +281,13 @@ def take_ep_load(model, device: torch.device) -> tuple[torch.Tensor, LoadReading
     return torch.zeros(2, device=device, dtype=torch.float64), ep_load(model, device)
 
 
-def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading | None) -> LaunchedStep:
+def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading | None,
+                redo: Redo | None) -> LaunchedStep:
     """Queues the copy of the step's numbers to the host behind the step's work."""
     if numbers.device.type != "cuda":
-        return LaunchedStep(num_tokens, numbers, None, host_load)
+        return LaunchedStep(num_tokens, numbers, None, host_load, redo)
     host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
     host.copy_(numbers, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    return LaunchedStep(num_tokens, host, done, host_load)
+    return LaunchedStep(num_tokens, host, done, host_load, redo)

@@ -60,7 +60,7 @@ from runtime.observe.trackers import Trackers
 from runtime.optim import build_optimizer
 from runtime.plan import Plan
 from runtime.plan import plan as make_plan
-from runtime.step import LaunchedStep, StepResult, train_step
+from runtime.step import LaunchedStep, StepResult, settle, train_step
 
 log = logging.getLogger("runtime")
 
@@ -189,7 +189,9 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         return kernel_warm_up(world_group) if first else nullcontext()
 
     def finish(queued: QueuedStep) -> None:
-        """Reads a queued step's numbers (waiting for its end), then judges, records and logs it."""
+        """Reads a queued step's numbers (waiting for its end; computed again first if it dropped expert slots:
+        runtime.step.settle), then judges, records and logs it."""
+        settle(queued.launched, model, optimizer, cfg, env, autocast)
         result = queued.launched.result()
         guard.check(queued.step, result, last_good)
         record = step_record(queued.step, result, queued.lr, timer.lap(), dims, env, peak, flops_tok)
@@ -205,7 +207,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 with notice.step(step):
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                     with profiler.step(step), warm_up(step == start + 1):
-                        launched = train_step(model, batches, optimizer, cfg, env, on_grads, autocast)
+                        launched = train_step(model, batches, optimizer, cfg, env, on_grads, autocast,
+                                              previous=queued.launched if queued is not None else None)
                     if queued is not None:
                         finish(queued)  # the step before, read while this one computes
                 lr = scheduler.get_last_lr()[0]
