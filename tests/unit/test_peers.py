@@ -160,7 +160,7 @@ def test_cli_prints_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert parse(out)["8", "ours"]["vs Unsloth"] == "1.30x"
     assert out.rstrip().endswith(f"{DEVICE}, 8192 tokens, median of steps 4-12; ratios are steps/s (the row's over "
-                                 "the column's).")
+                                 "the column's), back to back where both have it.")
 
 
 def check_table_of_a_real_dry_run(e2e: Path, out: Path) -> None:
