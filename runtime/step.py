@@ -76,6 +76,10 @@ class LaunchedStep:
     host_load: LoadReading | None  # a host-side load log's reading (an exchange that syncs anyway)
     redo: Redo | None = None  # under a bounded dispatcher: to compute the step again, should it drop slots
 
+    def ready(self) -> bool:
+        """Whether the numbers are there (reading them would not wait)."""
+        return self.done is None or self.done.query()
+
     def read(self) -> list[float]:
         if self.done is not None:
             self.done.synchronize()

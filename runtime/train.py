@@ -194,14 +194,17 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         settle(queued.launched, model, optimizer, cfg, env, autocast)
         result = queued.launched.result()
         guard.check(queued.step, result, last_good)
+        log_step(queued, result)
+
+    def log_step(queued: QueuedStep, result: StepResult) -> None:
         record = step_record(queued.step, result, queued.lr, timer.lap(), dims, env, peak, flops_tok)
         record["recompiles"] = queued.recompiles
         records.append(record)
         metrics.log(record)
 
+    queued = None
     try:
         with scheduled_gc(cfg.train.gc_every_n_steps) as collect_garbage, SlowStepNotice() as notice:
-            queued = None
             for step in range(start + 1, cfg.train.max_steps + 1):
                 progress.step, progress.training = step, True
                 with notice.step(step):
@@ -211,6 +214,7 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                                               previous=queued.launched if queued is not None else None)
                     if queued is not None:
                         finish(queued)  # the step before, read while this one computes
+                        queued = None
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 collect_garbage(step)  # in this step's time: the first step's freeze is warm-up, as its compile
@@ -241,6 +245,12 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         if any(guard.counts.values()):
             log.info("skipped steps: %d without label tokens, %d non-finite", guard.counts["no_labels"],
                      guard.counts["non_finite"])
+    except BaseException:
+        # The step launched before the error, not yet read: its line, where the numbers are there without
+        # waiting (a device stopped in a collective would hold the read) and complete (nothing to compute again).
+        if queued is not None and queued.launched.ready() and not queued.launched.dropped():
+            log_step(queued, queued.launched.result())
+        raise
     finally:
         metrics.close()
         recompiles.close()

@@ -53,6 +53,28 @@ def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
              "--output-dir", str(tmp_path)])
 
 
+def test_an_error_in_a_step_keeps_the_line_of_the_step_before(tmp_path, monkeypatch):
+    """A step is read once the next one is queued: when queuing step 3 fails, step 2 (launched, not yet read)
+    still gets its metrics line."""
+    from runtime.models.qwen import QwenForCausalLM
+
+    real = QwenForCausalLM.forward
+    calls = {"n": 0}
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the third forward fails")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenForCausalLM, "forward", failing)
+    with pytest.raises(RuntimeError, match="the third forward fails"):
+        run([str(_config_with(tmp_path, "checkpoint:\n  every_n_steps: 0\n")), "--max-steps", "6",
+             "--output-dir", str(tmp_path)])
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]
+
+
 def _config_with(tmp_path: Path, extra_yaml: str) -> Path:
     text = EXAMPLE.read_text().replace("tiny/", str(ROOT / "examples" / "tiny") + "/")
     text = text.split("checkpoint:")[0] + extra_yaml + "logging:\n  progress_bar: false\n"
