@@ -1,8 +1,9 @@
 """One optimizer step, launched without reading the device on the host.
 
 Contract
-    launched = train_step(model, batches, optimizer, cfg, env)   # queues the whole step's work
-    result = launched.result()                                   # waits for that step's end only; a StepResult
+    launched = train_step(model, batches, optimizer, cfg, env, previous=before)  # queues the whole step's work
+    settle(launched, model, optimizer, cfg, env)   # the last step of a run, before reading it (see below)
+    result = launched.result()                     # waits for that step's end only; a StepResult
 
 The loss of every micro-batch is its summed token cross-entropy divided by the label-token count of the whole
 global step (every micro-batch of every data rank), so distributed gradients equal one process's.
@@ -29,7 +30,7 @@ its loss or grad norm is not finite; the reason reaches the host with the number
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,12 @@ class LaunchedStep:
         return self.numbers.tolist()
 
     def dropped(self) -> int:
+        """Expert slots the step dropped over every rank (no read without a bound: none can drop)."""
         return int(self.read()[5]) if self.redo is not None else 0
+
+    def become(self, redone: LaunchedStep) -> None:
+        """Takes the place of the step computed again, for whoever holds this one."""
+        vars(self).update(vars(redone))
 
     def result(self) -> StepResult:
         loss, grad_norm, code, imbalance_sum, dispatches, _ = self.read()
@@ -103,19 +109,22 @@ def train_step(model, batches: list, optimizer, cfg: Config, env: DistEnv, on_gr
                previous: LaunchedStep | None = None) -> LaunchedStep:
     """Queues one optimizer step over `batches` (this data rank's micro-batches); every rank calls it alike.
     `previous`: the step launched before, settled here (module docstring)."""
-    compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
-               else nullcontext())
+    compute = compute_context(env, autocast)
     labels = global_label_count(batches, model, env)
     if on_grads is not None:
         loss = fitting_forward_backward(model, batches, optimizer, env, compute, labels)
+        on_grads(model)
     else:
         loss = forward_backward(model, batches, env, compute, labels)
         if previous is not None and settle(previous, model, optimizer, cfg, env, autocast):
             # this step's gradients came from the parameters before the redone update
             loss = forward_backward(model, batches, env, compute, labels)
-    if on_grads is not None:
-        on_grads(model)
     return update(model, batches, optimizer, cfg, env, loss, labels)
+
+
+def compute_context(env: DistEnv, autocast: bool):
+    """bf16 autocast on CUDA (unless `autocast=False`: runtime.verify's fp32 reference); nothing elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda" else nullcontext()
 
 
 def settle(launched: LaunchedStep, model, optimizer, cfg: Config, env: DistEnv, autocast: bool = True) -> bool:
@@ -128,19 +137,25 @@ def settle(launched: LaunchedStep, model, optimizer, cfg: Config, env: DistEnv, 
     optimizer.zero_grad(set_to_none=True)
     discard_tallies(model)
     grow_bound(model, dropped)
-    compute = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast and env.device.type == "cuda"
-               else nullcontext())
-    batches, lrs = launched.redo.batches, launched.redo.lrs
+    batches = launched.redo.batches
     labels = global_label_count(batches, model, env)
-    loss = fitting_forward_backward(model, batches, optimizer, env, compute, labels)
+    loss = fitting_forward_backward(model, batches, optimizer, env, compute_context(env, autocast), labels)
+    with learning_rates(optimizer, launched.redo.lrs):
+        launched.become(update(model, batches, optimizer, cfg, env, loss, labels))
+    return True
+
+
+@contextmanager
+def learning_rates(optimizer, lrs: list[float]):
+    """The optimizer's groups at `lrs` (a step's own, as the schedule gave them at its launch), then back."""
     now = [group["lr"] for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    redone = update(model, batches, optimizer, cfg, env, loss, labels)
-    for group, lr in zip(optimizer.param_groups, now):
-        group["lr"] = lr
-    launched.__dict__.update(redone.__dict__)
-    return True
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, now):
+            group["lr"] = lr
 
 
 def fitting_forward_backward(model, batches: list, optimizer, env: DistEnv, compute, labels: torch.Tensor):
