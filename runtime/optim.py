@@ -189,7 +189,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
 
     def _step_group(self, group: dict, params: list[torch.Tensor], grad_scale, skip) -> None:
         states = [self._state(p) for p in params]
-        device = states[0]["step"].device
+        device = _local(params[0]).device
+        for state in states:
+            if state["step"].device != device:  # a count loaded onto the host (a checkpoint that kept it there)
+                state["step"] = state["step"].to(device)
         keep = torch.ones((), device=device) if skip is None else (1 - skip).to(device, torch.float32)
         torch._foreach_add_([s["step"] for s in states], keep)
         beta1, beta2 = group["betas"]
