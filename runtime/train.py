@@ -1,11 +1,8 @@
 """The training loop: build (model, optimizer, schedule, data) from a Config, then step.
 
-One optimizer step = `grad_accum_steps` micro-batches per data rank. The loss of every micro-batch
-is its summed token cross-entropy divided by the label-token count of the whole global step (all
-micro-batches of all data ranks), so the distributed loss and gradients equal those of one process
-that sees the whole global batch.
-
-A step (runtime.step) is queued without host reads; the loop reads step N's numbers once step N+1 is
+One optimizer step = `grad_accum_steps` micro-batches per data rank, computed by runtime.step (the loss
+normalized over the global step's label tokens, so the distributed run equals one process's). A step is
+queued without host reads; the loop reads step N's numbers once step N+1 is
 queued, so the host prepares the next step while the device computes this one. Before an evaluation, a
 checkpoint or the end, the step under way is read first.
 
