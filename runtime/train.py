@@ -2,9 +2,9 @@
 
 One optimizer step = `grad_accum_steps` micro-batches per data rank, computed by runtime.step (the loss
 normalized over the global step's label tokens, so the distributed run equals one process's). A step is
-queued without host reads; the loop reads step N's numbers once step N+1 is
-queued, so the host prepares the next step while the device computes this one. Before an evaluation, a
-checkpoint or the end, the step under way is read first.
+queued without host reads; the loop reads step N's numbers once step N+1 is queued, so the host prepares the
+next step while the device computes this one. Before an evaluation, a checkpoint or the end, the step under
+way is read first.
 
 A step is skipped (no update, counted, logged with `"skipped"`) when its global batch holds no label
 token, or when its loss or grad norm is not finite and `train.nan_policy: skip`; with `stop` (the
