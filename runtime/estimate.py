@@ -47,6 +47,7 @@ from quant import QuantizedWeight
 from runtime.config import Config
 from runtime.distributed.fsdp import frozen_dense_placement, fsdp_gather_dtype
 from runtime.distributed.mesh import ParallelDims
+from runtime.lora import LoRALinear
 from runtime.loss import default_chunk_size
 from runtime.models.factory import meta_model, model_config
 from runtime.models.qwen import QwenConfig, QwenForCausalLM
@@ -369,19 +370,22 @@ def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts:
     until forward ends) and, without checkpointing, the expert weights scattermoe casts and keeps (`experts`:
     False where FSDP gathers them in bf16, freed after forward). In
     backward (autocast exited) only what autograd keeps: nothing under checkpointing, and no lora_A of the
-    first block's input projections, whose input (the frozen embedding's output) needs no gradient. Neither
-    the embedding (never cast) nor lm_head (the loss casts it: loss_buffers)."""
-    if in_backward and mode != "none":
-        return 0
+    first block's input projections, whose input (the frozen embedding's output) needs no gradient. A
+    LoRALinear without dropout casts its factors itself and keeps only what its backward takes, so its
+    copies follow the backward rule at either moment. Neither the embedding (never cast) nor lm_head (the loss
+    casts it: loss_buffers)."""
     first = ("model.layers.0.self_attn.", "model.layers.0.linear_attn.in_proj")
     cast = (nn.Linear, SoftmaxTopKRouter) + ((GroupedExperts,) if mode == "none" and experts else ())
     total = 0
     for name, module in model.named_modules():
         if not isinstance(module, cast) or name == "lm_head":
             continue
+        kept_only = in_backward or (isinstance(module, LoRALinear) and module.lora_dropout == 0)
+        if kept_only and mode != "none":
+            continue
         for pname, p in module.named_parameters(recurse=False):
             gradient_free_input = pname == "lora_A" and name.startswith(first) and not name.endswith("o_proj")
-            if p.requires_grad and not (in_backward and gradient_free_input):
+            if p.requires_grad and not (kept_only and gradient_free_input):
                 total += p.numel()
     return total
 

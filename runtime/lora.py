@@ -74,6 +74,43 @@ class LoRAFormatError(ValueError):
     """An adapter that does not fit the model or uses PEFT features we do not implement."""
 
 
+class _LoRALinearFunction(torch.autograd.Function):
+    """y = x W^T + b + (s x A^T) B^T as one autograd node: the base and the LoRA branch share the input's
+    gradient GEMM (addmm), and the eager backward walks one node instead of seven (the factors' casts, the two
+    rank-sized products, the scaling, the base linear, the sum). Computes in autocast's dtype where autocast
+    is on (the factors are cast once here), else in x's; the scaling on the rank-sized product, as PEFT."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            x_, w, a, b = (t.to(dtype) for t in (x, weight, lora_A, lora_B))
+            xa_s = F.linear(x_, a) * scaling
+            base = F.linear(x_, w, None if bias is None else bias.to(dtype))
+            y = torch.addmm(base.flatten(0, -2), xa_s.flatten(0, -2), b.t()).view(*x.shape[:-1], -1)
+        # A's copy only where backward takes x's gradient (the first block's input needs none)
+        ctx.save_for_backward(x_, xa_s, w, a if x.requires_grad else None, b)
+        ctx.scaling, ctx.dtypes, ctx.has_bias = scaling, (x.dtype, weight.dtype, lora_A.dtype, lora_B.dtype), \
+            bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_, xa_s, w, a, b = ctx.saved_tensors
+        x_dtype, w_dtype, a_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        gy = grad_y.to(w.dtype).flatten(0, -2)
+        x2, xa2 = x_.flatten(0, -2), xa_s.flatten(0, -2)
+        gyb_s = (gy @ b) * ctx.scaling  # [tokens, r]
+        grad_x = torch.addmm(gy @ w, gyb_s, a).view(x_.shape).to(x_dtype) if need_x else None
+        grad_w = (gy.t() @ x2).to(w_dtype) if need_w else None
+        grad_bias = gy.sum(0).to(w_dtype) if need_bias and ctx.has_bias else None
+        grad_a = (gyb_s.t() @ x2).to(a_dtype) if need_a else None
+        grad_b = (gy.t() @ xa2).to(b_dtype) if need_b else None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+
+
 class LoRALinear(nn.Linear):
     """nn.Linear + scaling * B(A(dropout(x))). `weight`/`bias` keep their names so base checkpoint keys
     (…q_proj.weight) are unchanged; the factors are named lora_A [r, in], lora_B [out, r]."""
@@ -100,7 +137,9 @@ class LoRALinear(nn.Linear):
         nn.init.zeros_(self.lora_B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_lora = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
+        if self.lora_dropout == 0:
+            return _LoRALinearFunction.apply(x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scaling)
+        x_lora = F.dropout(x, self.lora_dropout, self.training)
         # The scaling on the rank-sized product: no [tokens, out] pass to scale it, forward or backward
         delta = F.linear(F.linear(x_lora, self.lora_A) * self.lora_scaling, self.lora_B)
         return F.linear(x, self.weight, self.bias) + delta

@@ -272,3 +272,62 @@ def test_lora_on_gdn_projections_exports_to_peft(tmp_path):
     ids = torch.randint(0, 320, (1, 12))
     with torch.no_grad():
         assert (peft_model(input_ids=ids).logits - ours(ids)).abs().max() <= 1e-4
+
+
+def _lora_formula(x, weight, bias, lora_A, lora_B, scaling):
+    """The adapter's definition, written out (PEFT's LoRA layer): x W^T + b + scaling * (x A^T) B^T."""
+    return x @ weight.T + bias + scaling * (x @ lora_A.T) @ lora_B.T
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("base_trains", [False, True])
+def test_the_one_node_lora_linear_is_the_formula_and_its_gradients(x_grad, base_trains):
+    """LoRALinear's single autograd node (no dropout) against the formula in float64: output and the gradients
+    of the input, both factors and (where it trains) the base; without an input gradient (the first block's
+    projections) the factors still get theirs."""
+    from runtime.lora import LoRALinear
+
+    torch.manual_seed(0)  # the base's and A's init
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(12, 10)
+    layer = LoRALinear(base, rank=4, alpha=8.0)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=g)
+    layer.weight.requires_grad_(base_trains)
+    layer.bias.requires_grad_(base_trains)
+    x = torch.randn(3, 5, 12, generator=g, requires_grad=x_grad)
+    grad_y = torch.randn(3, 5, 10, generator=g)
+    layer(x).backward(grad_y)
+    leaves = [t.detach().double().requires_grad_() for t in (x, layer.weight, layer.bias, layer.lora_A, layer.lora_B)]
+    y64 = _lora_formula(*leaves, layer.lora_scaling)
+    y64.backward(grad_y.double())
+    torch.testing.assert_close(layer(x).double(), y64, rtol=1e-5, atol=1e-5)
+    ours = [x.grad, layer.weight.grad, layer.bias.grad, layer.lora_A.grad, layer.lora_B.grad]
+    wanted = [x_grad, base_trains, base_trains, True, True]
+    for got, ref, want in zip(ours, leaves, wanted, strict=True):
+        if want:
+            torch.testing.assert_close(got.double(), ref.grad, rtol=1e-5, atol=1e-5)
+        else:
+            assert got is None
+
+
+def test_the_one_node_lora_linear_under_autocast_computes_in_its_dtype():
+    """Under bf16 autocast (fp32 factors, as LoRA's masters): a bf16 output within bf16 rounding of the formula,
+    fp32 factor gradients."""
+    from runtime.lora import LoRALinear
+
+    torch.manual_seed(1)  # the base's and A's init
+    g = torch.Generator().manual_seed(1)
+    layer = LoRALinear(torch.nn.Linear(32, 16, bias=False), rank=8, alpha=16.0)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=g)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(4, 32, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert layer.lora_A.grad.dtype == layer.lora_B.grad.dtype == torch.float32
+    ref = _lora_formula(x.detach().double(), layer.weight.double(), 0.0, layer.lora_A.double(), layer.lora_B.double(),
+                        layer.lora_scaling)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-2 * ref.abs().max().item())  # bf16 products
