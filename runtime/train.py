@@ -188,6 +188,7 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
     def finish(queued: QueuedStep) -> None:
         """Reads a queued step's numbers (waiting for its end; computed again first if it dropped expert slots:
         runtime.step.settle), then judges, records and logs it."""
+        queued.judged = True
         settle(queued.launched, model, optimizer, cfg, env, autocast)
         result = queued.launched.result()
         guard.check(queued.step, result, last_good)
@@ -245,7 +246,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
     except BaseException:
         # The step launched before the error, not yet read: its line, where the numbers are there without
         # waiting (a device stopped in a collective would hold the read) and complete (nothing to compute again).
-        if queued is not None and queued.launched.ready() and not queued.launched.dropped():
+        # A step the guard judged (a diverged one) is not logged as trained.
+        if queued is not None and not queued.judged and queued.launched.ready() and not queued.launched.dropped():
             log_step(queued, queued.launched.result())
         raise
     finally:
@@ -262,6 +264,7 @@ class QueuedStep:
     launched: LaunchedStep
     lr: float
     recompiles: int
+    judged: bool = False  # finish() took it up: logged, or refused by the guard
 
 
 def mesh_summary(dims: ParallelDims) -> dict:

@@ -138,9 +138,10 @@ class Watchdog:
             return
         fresh = self._started + 1  # the first round to begin after this call (one may be under way)
         self._wake.set()
-        # The guard rules by last round + timeout + 2 intervals on an idle host; the same again is slack
-        # for a loaded one (this wait ending before the verdict would let the handler go on).
-        guard_verdict_at = self._round_done_at + 2 * (self.timeout_s + 2 * self.interval_s)
+        # The guard rules by last round + timeout + 2 intervals on an idle host; on a loaded one its late
+        # wake-ups read as its own freeze and restart the count, so three times that again is slack (this
+        # wait ending before the verdict would let the handler go on).
+        guard_verdict_at = self._round_done_at + 4 * (self.timeout_s + 2 * self.interval_s)
         deadline = max(time.monotonic() + wait_s, guard_verdict_at)
         while self._rounds < fresh and time.monotonic() < deadline:
             time.sleep(0.005)
