@@ -17,8 +17,9 @@
 #         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
 #         again, so drift between the runs shows. Both trees run this tree's bench_e2e.py (copied into OLD), so
 #         both have its columns (back-to-back ms)
-#   sync  the sync-free step's GPU tests: no host sync in a steady step (tests/gpu/test_step_sync_gpu.py) and a
-#         non-finite step skipped on the device (tests/unit/test_step.py, CUDA cases)
+#   sync  the sync-free step's GPU tests: no host sync in a steady step (tests/gpu/test_step_sync_gpu.py), a
+#         non-finite step skipped on the device (tests/unit/test_step.py, test_optim.py: CUDA cases), the one-node
+#         LoRALinear under CUDA autocast (tests/unit/test_lora.py: CUDA case)
 #   kernels  issue 43's profile: ours (eager, then compiled) and Unsloth at PEERS_LAYERS (8) layers, 2 traced steps
 #         each after 3 warmup + 3 timed, benchmarks/kernel_split.py's table of kernel classes (forward / backward)
 #         and each side's largest kernels (carry [".whl", ".whl-unsloth"], as peers)
@@ -79,7 +80,8 @@ if [[ $parts == *recompiles* ]]; then
 fi
 if [[ $parts == *sync* ]]; then
   echo "== sync: the step's GPU tests"
-  python -m pytest -q -m gpu tests/gpu/test_step_sync_gpu.py tests/unit/test_step.py -p no:cacheprovider \
+  python -m pytest -q -m gpu tests/gpu/test_step_sync_gpu.py tests/unit/test_step.py tests/unit/test_optim.py \
+    tests/unit/test_lora.py -p no:cacheprovider \
     > "$OUT/e2e_sync.log" 2>&1
   grep -E "passed|failed|^E |^FAILED" "$OUT/e2e_sync.log" | head -30
 fi

@@ -311,19 +311,21 @@ def test_the_one_node_lora_linear_is_the_formula_and_its_gradients(x_grad, base_
             assert got is None
 
 
-def test_the_one_node_lora_linear_under_autocast_computes_in_its_dtype():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_the_one_node_lora_linear_under_autocast_computes_in_its_dtype(device):
     """Under bf16 autocast (fp32 factors, as LoRA's masters): a bf16 output within bf16 rounding of the formula,
     fp32 factor gradients."""
     from runtime.lora import LoRALinear
 
     torch.manual_seed(1)  # the base's and A's init
     g = torch.Generator().manual_seed(1)
-    layer = LoRALinear(torch.nn.Linear(32, 16, bias=False), rank=8, alpha=16.0)
+    layer = LoRALinear(torch.nn.Linear(32, 16, bias=False), rank=8, alpha=16.0).to(device)
     with torch.no_grad():
-        layer.lora_B.normal_(generator=g)
+        layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g))
     layer.weight.requires_grad_(False)
-    x = torch.randn(4, 32, generator=g, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x = torch.randn(4, 32, generator=g).to(device).requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
         y = layer(x)
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
