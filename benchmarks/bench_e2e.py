@@ -24,8 +24,8 @@ Each side runs in its own subprocess, one after the other (its peak memory is it
 that side); the parent prints the table and the ratios. Per side: ms/step (median of the steady steps,
 each between CUDA events from an idle GPU, its loss read on the host), back-to-back ms/step (the mean of
 `--steps` steps queued one after another with one sync at the end, as a training loop that reads its
-numbers late runs them: the host prepares a step while the GPU computes the one before), tokens/s, MFU (runtime.observe.metrics.flops_per_token of the same
-config for both sides, 6 x active parameters + attention, against the device's dense bf16 peak), peak
+numbers late runs them: the host prepares a step while the GPU computes the one before), tokens/s, MFU
+(runtime.observe.metrics.flops_per_token of the same config for both sides, 6 x active parameters + attention, against the device's dense bf16 peak), peak
 GiB (max allocated over the whole run, build and warmup included, as a user sees it), step-1 seconds
 (build start to the end of step 1). `--profile` (ours): torch.profiler over 2 steady steps: the top 15
 CUDA kernels, the GPU's busy share of a step, and a chrome trace OUT/<name>_trace.json.gz.
@@ -146,7 +146,8 @@ def measure(build, args, device: torch.device, flops_tok: float) -> dict:
     ms = statistics.median(times)
     b2b_ms = steady_ms(setup.launch, args.steps, warmup=1)
     peak = device_peak_flops(device)
-    result = {"ms": ms, "b2b_ms": b2b_ms, "tok_s": args.seq / ms * 1e3, "mfu": flops_tok * args.seq / ms * 1e3 / peak if peak else None,
+    result = {"ms": ms, "b2b_ms": b2b_ms, "tok_s": args.seq / ms * 1e3,
+              "mfu": flops_tok * args.seq / ms * 1e3 / peak if peak else None,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
               "build_gib": build_gib, "first_step_s": first_step_s, "loss1": first_loss, "loss": losses[-1],
               "times_ms": times, "note": setup.note}

@@ -9,7 +9,8 @@ log or run_unsloth.sh's output will do). Sides are matched by layer count, and e
 same seq and card on every side. Prints one markdown table: per side ms/step (median of steps each from an idle
 GPU), back-to-back ms/step (steps queued one after another, as training loops run them), peak GiB, tokens/s and
 trained parameters; steps/s ratios (same seq on every side, so the inverse ratio of ms/step: back to back where
-both sides have it, else the medians); and for ours the issue's targets: >= 1.25x Unsloth's steps/s at <= its peak memory, and >= 2.4x transformers+PEFT.
+both sides have it, else the medians); and for ours the issue's targets: >= 1.25x Unsloth's steps/s at <= its
+peak memory, and >= 2.4x transformers+PEFT.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class Batch:
             return (t.pin_memory() if pin and t.device.type == "cpu" else t).to(device, non_blocking=True)
 
         return Batch(input_ids=move(self.input_ids), labels=move(self.labels), position_ids=move(self.position_ids),
-                     cu_seqlens=move(self.cu_seqlens), max_seqlen=self.max_seqlen, num_label_tokens=self.num_label_tokens)
+                     cu_seqlens=move(self.cu_seqlens), max_seqlen=self.max_seqlen,
+                     num_label_tokens=self.num_label_tokens)
 
 
 def collate(rows: list[Row], corpus: Corpus, seq_len: int, pad_id: int) -> Batch:

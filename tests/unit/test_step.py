@@ -70,7 +70,8 @@ def test_the_launched_numbers_are_the_hosts(monkeypatch):
     real_step = torch.optim.AdamW.step
 
     def spy(self, *args, **kwargs):
-        grads = [p.grad.double().flatten() for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad.double().flatten() for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]
         seen["norm"] = torch.cat(grads).norm().item()
         return real_step(self, *args, **kwargs)
 
