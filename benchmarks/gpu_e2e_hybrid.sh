@@ -21,7 +21,7 @@ for mode in ${MODES:-lora}; do
     --tag "hybrid_$mode" --out "$OUT" > "$OUT/e2e_hybrid_$mode.log" 2>&1
   grep -E "failed:" "$OUT/e2e_hybrid_$mode.log"
 done
-echo "== summary (side mode ms/step tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
+echo "== summary (side mode ms/step b2b-ms tokens/s MFU peak-GiB model-GiB step-1-s loss1 note)"
 for mode in ${MODES:-lora}; do
   grep -E "^\w.*\[.*torch|^(ours|baseline) +(lora|full) |^ratio" "$OUT/e2e_hybrid_$mode.log"
 done
