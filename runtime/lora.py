@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from gpu.device import compute_dtype
 from moe.experts import GroupedExperts
 from runtime.config import ConfigError, LoraConfig
 from runtime.distributed.state_dict import gather_full
@@ -82,9 +83,8 @@ class _LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float):
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        with torch.autocast(device, enabled=False):
+        dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
             x_, w, a, b = (t.to(dtype) for t in (x, weight, lora_A, lora_B))
             xa_s = F.linear(x_, a) * scaling
             base = F.linear(x_, w, None if bias is None else bias.to(dtype))

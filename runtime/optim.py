@@ -145,13 +145,13 @@ def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, step, grad_scale, ke
     bias_c2_sqrt = (1 - beta2**step).sqrt()
     kept = keep > 0
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        g32 = g.float() * grad_scale
-        m32 = m.float().lerp(g32, 1 - beta1)
-        v32 = v.float().lerp(g32 * g32, 1 - beta2)
+        g32, m_old, v_old = g.float() * grad_scale, m.float(), v.float()
+        m32 = m_old.lerp(g32, 1 - beta1)
+        v32 = v_old.lerp(g32 * g32, 1 - beta2)
         p32 = p.float() * (1 - lr * weight_decay)
         p32 = p32 - (lr / bias_c1) * m32 / (v32.sqrt() / bias_c2_sqrt + eps)
-        m.copy_(torch.where(kept, m32, m.float()))
-        v.copy_(torch.where(kept, v32, v.float()))
+        m.copy_(torch.where(kept, m32, m_old))
+        v.copy_(torch.where(kept, v32, v_old))
         p.copy_(torch.where(kept, round_to_bf16_stochastically(p32), p))
 
 
@@ -190,9 +190,6 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     def _step_group(self, group: dict, params: list[torch.Tensor], grad_scale, skip) -> None:
         states = [self._state(p) for p in params]
         device = _local(params[0]).device
-        for state in states:
-            if state["step"].device != device:  # a count loaded onto the host (a checkpoint that kept it there)
-                state["step"] = state["step"].to(device)
         keep = torch.ones((), device=device) if skip is None else (1 - skip).to(device, torch.float32)
         torch._foreach_add_([s["step"] for s in states], keep)
         beta1, beta2 = group["betas"]
@@ -205,6 +202,13 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             update([_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in ss],
                    [_local(s["exp_avg_sq"]) for s in ss], *scalars, beta1, beta2, group["eps"],
                    group["weight_decay"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then every step count on its parameter's device (a checkpoint may hold it on the host)."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(_local(p).device)
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

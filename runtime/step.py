@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu.device import to_device_async
 from moe.dispatch import LoadReading
 from moe.dispatch.load import DeviceLoadLog
 from runtime.config import Config
-from runtime.distributed.expert_parallel import ep_load, moe_dispatcher
+from runtime.distributed.expert_parallel import moe_dispatcher
 from runtime.distributed.fsdp import total_grad_norm
 from runtime.distributed.process_group import DistEnv
 from runtime.optim import optimizer_step
@@ -160,9 +161,10 @@ def learning_rates(optimizer, lrs: list[float]):
 
 def fitting_forward_backward(model, batches: list, optimizer, env: DistEnv, compute, labels: torch.Tensor):
     """forward_backward, read back and computed again with a grown bound until no slot is dropped."""
+    dispatcher = moe_dispatcher(model)
     while True:
         loss = forward_backward(model, batches, env, compute, labels)
-        dropped = take_dropped_slots(model, env)
+        dropped = take_dropped_slots(dispatcher, env)
         if dropped is None or not (count := int(dropped.item())):
             return loss
         grow_bound(model, count)  # the same micro-batches again, on every rank alike
@@ -174,9 +176,10 @@ def update(model, batches: list, optimizer, cfg: Config, env: DistEnv, loss: tor
            labels: torch.Tensor) -> LaunchedStep:
     """Queues the step's update after its backward: clip factor and skip decided on the device, the
     optimizer, the router biases, and the copy of the step's numbers to the host."""
+    dispatcher = moe_dispatcher(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = total_grad_norm(grads, env.world_size).to(loss.device, torch.float64)
-    dropped = take_dropped_slots(model, env)
+    dropped = take_dropped_slots(dispatcher, env)
     dropped = torch.zeros((), device=loss.device, dtype=torch.float64) if dropped is None else dropped.double()
     # Every number is global (all-reduced), so every rank decides alike.
     code = torch.where(labels == 0, 1, torch.where(loss.isfinite() & grad_norm.isfinite(), 0, 2))
@@ -185,9 +188,8 @@ def update(model, batches: list, optimizer, cfg: Config, env: DistEnv, loss: tor
     optimizer_step(optimizer, clip_factor(grad_norm, cfg.optim.grad_clip), skip)
     update_router_biases(model, env, keep=1 - skip)
     optimizer.zero_grad(set_to_none=True)
-    load_sums, host_load = take_ep_load(model, env.device)
+    load_sums, host_load = take_ep_load(dispatcher, env.device)
     numbers = torch.cat([torch.stack([loss, grad_norm, code.double()]), load_sums, dropped[None]])
-    dispatcher = moe_dispatcher(model)
     bounded = dispatcher is not None and dispatcher.dropped is not None
     redo = Redo(batches, [group["lr"] for group in optimizer.param_groups]) if bounded else None
     return launch_read(sum(b.input_ids.numel() for b in batches), numbers, host_load, redo)
@@ -197,19 +199,11 @@ def global_label_count(batches: list, model, env: DistEnv) -> torch.Tensor:
     """The step's label tokens over every data rank, a float64 device scalar (context-parallel ranks of a data
     slice hold the same rows, so their count is divided out). A collective on the device: no host wait."""
     cp = model.context_parallel
-    count = to_device([float(sum(b.num_label_tokens for b in batches))], env.device)[0]
+    count = to_device_async(torch.tensor(float(sum(b.num_label_tokens for b in batches)), dtype=torch.float64),
+                            env.device)
     if env.world_size > 1:
         torch.distributed.all_reduce(count)
     return count / (cp.size if cp is not None else 1)
-
-
-def to_device(values: list[float], device: torch.device) -> torch.Tensor:
-    """Host numbers as a float64 device tensor, without waiting for the device: a copy from pageable memory
-    would wait for the stream, i.e. for the work the host queued before."""
-    host = torch.tensor(values, dtype=torch.float64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def forward_backward(model, batches: list, env: DistEnv, compute, labels: torch.Tensor) -> torch.Tensor:
@@ -244,10 +238,9 @@ def clip_factor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(grad_norm.isfinite() & (grad_norm > max_norm), max_norm / (grad_norm + 1e-6), 1.0).float()
 
 
-def take_dropped_slots(model, env: DistEnv) -> torch.Tensor | None:
+def take_dropped_slots(dispatcher, env: DistEnv) -> torch.Tensor | None:
     """The expert slots a dispatcher's bound on the backends' buffers (parallelism.gather_capacity) dropped on
     every rank since the last call (a device int64, all-reduced), its counter zeroed; None without a bound."""
-    dispatcher = moe_dispatcher(model)
     if dispatcher is None or dispatcher.dropped is None:
         return None
     dropped = dispatcher.dropped.clone()
@@ -291,13 +284,13 @@ def update_router_biases(model, env: DistEnv, keep: torch.Tensor) -> None:
         router.update_bias(counts_E, keep)
 
 
-def take_ep_load(model, device: torch.device) -> tuple[torch.Tensor, LoadReading | None]:
+def take_ep_load(dispatcher, device: torch.device) -> tuple[torch.Tensor, LoadReading | None]:
     """The EP load since the last call: ([imbalance sum, dispatches] on the device, None) from a device log,
-    or (zeros, its reading) from a host log, whose exchange reads the host anyway."""
-    dispatcher = moe_dispatcher(model)
+    or (zeros, its reading) from a host log, whose exchange reads the host anyway (None without EP)."""
     if dispatcher is not None and isinstance(dispatcher.loads, DeviceLoadLog):
         return dispatcher.loads.take().to(device), None
-    return torch.zeros(2, device=device, dtype=torch.float64), ep_load(model, device)
+    host_load = None if dispatcher is None else dispatcher.load_reading(device)
+    return torch.zeros(2, device=device, dtype=torch.float64), host_load
 
 
 def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading | None,

@@ -188,7 +188,6 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
     def finish(queued: QueuedStep) -> None:
         """Reads a queued step's numbers (waiting for its end; computed again first if it dropped expert slots:
         runtime.step.settle), then judges, records and logs it."""
-        queued.judged = True
         settle(queued.launched, model, optimizer, cfg, env, autocast)
         result = queued.launched.result()
         guard.check(queued.step, result, last_good)
@@ -211,8 +210,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                         launched = train_step(model, batches, optimizer, cfg, env, on_grads, autocast,
                                               previous=queued.launched if queued is not None else None)
                     if queued is not None:
-                        finish(queued)  # the step before, read while this one computes
-                        queued = None
+                        before, queued = queued, None  # judged from here on: the error path leaves it
+                        finish(before)  # the step before, read while this one computes
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 collect_garbage(step)  # in this step's time: the first step's freeze is warm-up, as its compile
@@ -222,8 +221,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 every = cfg.checkpoint.every_n_steps
                 saving = every and step % every == 0 and step < cfg.train.max_steps
                 if evaluating or saving or step == cfg.train.max_steps:
-                    finish(queued)
-                    queued = None
+                    last, queued = queued, None
+                    finish(last)
                 if evaluating:
                     metrics.log(evaluate(model, eval_data, env, step))  # in metrics.jsonl and the trackers
                 if saving:
@@ -246,8 +245,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
     except BaseException:
         # The step launched before the error, not yet read: its line, where the numbers are there without
         # waiting (a device stopped in a collective would hold the read) and complete (nothing to compute again).
-        # A step the guard judged (a diverged one) is not logged as trained.
-        if queued is not None and not queued.judged and queued.launched.ready() and not queued.launched.dropped():
+        # A step finish() took up (a diverged one the guard refused) is no longer here.
+        if queued is not None and queued.launched.ready() and not queued.launched.dropped():
             log_step(queued, queued.launched.result())
         raise
     finally:
@@ -264,7 +263,6 @@ class QueuedStep:
     launched: LaunchedStep
     lr: float
     recompiles: int
-    judged: bool = False  # finish() took it up: logged, or refused by the guard
 
 
 def mesh_summary(dims: ParallelDims) -> dict:

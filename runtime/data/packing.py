@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu.device import to_device_async
 from runtime.data.corpus import Corpus
 from runtime.loss import IGNORE_INDEX
 
@@ -44,15 +45,10 @@ class Batch:
     num_label_tokens: int
 
     def to(self, device: torch.device | str) -> Batch:
-        """The batch on `device`, copied without the host waiting: to CUDA through pinned memory (a copy from
-        pageable memory waits for the work queued before it)."""
-        pin = torch.device(device).type == "cuda"
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pin and t.device.type == "cpu" else t).to(device, non_blocking=True)
-
-        return Batch(input_ids=move(self.input_ids), labels=move(self.labels), position_ids=move(self.position_ids),
-                     cu_seqlens=move(self.cu_seqlens), max_seqlen=self.max_seqlen,
+        """The batch on `device`, copied without the host waiting (gpu.device.to_device_async)."""
+        return Batch(input_ids=to_device_async(self.input_ids, device), labels=to_device_async(self.labels, device),
+                     position_ids=to_device_async(self.position_ids, device),
+                     cu_seqlens=to_device_async(self.cu_seqlens, device), max_seqlen=self.max_seqlen,
                      num_label_tokens=self.num_label_tokens)
 
 

@@ -1,12 +1,12 @@
 """Expert parallelism: the MoE blocks' distributed wiring (dispatcher over the EP group, balance loss over
-the global micro-batch) and the EP load reading. Which experts an EP rank holds is decided at build time
+the global micro-batch) and the dispatcher they share. Which experts an EP rank holds is decided at build time
 (runtime.models.build.keep_local_experts); runtime.distributed.parallelize applies this with the rest."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from moe.dispatch import Dispatcher, LoadReading, build_dispatcher
+from moe.dispatch import Dispatcher, build_dispatcher
 from runtime.config import Config
 from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.models.qwen import QwenForCausalLM
@@ -27,14 +27,6 @@ def wire_moe_blocks(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes |
     for block in model.moe_blocks():
         block.wire(dispatcher, balance_group, aux_grad_scale=1.0 / cfg.train.grad_accum_steps)
     return frozenset(g.group_name for g in (ep_group, balance_group) if g is not None)
-
-
-def ep_load(model: QwenForCausalLM, device) -> LoadReading | None:
-    """Routing imbalance and host skew of the EP exchanges since the last call (moe/dispatch/load.py), read
-    from the dispatcher the MoE blocks share: a collective over the EP group (every rank calls it); None
-    without EP or MoE layers."""
-    dispatcher = moe_dispatcher(model)
-    return None if dispatcher is None else dispatcher.load_reading(device)
 
 
 def moe_dispatcher(model: QwenForCausalLM) -> Dispatcher | None:
