@@ -36,12 +36,17 @@
 #               the host gaps and idle GPU (runtime.timeline)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
+# CUDA_VISIBLE_DEVICES=2,3: the call uses those cards only (N = their count), other parts may run on the rest.
 # COMPILED_LIMIT: the compiled LoRA row's own limit in seconds (default 360; RUN_LIMIT for the others).
 # SETS="key=value ...": config overrides for every training run of the call (e.g. SETS="train.max_steps=30
 # train.gc_every_n_steps=0"); the rows are the median of steps 4 to the end.
 # Logs under $OUT, packed at the end into $OUT/gpu_multi_<parts>.tgz; the summary table comes last.
 source benchmarks/gpu_env.sh
-N=$(nvidia-smi -L | wc -l)
+# the cards this call may use: CUDA_VISIBLE_DEVICES's (so a call can run other parts on the rest), else all
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a CARDS <<< "$CUDA_VISIBLE_DEVICES"
+else mapfile -t CARDS < <(seq 0 $(($(nvidia-smi -L | wc -l) - 1))); fi
+N=${#CARDS[@]}
+cards() { local IFS=,; echo "${CARDS[*]:$1:$2}"; }  # first, count: those cards, as CUDA_VISIBLE_DEVICES
 parts=${*:-verify throughput scaling bandwidth}
 TINY=examples/tiny-qwen3-moe.yaml
 BIG=benchmarks/configs/qwen3-30b-a3b-random.yaml
@@ -179,7 +184,7 @@ if [[ $parts == *ceiling* ]]; then
       (( runs > 0 && runs % N == 0 )) && wait  # one run per GPU at a time
       extra=()
       [ "$mode" = lora ] && extra=(--set lora.enabled=true --set optim.master_dtype=fp32)
-      CUDA_VISIBLE_DEVICES=$((runs % N)) launch_run "$tag" 1 --set model.num_layers_override=$layers \
+      CUDA_VISIBLE_DEVICES=$(cards $((runs % N)) 1) launch_run "$tag" 1 --set model.num_layers_override=$layers \
         --set parallelism.activation_checkpoint=none "${extra[@]}" &
       runs=$((runs + 1))
     done
@@ -273,7 +278,7 @@ if [[ $parts == *epbench* ]]; then
     IFS=$'\t' read -r world tag jflags <<< "$job"
     if ((free + world > N)); then wait; free=0; fi
     # the flags split into words, unglobbed (profiling.steps=[6])
-    (set -f; CUDA_VISIBLE_DEVICES=$(seq -s, $free $((free + world - 1))) launch_run "$tag" "$world" $jflags) &
+    (set -f; CUDA_VISIBLE_DEVICES=$(cards $free "$world") launch_run "$tag" "$world" $jflags) &
     free=$((free + world))
   done
   wait

@@ -191,7 +191,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         states = [self._state(p) for p in params]
         device = _local(params[0]).device
         keep = torch.ones((), device=device) if skip is None else (1 - skip).to(device, torch.float32)
-        torch._foreach_add_([s["step"] for s in states], keep)
+        steps = [s["step"] for s in states]
+        # the list overload: the scalar-tensor one reads its scalar on the host (a sync)
+        torch._foreach_add_(steps, [keep] * len(steps))
         beta1, beta2 = group["betas"]
         scalars = (torch.tensor(group["lr"], dtype=torch.float32), states[0]["step"],  # a group steps together
                    torch.as_tensor(grad_scale, dtype=torch.float32, device=device), keep)

@@ -300,6 +300,6 @@ def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading |
         return LaunchedStep(num_tokens, numbers, None, host_load, redo)
     host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
     host.copy_(numbers, non_blocking=True)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event(enable_timing=True)  # also the step's end for its step_s (StepTimer)
     done.record()
     return LaunchedStep(num_tokens, host, done, host_load, redo)

@@ -194,7 +194,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         log_step(queued, result)
 
     def log_step(queued: QueuedStep, result: StepResult) -> None:
-        record = step_record(queued.step, result, queued.lr, timer.lap(), dims, env, peak, flops_tok)
+        record = step_record(queued.step, result, queued.lr, timer.lap(queued.launched.done), dims, env, peak,
+                             flops_tok)
         record["recompiles"] = queued.recompiles
         records.append(record)
         metrics.log(record)
@@ -228,7 +229,7 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 if saving:
                     last_good = str(save_checkpoint(ckpt, step, model, optimizer, scheduler, loader, last_good))
                 if evaluating or saving:
-                    timer.lap()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
+                    timer.reset()  # eval and checkpoint time is not the next step's (its step_s and tok_s)
         if cfg.checkpoint.save_final:
             save_checkpoint(ckpt, cfg.train.max_steps, model, optimizer, scheduler, loader, last_good)
         if cfg.checkpoint.export_hf:

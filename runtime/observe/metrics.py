@@ -81,13 +81,25 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 
 class StepTimer:
+    """Seconds per step. Between the device's ends of consecutive steps where both carry a timing event: the
+    loop reads step N while N+1 is queued, so host laps time the launches, and the last step's lap would time
+    only its tail. Otherwise (the CPU, a first step) between host laps. reset() after work that is no step's."""
+
     def __init__(self):
         self.start = time.perf_counter()
+        self.last_done = None
 
-    def lap(self) -> float:
+    def lap(self, done=None) -> float:
+        """`done`: the step's end event (torch.cuda.Event(enable_timing=True), passed), or None."""
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
+        if done is not None and self.last_done is not None:
+            elapsed = self.last_done.elapsed_time(done) / 1e3
+        self.last_done = done
         return elapsed
+
+    def reset(self) -> None:
+        self.start, self.last_done = time.perf_counter(), None
 
 
 class RecompileCounter:

@@ -1,15 +1,18 @@
 """runtime.step: a step whose loss is not finite is skipped on the device (reported, no parameter or
 optimizer state moved), and a global batch without label tokens is skipped as such; the launched step's
-numbers equal what the host-side reference computes from the same gradients."""
+numbers equal what the host-side reference computes from the same gradients; a step's seconds are the device's
+between step ends."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from benchmarks.bench_e2e import build_ours, hf_config, parse_args
+from runtime.observe.metrics import StepTimer
 
 CASES = [("cpu", "lora", "fp32"), ("cpu", "full", "fp32")] + [
     pytest.param("cuda", mode, master, marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -80,3 +83,30 @@ def test_the_launched_numbers_are_the_hosts(monkeypatch):
     result = setup.launch().result()
     assert result.grad_norm == pytest.approx(seen["norm"], rel=1e-5)
     assert math.isfinite(result.loss) and result.skipped is None and result.num_tokens == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_is_timed_between_the_device_ends_of_steps():
+    """The loop's last step is read right after the one before it, when its work may be done already: the
+    host's lap would read ~0, the device's events time its work."""
+
+    def kernel_then_end(cycles: int) -> torch.cuda.Event:
+        torch.cuda._sleep(cycles)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return end
+
+    cycles = 100_000_000
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    kernel_s = time.perf_counter() - started  # the reference: one such kernel, timed by the host
+    timer = StepTimer()
+    first, second = kernel_then_end(cycles), kernel_then_end(cycles)
+    torch.cuda.synchronize()  # both steps are done before either is read
+    timer.lap(first)
+    assert 0.5 * kernel_s < timer.lap(second) < 1.5 * kernel_s
+    timer.reset()
+    assert timer.lap(kernel_then_end(0)) < 0.5 * kernel_s  # after a reset: the host's lap
