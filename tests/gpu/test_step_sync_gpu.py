@@ -17,10 +17,12 @@ from benchmarks.bench_e2e import build_ours, hf_config, parse_args
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 CASES = [("lora", "fp32"), ("full", "fp32"), ("full", "bf16")]
+# eager (EP's default) with the balance loss on, as the benchmark configs train
+EAGER = ("--set", "compile.enabled=false", "--set", "model.router_aux_loss_coef=0.001")
 
 
-def _setup(mode: str, master: str):
-    args = parse_args(["--dry", "--mode", mode, "--master-dtype", master, "--seq", "256"])
+def _setup(mode: str, master: str, *extra: str):
+    args = parse_args(["--dry", "--mode", mode, "--master-dtype", master, "--seq", "256", *extra])
     return build_ours(args, hf_config(args), torch.device("cuda"))
 
 
@@ -39,9 +41,10 @@ def _first_sync(fn) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["default", "eager-aux-loss"])
 @pytest.mark.parametrize(("mode", "master"), CASES)
-def test_a_steady_step_is_queued_without_a_host_sync(mode, master):
-    setup = _setup(mode, master)
+def test_a_steady_step_is_queued_without_a_host_sync(mode, master, eager):
+    setup = _setup(mode, master, *(EAGER if eager else ()))
     for _ in range(3):  # kernel choices, compiles, the optimizer's states
         setup.step()
     launched = []
