@@ -54,8 +54,8 @@ def _mismatch(key: str, name: str, caps, needs: Needs, uses: set[str]) -> str | 
         return f"{name} runs in eager mode only, but compile.enabled is true"
     if ("compile" in uses and needs.compile and needs.quantized != "none"
             and needs.quantized not in caps.compile_quantized):
-        return (f"{name} does not compile {needs.quantized} experts (quant.base_weights: {needs.quantized}; it "
-                "dequantizes them in eager mode only), but compile.enabled is true")
+        return (f"{name} runs {needs.quantized} experts (quant.base_weights: {needs.quantized}) in eager mode only, "
+                "but compile.enabled is true")
     if ("compile" in uses and needs.compile and needs.device == "cpu"
             and needs.dtype not in caps.compile_cpu_dtypes):
         return (f"{name} compiles on the CPU only in model.dtype {' or '.join(caps.compile_cpu_dtypes)} (model.dtype "

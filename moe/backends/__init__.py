@@ -52,9 +52,9 @@ EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend", "model.exp
 EXPERT_BACKENDS.declare("eager", Capabilities(reference=True, compile_quantized=()),
                         _module("eager", "moe.backends.eager"))
 # torch._grouped_mm traces only in bf16; FP4 experts are dequantized by the eager valid count, FP8 ones run
-# on FP8 GEMMs (which trace). FP8 training eager only: compiled, its dX came out zero on an H200 (and inductor's
-# CPU code gave NaN weight gradients), docs/validation.md.
-EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=("fp8",),
+# on FP8 GEMMs. Those eager only: compiled, FP8 training's dX and the FP8 base GEMM's output came out zero on an
+# H200 (and inductor's CPU code gave NaN weight gradients), docs/validation.md.
+EXPERT_BACKENDS.declare("grouped_mm", Capabilities(auto_on=("cpu", "cuda"), priority=1, compile_quantized=(),
                                                    train_fp8=True, compile_train_fp8=False,
                                                    compile_cpu_dtypes=("bfloat16",)),
                         _module("grouped_mm", "moe.backends.grouped_mm"))

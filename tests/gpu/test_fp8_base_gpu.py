@@ -58,7 +58,7 @@ def test_lora_layer_on_fp8_base_against_eager_on_the_dequantized_weights(shape):
         assert rel_err(g, g_ref) <= FP8_REL
 
 
-def test_gemm_equals_cpu_emulation_eager_and_compiled():
+def _gemm_case():
     s = SHAPES["qwen3-30b-a3b"]
     g = torch.Generator().manual_seed(0)
     weight = FP8Weight.from_dense(torch.randn(8, 2 * s.intermediate, s.hidden, generator=g) * 0.02, "fp8")
@@ -74,10 +74,20 @@ def test_gemm_equals_cpu_emulation_eager_and_compiled():
         y.backward(dy.to(device, dtype))
         return y.detach(), xd.grad
 
-    cpu = run(fp8_base_grouped_linear, "cpu", torch.float32)
-    cuda = run(fp8_base_grouped_linear, "cuda", torch.bfloat16)
-    compiled = run(torch.compile(fp8_base_grouped_linear, fullgraph=True), "cuda", torch.bfloat16)
-    for ours, ref in zip(cuda, cpu):
+    return run
+
+
+def test_gemm_equals_cpu_emulation():
+    run = _gemm_case()
+    for ours, ref in zip(run(fp8_base_grouped_linear, "cuda", torch.bfloat16), run(fp8_base_grouped_linear, "cpu",
+                                                                                  torch.float32)):
         assert rel_err(ours, ref) <= 1e-2  # bf16 outputs on CUDA, fp32 on the CPU
-    for ours, ref in zip(compiled, cuda):
+
+
+@pytest.mark.xfail(strict=True, reason="compiled, y came out all zero on an H200 (torch 2.11), eager is right: "
+                   "an FP8 base runs eager on grouped_mm (Capabilities.compile_quantized)")
+def test_compiled_gemm_equals_eager():
+    run = _gemm_case()
+    compiled = run(torch.compile(fp8_base_grouped_linear, fullgraph=True), "cuda", torch.bfloat16)
+    for ours, ref in zip(compiled, run(fp8_base_grouped_linear, "cuda", torch.bfloat16)):
         assert rel_err(ours, ref) <= 1e-2

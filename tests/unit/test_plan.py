@@ -111,7 +111,7 @@ def test_compile_auto_runs_eager_where_a_named_implementation_cannot_compile():
 
     p = plan(fp4_eager(), 1, "cuda")
     assert p.config.compile.enabled is False and p.config.model.expert_backend == "eager"
-    with pytest.raises(ConfigError, match="^model.expert_backend: eager does not compile nvfp4 experts"):
+    with pytest.raises(ConfigError, match="^model.expert_backend: eager runs nvfp4 experts .* in eager mode only"):
         plan(fp4_eager(enabled=True), 1, "cuda")
 
 
@@ -185,7 +185,7 @@ CHECKS = {
     "eager compiles fp4 never": (lambda r: (r["model"].update(expert_backend="eager", dtype="bfloat16"),
                                             r.update(quant={"base_weights": "nvfp4"}, lora={"enabled": True},
                                                      compile={"enabled": True})),
-                                 "model.expert_backend: eager does not compile nvfp4 experts"),
+                                 "model.expert_backend: eager runs nvfp4 experts (quant.base_weights: nvfp4) in eager mode only"),
 }
 
 
@@ -257,14 +257,18 @@ def test_sonicmoe_is_refused_eager_only_under_compile_on_cuda_terms():
 
 
 def test_fp8_experts_take_scattermoe_on_cuda_terms_and_grouped_mm_on_cpu():
-    """scattermoe declares FP8 bases (compiled too): auto takes it on CUDA, grouped_mm on the CPU."""
+    """scattermoe declares FP8 bases (compiled too): auto takes it on CUDA, grouped_mm (eager only: compiled, its
+    FP8 GEMM's output came out zero on an H200) on the CPU."""
     from runtime.choices import Needs, choose
 
     uses = {"compile", "quantized", "lora", "ep"}
-    for device, expected in (("cuda", "scattermoe"), ("cpu", "grouped_mm")):
-        needs = Needs(device, compile=True, quantized="fp8", lora=True, dtype="bfloat16")
+    for device, expected, compiled in (("cuda", "scattermoe", True), ("cpu", "grouped_mm", False)):
+        needs = Needs(device, compile=compiled, quantized="fp8", lora=True, dtype="bfloat16")
         name, passed = choose("model.expert_backend", "auto", needs, uses)
         assert name == expected and passed == [], device
+    with pytest.raises(ConfigError, match="grouped_mm runs fp8 experts .* in eager mode only"):
+        choose("model.expert_backend", "grouped_mm", Needs("cuda", compile=True, quantized="fp8", lora=True,
+                                                           dtype="bfloat16"), uses)
     # A plan for CUDA made on this GPU-less machine (runtime.estimate's case) resolves it the same way.
     cfg = config_from_dict(yaml.safe_load(EXAMPLE.read_text()), {"lora.enabled": True, "quant.base_weights": "fp8",
                                                                "model.expert_backend": "auto"})
