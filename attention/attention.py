@@ -240,11 +240,10 @@ def dense_causal() -> bool:
 
 
 def cudnn_causal_attention(q_BSHD, k_BSKD, v_BSKD, scale: float) -> torch.Tensor:
-    """Causal attention of whole rows with cuDNN's fused kernel; kv heads repeated for GQA (the op takes
-    equal head counts). Returns [B, S, Hq, D]."""
-    n_rep = q_BSHD.shape[2] // k_BSKD.shape[2]
-    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, repeat_kv_heads(k_BSKD, n_rep, dim=2),
-                                           repeat_kv_heads(v_BSKD, n_rep, dim=2)))
+    """Causal attention of whole rows with cuDNN's fused kernel, on the kv heads as they are (cuDNN reads each
+    for its group of query heads and reduces their gradients itself; repeated heads would cost a copy in
+    forward, a reduction in backward and Hq / Hkv times the k, v bytes kept for it). Returns [B, S, Hq, D]."""
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD))
     out_BHSD = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
                                                                   scale=scale)[0]
     return out_BHSD.transpose(1, 2)

@@ -25,9 +25,8 @@ The peak is parameters + optimizer + the largest of the three moments. docs/esti
 measured GPU peaks; tests/unit/test_estimate.py checks the activation count against what tiny models keep
 on the CPU, in every checkpointing mode.
 
-The count follows the CUDA kernels that `auto` picks: cuDNN attention for rows of one document (its kv heads
-repeated to the query heads; flash varlen, for packed rows, keeps them unrepeated: fewer bytes), the Triton
-q/k norm+RoPE, the scattermoe experts and FLA's Gated DeltaNet ops. Per op it counts what autograd keeps, and
+The count follows the CUDA kernels that `auto` picks: cuDNN attention for rows of one document (it keeps the kv
+heads as they are, as flash varlen does for packed rows), the Triton q/k norm+RoPE, the scattermoe experts and FLA's Gated DeltaNet ops. Per op it counts what autograd keeps, and
 an op keeps an input only for a gradient that is needed: a frozen linear keeps nothing of its input, and in
 the first block of a LoRA run nothing before the first adapter keeps anything.
 """
@@ -180,7 +179,7 @@ def _lora(run: Run, outputs: dict[str, int]) -> Count:
 
 def _attention(run: Run, records: bool) -> Count:
     """(Gated) attention: the q and k projections' outputs (the norm+RoPE kernel keeps them; q's holds the
-    gate too), cuDNN's q, k, v (kv heads repeated) and output in the compute dtype and its fp32 log-sum-exp,
+    gate too), cuDNN's q, k, v (kv heads as they are) and output in the compute dtype and its fp32 log-sum-exp,
     with the gate sigmoid(g) and the gated output; o_proj keeps its input when it trains."""
     q, c = run.q, run.p.compute
     D, Hq, Hkv, H = q.head_dim, q.num_heads, q.num_kv_heads, q.hidden_size
@@ -191,7 +190,7 @@ def _attention(run: Run, records: bool) -> Count:
         return Count(matmuls=matmuls)
     o_keeps = run.full or run.adapters(["o_proj"])
     kept = (_input(run, 3 if run.full else run.adapters(ATTENTION_SITES[:3])) + c * (q_out + Hkv * D)
-            + 4 * c * Hq * D + 4 * Hq + lora.kept)
+            + c * (2 * Hq + 2 * Hkv) * D + 4 * Hq + lora.kept)
     if q.gated_attention:
         kept += c * Hq * D * (2 if o_keeps else 1)
     return Count(kept, matmuls)

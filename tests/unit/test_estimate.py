@@ -92,13 +92,26 @@ def tiny_config(kind: str, training: str, mode: str):
 # ----------------------------------------------------------------------------- the CUDA-only ops' stand-ins
 
 
+class _CudnnLikeAttention(torch.autograd.Function):
+    """cuDNN's fused causal attention, forward only, by CPU flash attention on repeated kv heads (temporaries):
+    it keeps what cuDNN keeps for backward, q, k and v (kv heads as they are), the output and its log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BKSD, v_BKSD, scale):
+        n_rep = q_BHSD.shape[1] // k_BKSD.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHSD, repeat_kv_heads(k_BKSD, n_rep), repeat_kv_heads(v_BKSD, n_rep), 0.0, True, scale=scale)[:2]
+        ctx.save_for_backward(q_BHSD, k_BKSD, v_BKSD, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("the stand-in only reproduces what forward keeps")
+
+
 def cudnn_like_attention(q_BSHD, k_BSKD, v_BSKD, scale):
-    """attention.attention.cudnn_causal_attention with CPU flash attention for cuDNN's kernel: both keep
-    q, k, v (kv heads repeated), the output and the log-sum-exp for backward."""
-    n_rep = q_BSHD.shape[2] // k_BSKD.shape[2]
-    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, repeat_kv_heads(k_BSKD, n_rep, dim=2),
-                                           repeat_kv_heads(v_BSKD, n_rep, dim=2)))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[0].transpose(1, 2)
+    """attention.attention.cudnn_causal_attention on the stand-in kernel above."""
+    return _CudnnLikeAttention.apply(*(t.transpose(1, 2) for t in (q_BSHD, k_BSKD, v_BSKD)), scale).transpose(1, 2)
 
 
 @torch.library.custom_op("estimate_test::conv_fwd", mutates_args=())
@@ -301,9 +314,13 @@ def test_all_gather_dispatcher_counts_its_bound():
     48-layer LoRA at ep4 of benchmarks/configs/qwen3-30b-a3b-random.yaml, no checkpointing, against the peaks
     4x H200 measured in one call (2026-11-27, docs/benchmarks.md#multi-gpu-step): all_to_all 64.3 GiB, all_gather
     105.0 GiB when its buffers took every gathered slot (capacity 4 = ep). The default bound (1.25) costs a
-    quarter of those buffers' slots."""
+    quarter of those buffers' slots. Those runs' packed rows took torch 2.11's varlen attention, which repeated
+    the kv heads it kept (2 x (Hq - Hkv) x head_dim bf16 values per token and layer more than the cuDNN kernel of
+    one-document rows, which the estimate counts): that excess comes off the measured peaks."""
     from runtime.config import load_config
     from runtime.estimate import estimate
+
+    repeated_kv_gib = 48 * 2 * (32 - 4) * 128 * 8192 * 2 / 2**30
 
     def peak_gib(dispatcher: str, capacity: float = 1.25) -> float:
         cfg = load_config(ROOT / "benchmarks/configs/qwen3-30b-a3b-random.yaml", {
@@ -312,6 +329,7 @@ def test_all_gather_dispatcher_counts_its_bound():
         return estimate(cfg, ParallelDims.resolve(1, -1, 1, 4, 4), cuda=True).peak / 2**30
 
     for dispatcher, capacity, measured in (("all_to_all", 1.25, 64.3), ("all_gather", 4.0, 105.0)):
-        assert abs(peak_gib(dispatcher, capacity) - measured) <= 0.03 * measured, (dispatcher, capacity)
+        expected = measured - repeated_kv_gib
+        assert abs(peak_gib(dispatcher, capacity) - expected) <= 0.03 * expected, (dispatcher, capacity)
     assert peak_gib("all_to_all") < peak_gib("all_gather") < peak_gib("all_gather", 4.0) - 25
     assert peak_gib("all_gather", 8.0) == peak_gib("all_gather", 4.0)  # never past every gathered slot
