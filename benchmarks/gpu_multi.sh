@@ -26,11 +26,11 @@
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
-#   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, eager, ep=1 against ep=N on the same
-#               machine in one call, each with forced-balanced routing (model.router_force_balanced) and the
-#               random-init router; modes EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and
-#               "<mode>-compiled", "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 ..
-#               N); EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default
+#   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, compile.enabled auto (ep1 LoRA
+#               compiled, the rest eager), ep=1 against ep=N on the same machine in one call, each with
+#               forced-balanced routing (model.router_force_balanced) and the random-init router; modes
+#               EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and "<mode>-compiled", "<mode>-eager",
+#               "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 .. N); EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default
 #               auto; e.g. "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
 #               side onto free GPUs in order; every run traces step 6: per layer the experts' kernels, the exchange,
 #               the host gaps and idle GPU (runtime.timeline)
@@ -255,6 +255,7 @@ if [[ $parts == *epbench* ]]; then
       lora*) flags+=" --set lora.enabled=true --set optim.master_dtype=fp32" ;;
     esac
     [[ $mode == *-compiled ]] && flags+=" --set compile.enabled=true"
+    [[ $mode == *-eager ]] && flags+=" --set compile.enabled=false"  # auto compiles ep1 LoRA, runs ep > 1 eager
     # inductor's CUDA graphs: the benchmark's rows are one document each, so every compiled region keeps its shapes
     [[ $mode == *-graphs ]] && flags+=' --set compile.enabled=true --set compile.inductor_options={"triton.cudagraphs":true}'
     [[ ep-$mode =~ ${ONLY:-.} ]] || continue
