@@ -30,8 +30,9 @@ its loss or grad norm is not finite; the reason reaches the host with the number
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +78,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None  # None: the numbers are already there (a CPU step)
     host_load: LoadReading | None  # a host-side load log's reading (an exchange that syncs anyway)
     redo: Redo | None = None  # under a bounded dispatcher: to compute the step again, should it drop slots
+    launched_at: float = field(default_factory=time.perf_counter)  # when its work was queued (done, on the CPU)
 
     def ready(self) -> bool:
         """Whether the numbers are there (reading them would not wait)."""
@@ -300,6 +302,6 @@ def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading |
         return LaunchedStep(num_tokens, numbers, None, host_load, redo)
     host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
     host.copy_(numbers, non_blocking=True)
-    done = torch.cuda.Event(enable_timing=True)  # also the step's end for its step_s (StepTimer)
+    done = torch.cuda.Event(enable_timing=True)  # also the step's end on the device, for its step_s (StepTimer)
     done.record()
     return LaunchedStep(num_tokens, host, done, host_load, redo)

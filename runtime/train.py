@@ -194,7 +194,7 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
         log_step(queued, result)
 
     def log_step(queued: QueuedStep, result: StepResult) -> None:
-        record = step_record(queued.step, result, queued.lr, timer.lap(queued.launched.done), dims, env, peak,
+        record = step_record(queued.step, result, queued.lr, timer.lap(queued.launched), dims, env, peak,
                              flops_tok)
         record["recompiles"] = queued.recompiles
         records.append(record)

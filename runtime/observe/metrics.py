@@ -81,25 +81,27 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 
 class StepTimer:
-    """Seconds per step. Between the device's ends of consecutive steps where both carry a timing event: the
-    loop reads step N while N+1 is queued, so host laps time the launches, and the last step's lap would time
-    only its tail. Otherwise (the CPU, a first step) between host laps. reset() after work that is no step's."""
+    """Seconds per step, between the ends of consecutive steps. The loop reads step N while N+1 is queued, so
+    the time between reads is a launch's, and the last step's read would time only its tail. A step's end: its
+    timing event on the device where both steps have one, else when its work was queued (on the CPU, done).
+    The first step after the start or a reset() (work that is no step's) counts from then to its queuing."""
 
     def __init__(self):
-        self.start = time.perf_counter()
-        self.last_done = None
+        self.reset()
 
-    def lap(self, done=None) -> float:
-        """`done`: the step's end event (torch.cuda.Event(enable_timing=True), passed), or None."""
-        now = time.perf_counter()
-        elapsed, self.start = now - self.start, now
-        if done is not None and self.last_done is not None:
-            elapsed = self.last_done.elapsed_time(done) / 1e3
-        self.last_done = done
+    def lap(self, step) -> float:
+        """`step`: a runtime.step.LaunchedStep (its `done` event or None, its `launched_at`)."""
+        if self.last is None:
+            elapsed = step.launched_at - self.start
+        elif step.done is not None and self.last.done is not None:
+            elapsed = self.last.done.elapsed_time(step.done) / 1e3
+        else:
+            elapsed = step.launched_at - self.last.launched_at
+        self.last = step
         return elapsed
 
     def reset(self) -> None:
-        self.start, self.last_done = time.perf_counter(), None
+        self.start, self.last = time.perf_counter(), None
 
 
 class RecompileCounter:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,17 +86,29 @@ def test_the_launched_numbers_are_the_hosts(monkeypatch):
     assert math.isfinite(result.loss) and result.skipped is None and result.num_tokens == 64
 
 
+def test_a_step_is_timed_between_the_ends_of_steps():
+    """On the CPU a step's work is done when it is queued: the loop's last step, read right after the one before
+    it, is timed from that step's end to its own, not by the reads."""
+    timer = StepTimer()
+    first = SimpleNamespace(done=None, launched_at=time.perf_counter())
+    time.sleep(0.05)
+    second = SimpleNamespace(done=None, launched_at=time.perf_counter())
+    time.sleep(0.2)  # both read later, one right after the other
+    timer.lap(first)
+    assert 0.05 <= timer.lap(second) < 0.15
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_step_is_timed_between_the_device_ends_of_steps():
     """The loop's last step is read right after the one before it, when its work may be done already: the
     host's lap would read ~0, the device's events time its work."""
 
-    def kernel_then_end(cycles: int) -> torch.cuda.Event:
+    def kernel_then_end(cycles: int) -> SimpleNamespace:
         torch.cuda._sleep(cycles)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        return end
+        return SimpleNamespace(done=end, launched_at=time.perf_counter())
 
     cycles = 100_000_000
     torch.cuda.synchronize()
@@ -109,4 +122,4 @@ def test_a_step_is_timed_between_the_device_ends_of_steps():
     timer.lap(first)
     assert 0.5 * kernel_s < timer.lap(second) < 1.5 * kernel_s
     timer.reset()
-    assert timer.lap(kernel_then_end(0)) < 0.5 * kernel_s  # after a reset: the host's lap
+    assert timer.lap(kernel_then_end(0)) < 0.5 * kernel_s  # after a reset: from then to the step's queuing
