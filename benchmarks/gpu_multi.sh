@@ -30,8 +30,9 @@
 #               compiled, the rest eager), ep=1 against ep=N on the same machine in one call, each with
 #               forced-balanced routing (model.router_force_balanced) and the random-init router; modes
 #               EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and "<mode>-compiled", "<mode>-eager",
-#               "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 .. N); EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default
-#               auto; e.g. "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
+#               "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 .. N);
+#               EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default auto; e.g.
+#               "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
 #               side onto free GPUs in order; every run traces step 6: per layer the experts' kernels, the exchange,
 #               the host gaps and idle GPU (runtime.timeline)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N

@@ -47,7 +47,8 @@ def switch_aux_loss(probs_TE: torch.Tensor, topk_ids_Tk: torch.Tensor, group=Non
     rank's expert_counts of topk_ids_Tk when the caller has them."""
     T, E = probs_TE.shape
     counts_E = (expert_counts(topk_ids_Tk, E) if counts_E is None else counts_E).to(torch.float32)
-    stats = F.pad(counts_E, (0, 1), value=T)  # T appended on the device: new_tensor([T]) would copy from the host (a sync)
+    # T appended on the device: new_tensor([T]) copies from pageable host memory, which waits for the stream
+    stats = F.pad(counts_E, (0, 1), value=T)
     if group is not None:
         stats = all_reduce_sum(stats, group)
     counts_E, total_T = stats[:E], stats[E]

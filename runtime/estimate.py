@@ -26,9 +26,10 @@ measured GPU peaks; tests/unit/test_estimate.py checks the activation count agai
 on the CPU, in every checkpointing mode.
 
 The count follows the CUDA kernels that `auto` picks: cuDNN attention for rows of one document (it keeps the kv
-heads as they are, as flash varlen does for packed rows), the Triton q/k norm+RoPE, the scattermoe experts and FLA's Gated DeltaNet ops. Per op it counts what autograd keeps, and
-an op keeps an input only for a gradient that is needed: a frozen linear keeps nothing of its input, and in
-the first block of a LoRA run nothing before the first adapter keeps anything.
+heads as they are, as flash varlen does for packed rows), the Triton q/k norm+RoPE, the scattermoe experts and
+FLA's Gated DeltaNet ops. Per op it counts what autograd keeps, and an op keeps an input only for a gradient
+that is needed: a frozen linear keeps nothing of its input, and in the first block of a LoRA run nothing before
+the first adapter keeps anything.
 """
 
 from __future__ import annotations
