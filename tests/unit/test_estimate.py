@@ -314,9 +314,10 @@ def test_all_gather_dispatcher_counts_its_bound():
     48-layer LoRA at ep4 of benchmarks/configs/qwen3-30b-a3b-random.yaml, no checkpointing, against the peaks
     4x H200 measured in one call (2026-11-27, docs/benchmarks.md#multi-gpu-step): all_to_all 64.3 GiB, all_gather
     105.0 GiB when its buffers took every gathered slot (capacity 4 = ep). The default bound (1.25) costs a
-    quarter of those buffers' slots. Those runs' packed rows took torch 2.11's varlen attention, which repeated
-    the kv heads it kept (2 x (Hq - Hkv) x head_dim bf16 values per token and layer more than the cuDNN kernel of
-    one-document rows, which the estimate counts): that excess comes off the measured peaks."""
+    quarter of those buffers' slots. Those runs' packed rows took torch 2.11's varlen attention, which has no
+    enable_gqa, so the kv heads it kept were repeated (attention.attention._torch_varlen_caller): 2 x (Hq - Hkv)
+    x head_dim bf16 values per token and layer more than the cuDNN kernel of one-document rows, which the
+    estimate counts. That excess comes off the measured peaks."""
     from runtime.config import load_config
     from runtime.estimate import estimate
 
