@@ -255,8 +255,7 @@ def build_ours(args, hf: dict, device: torch.device) -> Setup:
         scheduler.step()
         return launched
 
-    # An older tree's train_step returns its StepResult itself (gpu_e2e.sh against runs this file there).
-    return Setup(launch, lambda launched: getattr(launched, "result", lambda: launched)().loss,
+    return Setup(launch, lambda launched: launched.result().loss,
                  f"{trainable(model)}, {implementations(cfg, model, device)}", model)
 
 

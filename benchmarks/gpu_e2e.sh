@@ -16,7 +16,7 @@
 #   against  ours only, this tree against an older one carried as OLD=<ignored folder> (`git archive REV | tar x -C
 #         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
 #         again, so drift between the runs shows. Both trees run this tree's bench_e2e.py (copied into OLD), so
-#         both have its columns (back-to-back ms)
+#         both have its columns (back-to-back ms); OLD must have runtime.step's queued step (9493972 or later)
 #   sync  the sync-free step's GPU tests: no host sync in a steady step (tests/gpu/test_step_sync_gpu.py), a
 #         non-finite step skipped on the device (tests/unit/test_step.py, test_optim.py: CUDA cases), the one-node
 #         LoRALinear under CUDA autocast (tests/unit/test_lora.py: CUDA case)
