@@ -185,7 +185,8 @@ CHECKS = {
     "eager compiles fp4 never": (lambda r: (r["model"].update(expert_backend="eager", dtype="bfloat16"),
                                             r.update(quant={"base_weights": "nvfp4"}, lora={"enabled": True},
                                                      compile={"enabled": True})),
-                                 "model.expert_backend: eager runs nvfp4 experts (quant.base_weights: nvfp4) in eager mode only"),
+                                 ("model.expert_backend: eager runs nvfp4 experts (quant.base_weights: nvfp4) in "
+                                  "eager mode only")),
 }
 
 
