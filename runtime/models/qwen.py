@@ -223,7 +223,9 @@ class QwenForCausalLM(nn.Module):
                                         self.config.loss_impl, num_labels)
 
     def moe_blocks(self) -> list[MoEBlock]:
-        return [m for m in self.modules() if isinstance(m, MoEBlock)]
+        """The decoder layers' MoE blocks (a layer's mlp; the training step asks every step, so not a walk of
+        every module)."""
+        return [layer.mlp for layer in self.model.layers.values() if isinstance(layer.mlp, MoEBlock)]
 
 
 def param_seed(seed: int, name: str) -> int:
