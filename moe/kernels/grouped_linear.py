@@ -132,11 +132,10 @@ def _block_rows(offsets_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.conste
 @triton.jit
 def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K, acc, acc_r,
             LORA_IN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
+            DOT_PRECISION: tl.constexpr):
     """acc += in @ W^T and (fused LoRA) acc_r += in @ A^T over K. Rows are pre-clamped; weight columns
     and rank rows are masked, never clamped: a clamped index hides the contiguity of a transposed weight
-    view (the backward's W^T) and its loads lose vectorization and async pipelining. IMPRECISE_ACC: the base
-    dot's max_num_imprecise_acc (BLOCK_K on FP8 codes, else None: see the kernel)."""
+    view (the backward's W^T) and its loads lose vectorization and async pipelining."""
     k_K = tl.arange(0, BLOCK_K)
     for i in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -146,7 +145,7 @@ def _k_loop(in_ptrs, step_in, w_ptrs, step_w, mask_N, a_ptrs, step_a, mask_R, K,
             k_in = k_K < K - i * BLOCK_K
             x = tl.load(in_ptrs, mask=k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_in[:, None] & mask_N[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         if LORA_IN_LOOP:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_R[None, :], other=0.0)
@@ -245,17 +244,16 @@ def _swiglu_forward_epilogue(acc, p_M, mask_M, slot_M, pid_n, N, gu_ptr, s_gu_m,
 
 @triton.jit
 def _k_loop_tma(x_desc, w_desc, row0, e, n0, K, acc, W_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += in[row0:row0+BLOCK_M] @ W_e^T[:, n0:n0+BLOCK_N] with both tiles by TMA (out-of-range rows,
-    columns and K are zero-filled). W_T: w_desc is over [E, K, N] (a transposed weight view). IMPRECISE_ACC:
-    the dot's max_num_imprecise_acc (BLOCK_K on FP8 codes, else None: see the kernel)."""
+    columns and K are zero-filled). W_T: w_desc is over [E, K, N] (a transposed weight view)."""
     for k0 in range(0, K, BLOCK_K):
         x = x_desc.load([row0, k0])
         if W_T:
             w = w_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
         else:
             w = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -345,8 +343,6 @@ def _grouped_linear_kernel(
             b = _scaled_lora_b(b_ptrs, s_b_r, mask_N, R, scaling, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        # FP8 codes: max_num_imprecise_acc = BLOCK_K adds sm90's reduced-precision FP8 MMA sum into the fp32 acc
-        # every K block (cuBLAS's FP8 without fast accumulation; Triton's sm90 default never does); else None.
         if W_FMT != 0 and W_FMT != _W_FP8:  # FP4 (fp4.FMT_CODES)
             q_ptrs, s_ptrs, mask_W = fp4_weight_ptrs(w_ptr, ws_ptr, e64, wrow_N, mask_N, pid_n * BLOCK_N, N, s_w_e,
                                                      s_w_n, s_ws_e, s_ws_o, W_BLOCK, W_PACKED_T, BLOCK_N, BLOCK_K)
@@ -356,11 +352,11 @@ def _grouped_linear_kernel(
                                      W_PACKED_T)
         elif TMA:
             acc = _k_loop_tma(x_desc, w_desc, row0, e, pid_n * BLOCK_N, K, acc, W_T, BLOCK_N, BLOCK_K,
-                              DOT_PRECISION, BLOCK_K if W_FMT == _W_FP8 else None)
+                              DOT_PRECISION)
         else:
             acc, acc_r = _k_loop(in_ptrs, BLOCK_K * s_in_k, w_ptrs, BLOCK_K * s_w_k, mask_N, a_ptrs,
                                  BLOCK_K * s_a_k, mask_R, K, acc, acc_r, LORA_IN_LOOP, K % BLOCK_K == 0,
-                                 BLOCK_K, DOT_PRECISION, BLOCK_K if W_FMT == _W_FP8 else None)
+                                 BLOCK_K, DOT_PRECISION)
         if W_FMT == _W_FP8:
             acc = _fp8_scale(acc, in_scale_ptr, rows_M, ws_ptr, e64, s_ws_e, s_ws_o, wrow_N, mask_N, W_PACKED_T)
         if LORA_IN_LOOP:

@@ -95,9 +95,7 @@ def _grouped_xty_kernel(l_ptr, s_l_m, s_l_c, r_ptr, s_r_m, s_r_c, order_ptr, off
             lt = (lt * tl.load(rw_ptr + slot_K).to(tl.float32)[:, None]).to(l_ptr.dtype.element_ty)
         rt = tl.load(r_ptr + rows_r[:, None] * s_r_m + j_Q[None, :] * s_r_c,
                      mask=mask_K[:, None] & mask_Q[None, :], other=0.0)
-        # FP8: promote sm90's reduced-precision FP8 MMA sum into the fp32 acc every BLOCK_K rows (as cuBLAS does)
-        acc = tl.dot(tl.trans(lt), rt, acc, input_precision=DOT_PRECISION,
-                     max_num_imprecise_acc=BLOCK_K if FP8 else None)
+        acc = tl.dot(tl.trans(lt), rt, acc, input_precision=DOT_PRECISION)
     if FP8:  # the scales are constant along the rows: applied once, after the loop
         acc *= tl.load(ls_ptr + e.to(tl.int64) * P + i_P, mask=mask_P, other=0.0)[:, None]
         acc *= tl.load(rs_ptr + e.to(tl.int64) * Q + j_Q, mask=mask_Q, other=0.0)[None, :]
