@@ -25,8 +25,8 @@ that side); the parent prints the table and the ratios. Per side: ms/step (media
 each between CUDA events from an idle GPU, its loss read on the host), back-to-back ms/step (the mean of
 `--steps` steps queued one after another with one sync at the end, as a training loop that reads its
 numbers late runs them: the host prepares a step while the GPU computes the one before), tokens/s, MFU
-(runtime.observe.metrics.flops_per_token of the same config for both sides, 6 x active parameters + attention, against the device's dense bf16 peak), peak
-GiB (max allocated over the whole run, build and warmup included, as a user sees it), step-1 seconds
+(runtime.observe.metrics.flops_per_token of the same config for both sides, 6 x active parameters + attention,
+against the device's dense bf16 peak), peak GiB (max allocated over the whole run, build and warmup included, as a user sees it), step-1 seconds
 (build start to the end of step 1). `--profile` (ours): torch.profiler over 2 steady steps: the top 15
 CUDA kernels, the GPU's busy share of a step, and a chrome trace OUT/<name>_trace.json.gz.
 """

@@ -145,7 +145,8 @@ def _x(value: float | None) -> str:
 def table(e2e: list[Path], unsloth: list[Path]) -> str:
     """The markdown table of every layer count the bench_e2e files hold."""
     sides = [s for p in e2e for s in read_e2e(p)] + [s for p in unsloth for s in read_unsloth(p)]
-    header = ["layers", "run", "ms/step", "b2b ms", "peak GiB", "tokens/s", "trains M", "vs Unsloth", "vs transformers+PEFT",
+    header = ["layers", "run", "ms/step", "b2b ms", "peak GiB", "tokens/s", "trains M", "vs Unsloth",
+              "vs transformers+PEFT",
               f">= {OVER_UNSLOTH}x Unsloth at <= its peak", f">= {OVER_PEFT}x transformers+PEFT", "note"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] + ["---"] + ["---:"] * 7 + ["---"] * 3) + "|"]
     captions = set()
@@ -159,13 +160,15 @@ def table(e2e: list[Path], unsloth: list[Path]) -> str:
                 lines.append(f"| {layers} | {name} |" + " - |" * 9 + f" no result in {', '.join(map(str, where))} |")
                 continue
             targets = [target_unsloth(s, uns), target_peft(s, peft)] if s is ours else ["-", "-"]
-            cells = [str(layers), s.name, _cell(s.ms, ".1f"), _cell(s.b2b_ms, ".1f"), _cell(s.peak_gib, ".2f"), _cell(s.tok_s, ".0f"),
+            cells = [str(layers), s.name, _cell(s.ms, ".1f"), _cell(s.b2b_ms, ".1f"), _cell(s.peak_gib, ".2f"),
+                     _cell(s.tok_s, ".0f"),
                      _cell(s.trains_m, ".1f"), "-" if s is uns else _x(ratio(s, uns)), _x(ratio(s, peft)), *targets,
                      s.note.replace("|", "/")]
             lines.append("| " + " | ".join(cells) + " |")
     if not captions:
         raise SystemExit(f"peers_table: no `ours` row in {', '.join(map(str, e2e))}")
-    return "\n".join(lines) + f"\n\n{'; '.join(sorted(captions))}; ratios are steps/s (the row's over the column's), back to back where both have it."
+    return ("\n".join(lines) + f"\n\n{'; '.join(sorted(captions))}; ratios are steps/s (the row's over the "
+            "column's), back to back where both have it.")
 
 
 def main(argv=None) -> None:
