@@ -32,6 +32,7 @@ from attention.context_parallel import (
 )
 from attention.norm import RMSNorm
 from attention.norm_rope import NORM_ROPE_IMPLS, qk_norm_rope
+from attention.projection import fused_linear, linear_part
 from gpu.device import compute_dtype
 from gpu.registry import Capabilities, Registry
 
@@ -351,14 +352,25 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias, **factory)
         self.q_norm = RMSNorm(head_dim, eps, unit_offset=gated, **factory)
         self.k_norm = RMSNorm(head_dim, eps, unit_offset=gated, **factory)
+        # q, k, v as one GEMM (attention/projection.py); cleared by a transform that gives one of them a forward
+        # of its own (runtime.float8's Float8Linear, LoRA with dropout)
+        self.fuse_qkv = True
+
+    def project_qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, S, q_out], k, v [B, S, Hkv * D]."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.fuse_qkv:
+            return fused_linear(x_BSH, [linear_part(m) for m in projs])
+        return tuple(m(x_BSH) for m in projs)
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         B, S, _ = x_BSH.shape
-        q_BSHD = self.q_proj(x_BSH).view(B, S, self.num_heads, -1)
+        q, k, v = self.project_qkv(x_BSH)
+        q_BSHD = q.view(B, S, self.num_heads, -1)
         if self.gated:
             q_BSHD, gate_BSHD = q_BSHD.chunk(2, dim=-1)
-        k_BSKD = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
-        v_BSKD = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        k_BSKD = k.view(B, S, self.num_kv_heads, self.head_dim)
+        v_BSKD = v.view(B, S, self.num_kv_heads, self.head_dim)
         q_BSHD, k_BSKD = qk_norm_rope(q_BSHD, k_BSKD, self.q_norm.weight, self.k_norm.weight, cos, sin,
                                       self.eps, unit_offset=self.gated, rotary_dim=self.rotary_dim,
                                       impl=self.norm_rope_impl)

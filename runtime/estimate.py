@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from attention.attention import Qwen3Attention
 from attention.rope import inv_freq_and_scale
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
@@ -371,16 +372,19 @@ def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts:
     False where FSDP gathers them in bf16, freed after forward). In
     backward (autocast exited) only what autograd keeps: nothing under checkpointing, and no lora_A of the
     first block's input projections, whose input (the frozen embedding's output) needs no gradient. A
-    LoRALinear without dropout casts its factors itself and keeps only what its backward takes, so its
-    copies follow the backward rule at either moment. Neither the embedding (never cast) nor lm_head (the loss
+    LoRALinear without dropout and fused q/k/v projections (attention.projection) cast their parameters
+    themselves and keep only what their backward takes, so their copies follow the backward rule at either
+    moment. Neither the embedding (never cast) nor lm_head (the loss
     casts it: loss_buffers)."""
     first = ("model.layers.0.self_attn.", "model.layers.0.linear_attn.in_proj")
     cast = (nn.Linear, SoftmaxTopKRouter) + ((GroupedExperts,) if mode == "none" and experts else ())
+    fused = {id(p) for m in model.modules() if isinstance(m, Qwen3Attention) and m.fuse_qkv
+             for p in (m.q_proj, m.k_proj, m.v_proj)}
     total = 0
     for name, module in model.named_modules():
         if not isinstance(module, cast) or name == "lm_head":
             continue
-        kept_only = in_backward or (isinstance(module, LoRALinear) and module.lora_dropout == 0)
+        kept_only = in_backward or id(module) in fused or (isinstance(module, LoRALinear) and module.lora_dropout == 0)
         if kept_only and mode != "none":
             continue
         for pname, p in module.named_parameters(recurse=False):

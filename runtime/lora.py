@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from gpu.device import compute_dtype
+from attention.attention import Qwen3Attention
+from attention.projection import LinearPart, fused_linear
 from moe.experts import GroupedExperts
 from runtime.config import ConfigError, LoraConfig
 from runtime.distributed.state_dict import gather_full
@@ -73,42 +74,6 @@ UNSUPPORTED_PEFT_FIELDS = ("use_dora", "use_rslora", "rank_pattern", "alpha_patt
 
 class LoRAFormatError(ValueError):
     """An adapter that does not fit the model or uses PEFT features we do not implement."""
-
-
-class _LoRALinearFunction(torch.autograd.Function):
-    """y = x W^T + b + (s x A^T) B^T as one autograd node: the base and the LoRA branch share the input's
-    gradient GEMM (addmm), and the eager backward walks one node instead of seven (the factors' casts, the two
-    rank-sized products, the scaling, the base linear, the sum). Computes in autocast's dtype where autocast
-    is on (the factors are cast once here), else in x's; the scaling on the rank-sized product, as PEFT."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling: float):
-        dtype = compute_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
-            x_, w, a, b = (t.to(dtype) for t in (x, weight, lora_A, lora_B))
-            xa_s = F.linear(x_, a) * scaling
-            base = F.linear(x_, w, None if bias is None else bias.to(dtype))
-            y = torch.addmm(base.flatten(0, -2), xa_s.flatten(0, -2), b.t()).view(*x.shape[:-1], -1)
-        # A's copy only where backward takes x's gradient (the first block's input needs none)
-        ctx.save_for_backward(x_, xa_s, w, a if x.requires_grad else None, b)
-        ctx.scaling, ctx.dtypes, ctx.has_bias = scaling, (x.dtype, weight.dtype, lora_A.dtype, lora_B.dtype), \
-            bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_, xa_s, w, a, b = ctx.saved_tensors
-        x_dtype, w_dtype, a_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
-        gy = grad_y.to(w.dtype).flatten(0, -2)
-        x2, xa2 = x_.flatten(0, -2), xa_s.flatten(0, -2)
-        gyb_s = (gy @ b) * ctx.scaling  # [tokens, r]
-        grad_x = torch.addmm(gy @ w, gyb_s, a).view(x_.shape).to(x_dtype) if need_x else None
-        grad_w = (gy.t() @ x2).to(w_dtype) if need_w else None
-        grad_bias = gy.sum(0).to(w_dtype) if need_bias and ctx.has_bias else None
-        grad_a = (gyb_s.t() @ x2).to(a_dtype) if need_a else None
-        grad_b = (gy.t() @ xa2).to(b_dtype) if need_b else None
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
 
 
 class LoRALinear(nn.Linear):
@@ -138,11 +103,17 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_dropout == 0:
-            return _LoRALinearFunction.apply(x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scaling)
+            return fused_linear(x, [self.linear_part()])[0]
         x_lora = F.dropout(x, self.lora_dropout, self.training)
         # The scaling on the rank-sized product: no [tokens, out] pass to scale it, forward or backward
         delta = F.linear(F.linear(x_lora, self.lora_A) * self.lora_scaling, self.lora_B)
         return F.linear(x, self.weight, self.bias) + delta
+
+    def linear_part(self) -> LinearPart:
+        """What this layer computes, for attention.projection.fused_linear (which has no dropout)."""
+        if self.lora_dropout:
+            raise ValueError("LoRA dropout acts on the LoRA branch's input alone: a fused projection cannot apply it")
+        return LinearPart(self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling}"
@@ -182,6 +153,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     _check_targets(model, cfg.target_modules)
     for parent, name, linear in _attention_linears(model, set(cfg.target_modules) & set(ATTENTION_TARGETS)):
         setattr(parent, name, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
+        if cfg.dropout and isinstance(parent, Qwen3Attention):
+            parent.fuse_qkv = False  # dropout acts on the LoRA input alone (LoRALinear.linear_part)
     if EXPERTS_TARGET in cfg.target_modules:
         for experts in _experts(model):
             experts.add_lora(cfg.rank, cfg.alpha, cfg.dropout)

@@ -130,7 +130,9 @@ def test_peft_loads_our_export_and_reproduces_logits(tmp_path, case):
 
     fresh = load_peft(ours_from(tmp_path / "base", backend), tmp_path / "adapter").eval()
     with torch.no_grad():
-        assert (fresh(ids()) - our_logits).abs().max().item() <= 1e-6
+        # 1e-5, not bit-equal: an adapter targeting experts is written with dropout 0, so the reloaded model's
+        # q/k/v run as one GEMM where ours (dropout) ran three: fp32 rounding apart
+        assert (fresh(ids()) - our_logits).abs().max().item() <= 1e-5
     assert {n for n, p in fresh.named_parameters() if p.requires_grad} == set(lora_state_dict(fresh))
 
 

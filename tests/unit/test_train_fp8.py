@@ -61,7 +61,8 @@ QWEN3_30B_LAYER = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_valu
 
 def test_what_fp8_training_converts_at_qwen3_30b_dims():
     """experts+dense: the experts, and the dense linears torchao expects FP8 to speed up (q_proj 2048 -> 4096,
-    o_proj 4096 -> 2048; not the 512-wide k_proj, v_proj); never the lm_head; experts: no dense linear."""
+    o_proj 4096 -> 2048; not the 512-wide k_proj, v_proj), so q, k, v no longer fuse; never the lm_head;
+    experts: no dense linear."""
     from torchao.float8.float8_linear import Float8Linear
 
     with torch.device("meta"):
@@ -69,10 +70,12 @@ def test_what_fp8_training_converts_at_qwen3_30b_dims():
     apply_fp8_training(model, "experts+dense")
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"}
+    assert model.model.layers["0"].self_attn.fuse_qkv is False  # the FP8 q_proj runs its own GEMM
     assert all(m.fp8_training for m in model.modules() if isinstance(m, GroupedExperts))
     experts_only = build(_one_layer_config(), torch.float32, "cpu", seed=0)
     apply_fp8_training(experts_only, "experts")
     assert not any(isinstance(m, Float8Linear) for m in experts_only.modules())
+    assert experts_only.model.layers["0"].self_attn.fuse_qkv is True
 
 
 def test_converted_dense_linears_train_within_fp8_error():
