@@ -52,6 +52,25 @@ def fused_linear(x: torch.Tensor, parts: Sequence[LinearPart]) -> tuple[torch.Te
     return y.split([p.weight.shape[0] for p in parts], dim=-1)
 
 
+@torch.library.custom_op("attention::stacked_mm", mutates_args=())
+def _stacked_mm_op(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(lhs, 1) @ torch.cat(rhs)
+
+
+@_stacked_mm_op.register_fake
+def _(lhs, rhs):
+    return lhs[0].new_empty(lhs[0].shape[0], rhs[0].shape[1])
+
+
+def _stacked_mm(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
+    """[lhs_0 | lhs_1 ...] @ [rhs_0 ; rhs_1 ...]. Compiled, an opaque op: the partitioner would otherwise keep the
+    parameters' concatenation (an mm operand it may not recompute) from forward to backward, a copy of the
+    weights per layer; inside the op it is a transient of backward, as in eager."""
+    if len(lhs) == 1 and len(rhs) == 1:
+        return lhs[0] @ rhs[0]
+    return _stacked_mm_op(lhs, rhs) if torch.compiler.is_compiling() else torch.cat(lhs, 1) @ torch.cat(rhs)
+
+
 def _scaled_block_diagonal(Bs: Sequence[torch.Tensor | None], scalings: Sequence[float], sizes: Sequence[int],
                            like: torch.Tensor) -> torch.Tensor:
     """blockdiag(s_i B_i) [sum O_i, sum r_i]; a part without LoRA is a block of zero columns."""
@@ -97,16 +116,12 @@ class _FusedLinear(torch.autograd.Function):
         ranks = [0 if b is None else b.shape[1] for b in Bs]
         gy = grad_y.flatten(0, -2).to(x_.dtype)
         x2 = x_.flatten(0, -2)
-        w = torch.cat(ws) if n > 1 else ws[0]
         lora = xa is not None
-        gyb = gy @ _scaled_block_diagonal(Bs, ctx.scalings, sizes, w) if lora else None  # [N, R]
+        gyb = gy @ _scaled_block_diagonal(Bs, ctx.scalings, sizes, ws[0]) if lora else None  # [N, R]
         grad_x = None
         if need_x:
-            if lora:
-                grad_x = torch.cat([gy, gyb], 1) @ torch.cat([w, *(a for a in As if a is not None)])
-            else:
-                grad_x = gy @ w
-            grad_x = grad_x.view(x_.shape).to(ctx.x_dtype)
+            lhs, rhs = ([gy, gyb], [*ws, *(a for a in As if a is not None)]) if lora else ([gy], list(ws))
+            grad_x = _stacked_mm(lhs, rhs).view(x_.shape).to(ctx.x_dtype)
         grads = [None] * (4 * n)
         need_w, need_b, need_a, need_bb = (need[i::4] for i in range(4))
         gys = gy.split(sizes, 1)
