@@ -52,33 +52,9 @@ def fused_linear(x: torch.Tensor, parts: Sequence[LinearPart]) -> tuple[torch.Te
     return y.split([p.weight.shape[0] for p in parts], dim=-1)
 
 
-def _concat_linear_eager(lhs: list[torch.Tensor], weights: list[torch.Tensor], cols: torch.Tensor | None,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    if cols is not None:
-        w = torch.cat([w, cols], 1)
-    x = lhs[0] if len(lhs) == 1 else torch.cat(lhs, 1)
-    return x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
-
-
-def _stacked_mm_eager(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
-    return (lhs[0] if len(lhs) == 1 else torch.cat(lhs, 1)) @ (rhs[0] if len(rhs) == 1 else torch.cat(rhs))
-
-
-@torch.library.custom_op("attention::concat_linear", mutates_args=())
-def _concat_linear_op(lhs: list[torch.Tensor], weights: list[torch.Tensor], cols: torch.Tensor | None,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    return _concat_linear_eager(lhs, weights, cols, bias)
-
-
-@_concat_linear_op.register_fake
-def _(lhs, weights, cols, bias):
-    return lhs[0].new_empty(lhs[0].shape[0], sum(w.shape[0] for w in weights))
-
-
 @torch.library.custom_op("attention::stacked_mm", mutates_args=())
 def _stacked_mm_op(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
-    return _stacked_mm_eager(lhs, rhs)
+    return torch.cat(lhs, 1) @ torch.cat(rhs)
 
 
 @_stacked_mm_op.register_fake
@@ -86,25 +62,13 @@ def _(lhs, rhs):
     return lhs[0].new_empty(lhs[0].shape[0], rhs[0].shape[1])
 
 
-# Compiled, the concatenations run inside opaque ops. Traced, the partitioner would keep backward's stacked
-# weights [W ; A] from forward (an mm operand it may not recompute: a copy of the weights per layer), and inductor
-# would write forward's x A^T into the concatenation [x | x A^T], so that keeping x A^T for backward keeps all of
-# it (a copy of x per projection). Inside the ops both are transients, as in eager.
-
-def _concat_linear(lhs: list[torch.Tensor], weights: list[torch.Tensor], cols: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[lhs_0 | lhs_1 ...] @ [[w_0 ; w_1 ...] | cols]^T + bias."""
-    if len(lhs) == 1 and len(weights) == 1 and cols is None and bias is None:
-        return lhs[0] @ weights[0].t()
-    fn = _concat_linear_op if torch.compiler.is_compiling() else _concat_linear_eager
-    return fn(lhs, weights, cols, bias)
-
-
 def _stacked_mm(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
-    """[lhs_0 | lhs_1 ...] @ [rhs_0 ; rhs_1 ...]."""
+    """[lhs_0 | lhs_1 ...] @ [rhs_0 ; rhs_1 ...]. Compiled, an opaque op: the partitioner would otherwise keep the
+    parameters' concatenation (an mm operand it may not recompute) from forward to backward, a copy of the
+    weights per layer; inside the op it is a transient of backward, as in eager."""
     if len(lhs) == 1 and len(rhs) == 1:
         return lhs[0] @ rhs[0]
-    return (_stacked_mm_op if torch.compiler.is_compiling() else _stacked_mm_eager)(lhs, rhs)
+    return _stacked_mm_op(lhs, rhs) if torch.compiler.is_compiling() else torch.cat(lhs, 1) @ torch.cat(rhs)
 
 
 def _scaled_block_diagonal(Bs: Sequence[torch.Tensor | None], scalings: Sequence[float], sizes: Sequence[int],
@@ -121,13 +85,20 @@ class _FusedLinear(torch.autograd.Function):
             ws, bs, As, Bs = ([None if t is None else t.to(dtype) for t in flat[i::4]] for i in range(4))
             x_ = x.to(dtype)
             x2 = x_.flatten(0, -2)
-            xa = b_s = bias = None
-            if any(a is not None for a in As):
+            w = torch.cat(ws) if len(ws) > 1 else ws[0]
+            lora = any(a is not None for a in As)
+            xa = None
+            if lora:
                 xa = x2 @ torch.cat([a for a in As if a is not None]).t()  # [N, R]
-                b_s = _scaled_block_diagonal(Bs, scalings, [t.shape[0] for t in ws], ws[0])
+                b_s = _scaled_block_diagonal(Bs, scalings, [t.shape[0] for t in ws], w)
+                lhs, rhs = torch.cat([x2, xa], 1), torch.cat([w, b_s], 1)
+            else:
+                lhs, rhs = x2, w
             if any(b is not None for b in bs):
-                bias = torch.cat([x2.new_zeros(t.shape[0]) if b is None else b for b, t in zip(bs, ws)])
-            y = _concat_linear([x2] if xa is None else [x2, xa], list(ws), b_s, bias)
+                bias = torch.cat([w.new_zeros(t.shape[0]) if b is None else b for b, t in zip(bs, ws)])
+                y = torch.addmm(bias, lhs, rhs.t())
+            else:
+                y = lhs @ rhs.t()
         # A's copy only where backward takes x's gradient (the first block's input needs none)
         ctx.save_for_backward(x_, xa, *ws, *(As if x.requires_grad else [None] * len(As)), *Bs)
         ctx.scalings, ctx.x_dtype = scalings, x.dtype
