@@ -374,8 +374,7 @@ def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts:
     first block's input projections, whose input (the frozen embedding's output) needs no gradient. A
     LoRALinear without dropout and fused q/k/v projections (attention.projection) cast their parameters
     themselves and keep only what their backward takes, so their copies follow the backward rule at either
-    moment. Neither the embedding (never cast) nor lm_head (the loss
-    casts it: loss_buffers)."""
+    moment. Neither the embedding (never cast) nor lm_head (the loss casts it: loss_buffers)."""
     first = ("model.layers.0.self_attn.", "model.layers.0.linear_attn.in_proj")
     cast = (nn.Linear, SoftmaxTopKRouter) + ((GroupedExperts,) if mode == "none" and experts else ())
     fused = {id(p) for m in model.modules() if isinstance(m, Qwen3Attention) and m.fuse_qkv
