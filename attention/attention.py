@@ -93,6 +93,8 @@ def build_attn_meta(position_ids_BS: torch.Tensor | None, cu_seqlens: torch.Tens
                     max_seqlen=max_seqlen)
 
 
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # the projections Qwen3Attention runs as one GEMM (fuse_qkv)
+
 AttnBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnMeta, float], torch.Tensor]
 
 
@@ -358,7 +360,7 @@ class Qwen3Attention(nn.Module):
 
     def project_qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, q_out], k, v [B, S, Hkv * D]."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
+        projs = [getattr(self, name) for name in QKV_PROJECTIONS]
         if self.fuse_qkv:
             return fused_linear(x_BSH, [linear_part(m) for m in projs])
         return tuple(m(x_BSH) for m in projs)

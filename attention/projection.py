@@ -52,9 +52,13 @@ def fused_linear(x: torch.Tensor, parts: Sequence[LinearPart]) -> tuple[torch.Te
     return y.split([p.weight.shape[0] for p in parts], dim=-1)
 
 
+def _cat_mm(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(lhs, 1) @ torch.cat(rhs)
+
+
 @torch.library.custom_op("attention::stacked_mm", mutates_args=())
 def _stacked_mm_op(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(lhs, 1) @ torch.cat(rhs)
+    return _cat_mm(lhs, rhs)
 
 
 @_stacked_mm_op.register_fake
@@ -68,7 +72,7 @@ def _stacked_mm(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> torch.Tenso
     weights per layer; inside the op it is a transient of backward, as in eager."""
     if len(lhs) == 1 and len(rhs) == 1:
         return lhs[0] @ rhs[0]
-    return _stacked_mm_op(lhs, rhs) if torch.compiler.is_compiling() else torch.cat(lhs, 1) @ torch.cat(rhs)
+    return (_stacked_mm_op if torch.compiler.is_compiling() else _cat_mm)(lhs, rhs)
 
 
 def _scaled_block_diagonal(Bs: Sequence[torch.Tensor | None], scalings: Sequence[float], sizes: Sequence[int],

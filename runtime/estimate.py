@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from attention.attention import Qwen3Attention
+from attention.attention import QKV_PROJECTIONS, Qwen3Attention
 from attention.rope import inv_freq_and_scale
 from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
@@ -378,7 +378,7 @@ def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts:
     first = ("model.layers.0.self_attn.", "model.layers.0.linear_attn.in_proj")
     cast = (nn.Linear, SoftmaxTopKRouter) + ((GroupedExperts,) if mode == "none" and experts else ())
     fused = {id(p) for m in model.modules() if isinstance(m, Qwen3Attention) and m.fuse_qkv
-             for p in (m.q_proj, m.k_proj, m.v_proj)}
+             for p in map(m.get_submodule, QKV_PROJECTIONS)}
     total = 0
     for name, module in model.named_modules():
         if not isinstance(module, cast) or name == "lm_head":

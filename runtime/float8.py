@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from attention.attention import Qwen3Attention
+from attention.attention import QKV_PROJECTIONS, Qwen3Attention
 from moe.experts import GroupedExperts
 
 DENSE_RECIPE = "tensorwise"
@@ -38,5 +38,5 @@ def apply_fp8_training(model: nn.Module, mode: str) -> None:
                                    module_filter_fn=lambda m, fqn: fqn.startswith("model.layers.") and pays(m, fqn))
         for attn in model.modules():
             if isinstance(attn, Qwen3Attention) and any(isinstance(p, Float8Linear)
-                                                        for p in (attn.q_proj, attn.k_proj, attn.v_proj)):
+                                                        for p in map(attn.get_submodule, QKV_PROJECTIONS)):
                 attn.fuse_qkv = False  # a Float8Linear runs its own GEMM

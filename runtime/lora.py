@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from attention.attention import Qwen3Attention
+from attention.attention import QKV_PROJECTIONS, Qwen3Attention
 from attention.projection import LinearPart, fused_linear
 from moe.experts import GroupedExperts
 from runtime.config import ConfigError, LoraConfig
@@ -153,7 +153,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     _check_targets(model, cfg.target_modules)
     for parent, name, linear in _attention_linears(model, set(cfg.target_modules) & set(ATTENTION_TARGETS)):
         setattr(parent, name, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
-        if cfg.dropout and isinstance(parent, Qwen3Attention):
+        if cfg.dropout and isinstance(parent, Qwen3Attention) and name in QKV_PROJECTIONS:
             parent.fuse_qkv = False  # dropout acts on the LoRA input alone (LoRALinear.linear_part)
     if EXPERTS_TARGET in cfg.target_modules:
         for experts in _experts(model):

@@ -119,8 +119,8 @@ def test_attention_fuses_qkv_as_its_three_modules_compute(gated, lora):
 
 
 def test_transforms_that_give_a_projection_its_own_forward_stop_the_fusion():
-    """LoRA dropout acts on the LoRA input alone: apply_lora clears fuse_qkv, and such a part refuses to fuse; a
-    module with a forward of its own is refused by name."""
+    """LoRA dropout acts on the LoRA input alone: apply_lora clears fuse_qkv where it targets q, k or v, and such a
+    part refuses to fuse; a module with a forward of its own is refused by name."""
     attn = _attention(gated=False)
     apply_lora(attn, LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.1, target_modules=["q_proj", "k_proj"]))
     assert attn.fuse_qkv is False
@@ -128,6 +128,9 @@ def test_transforms_that_give_a_projection_its_own_forward_stop_the_fusion():
         linear_part(attn.q_proj)
     with pytest.raises(TypeError, match="Identity has its own forward"):
         linear_part(torch.nn.Identity())
+    o_only = _attention(gated=False)  # dropout on o_proj alone leaves q, k, v plain: they still fuse
+    apply_lora(o_only, LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.1, target_modules=["o_proj"]))
+    assert o_only.fuse_qkv is True
 
 
 def _saved_shapes(fn, x) -> list[tuple[int, ...]]:
