@@ -22,7 +22,8 @@ Contract
     - Its own slowness is not a peer's stall: a rank whose watchdog threads were themselves frozen
       (SIGSTOP then SIGCONT) measures silence afresh instead of blaming its peer.
     - wd.check_now(wait_s), for a failure handler (process_group.defer_to_watchdog): one store round
-      at once; when a stall was posted, the process ends inside it, else it returns within wait_s.
+      at once; when a stall was posted, or the store does not answer, the process ends inside it, else
+      it returns within wait_s.
 
 Design, and why
     - Heartbeats come from a thread, not from the training loop: a rank legitimately busy in a long
@@ -133,18 +134,23 @@ class Watchdog:
         """Runs a store round now and waits up to wait_s for it: if a peer has posted a stall, this
         process ends inside the round (see _Watch.round); otherwise this returns. A store that stopped
         answering holds the round: then this waits for the guard's verdict, which ends the process with
-        the store's line (the error being handled is the echo of a peer's exit on that same verdict)."""
+        the store's line (the error being handled is the echo of a peer's exit on that same verdict),
+        and gives that verdict itself should the guard not have ruled by then."""
         if not self._threads or self._stop.is_set():
             return
         fresh = self._started + 1  # the first round to begin after this call (one may be under way)
         self._wake.set()
         # The guard rules by last round + timeout + 2 intervals on an idle host; on a loaded one its late
-        # wake-ups read as its own freeze and restart the count, so three times that again is slack (this
-        # wait ending before the verdict would let the handler go on).
-        guard_verdict_at = self._round_done_at + 4 * (self.timeout_s + 2 * self.interval_s)
+        # wake-ups read as its own freeze and restart the count, so three times that again is slack.
+        last_round_at = self._round_done_at
+        guard_verdict_at = last_round_at + 4 * (self.timeout_s + 2 * self.interval_s)
         deadline = max(time.monotonic() + wait_s, guard_verdict_at)
         while self._rounds < fresh and time.monotonic() < deadline:
             time.sleep(0.005)
+        if self._rounds < fresh:
+            # Returning would let the handler report the echo as its own error.
+            self.fail(self._store_line(f"(no answer for {time.monotonic() - last_round_at:.0f} s, "
+                                       f"{TIMEOUT_KEY}={self.timeout_s:g})"))
 
     # -- the store thread -------------------------------------------------------------------------
 
