@@ -18,9 +18,10 @@ from torch._dynamo.utils import counters
 
 import attention.attention as attention_module
 from moe.dispatch import Dispatcher, Routed
-from runtime.config import ConfigError, config_from_dict
+from runtime.config import ConfigError, LoraConfig, config_from_dict
 from runtime.distributed.activation_checkpoint import apply_activation_checkpointing
 from runtime.distributed.compile import apply_compile, apply_inductor_options
+from runtime.lora import apply_lora
 from runtime.models import from_pretrained
 from tests.conftest import Ahead, label_loss_sum, lane_environ, write_hf_checkpoint
 
@@ -394,11 +395,13 @@ def _dense_causal_stand_in(q_BSHD, k_BSKD, v_BSKD, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
-@pytest.mark.parametrize("dense_causal", [False, True])
-def test_changing_packing_recompiles_varlen_attention_at_most_once(tmp_path, monkeypatch, dense_causal):
+@pytest.mark.parametrize("dense_causal,lora", [(False, False), (True, False), (False, True)])
+def test_changing_packing_recompiles_varlen_attention_at_most_once(tmp_path, monkeypatch, dense_causal, lora):
     """The varlen attention path (the default on CUDA) takes cu_seqlens and max_seqlen, an int, into the
     compiled block: with new values every step it recompiles nothing (dense_causal False), or once where
     the first row holding several documents leaves the one-document-per-row branch (cuDNN on Hopper).
+    With the default LoRA (fused q/k/v with their factors) the same holds, from a first step of two graphs:
+    block 0's input (the frozen embedding's output) needs no gradient, so that block is a kind of its own.
     The CUDA-only kernels are replaced by CPU stand-ins of the same contract."""
     monkeypatch.setattr(attention_module, "_varlen_choice",
                         attention_module.VarlenImpl("cpu", lambda q, k, v, cu, m, scale: _cpu_varlen(q, k, v, cu, m,
@@ -409,5 +412,9 @@ def test_changing_packing_recompiles_varlen_attention_at_most_once(tmp_path, mon
     write_hf_checkpoint(tmp_path, "moe")
     model = from_pretrained(tmp_path, dtype=torch.bfloat16, expert_backend="grouped_mm", norm_rope_impl="torch",
                             attn_backend="flash")
+    if lora:
+        apply_lora(model, LoraConfig(enabled=True))
+        assert model.model.layers["0"].self_attn.fuse_qkv
     graphs = _graphs_per_step(model)
-    assert graphs == ([1, 2] if dense_causal else [1, 1]) + [graphs[1]] * (len(PACKINGS) - 2), graphs
+    first = [1, 2] if dense_causal else [1, 1]
+    assert graphs == [n + lora for n in first] + [graphs[1]] * (len(PACKINGS) - 2), graphs
