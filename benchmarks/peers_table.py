@@ -6,7 +6,7 @@ against Unsloth and transformers+PEFT on the same work, card and call.
 --e2e: bench_e2e JSONs (rows `ours` and `baseline`, mode lora). --unsloth: text files holding the JSON lines of
 benchmarks/peers/unsloth/unsloth_train.py (`{"who": "unsloth-lora", ...}`; every other line is ignored, so its
 log or run_unsloth.sh's output will do). Sides are matched by layer count, and each layer count must have the
-same seq and card on every side. Prints one markdown table: per side ms/step (median of steps each from an idle
+same model (bench_e2e's preset), seq and card on every side. Prints one markdown table: per side ms/step (median of steps each from an idle
 GPU), back-to-back ms/step (steps queued one after another, as training loops run them), peak GiB, tokens/s and
 trained parameters; steps/s ratios (same seq on every side, so the inverse ratio of ms/step: back to back where
 both sides have it, else the medians); and for ours the issue's targets: >= 1.25x Unsloth's steps/s at <= its
@@ -24,6 +24,8 @@ from pathlib import Path
 
 OVER_UNSLOTH, OVER_PEFT = 1.25, 2.4  # issue 43's targets, steps/s ratios
 OURS, UNSLOTH, PEFT = "ours", "Unsloth", "transformers+PEFT"
+# The checkpoint's model_type that unsloth_train.py reports -> bench_e2e's preset of that model.
+PRESET_OF_MODEL_TYPE = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe_text": "qwen3.5-35b-a3b"}
 _TRAINS = re.compile(r"trains ([0-9.]+)M")
 
 
@@ -32,6 +34,7 @@ class Side:
     """One side's numbers for one layer count; ms None when the side failed (note says why)."""
 
     name: str
+    model: str  # bench_e2e's preset
     layers: int
     seq: int
     device: str
@@ -60,7 +63,8 @@ def read_e2e(path: Path) -> list[Side]:
         if row.get("mode") != "lora":
             raise SystemExit(f"peers_table: {path} holds a {row.get('mode')} run; run bench_e2e with --mode lora")
         trains = _TRAINS.search(row.get("note") or "")
-        sides.append(Side(name={"ours": OURS, "baseline": PEFT}[row["side"]], layers=record["layers"],
+        sides.append(Side(name={"ours": OURS, "baseline": PEFT}[row["side"]], model=record["preset"],
+                          layers=record["layers"],
                           seq=record["seq"], device=record["device"], ms=None if "error" in row else row["ms"],
                           b2b_ms=row.get("b2b_ms"),
                           peak_gib=row.get("peak_gib"), tok_s=row.get("tok_s"),
@@ -82,7 +86,9 @@ def read_unsloth(path: Path) -> list[Side]:
             continue
         note = (f"unsloth {r.get('unsloth')}, moe {r.get('moe_backend')}, attn {r.get('attn')}, "
                 f"lora {'/'.join(r.get('lora_dtype') or [])}, step 1 {r.get('first_step_s')} s")
-        sides.append(Side(name=UNSLOTH, layers=r["layers"], seq=r["seq"], device=r["gpu"], ms=r["step_ms_median"],
+        # lines from before the hybrid rows name no model: they were all Qwen3-30B-A3B's
+        model = PRESET_OF_MODEL_TYPE.get(r.get("model_type", "qwen3_moe"), r.get("model_type"))
+        sides.append(Side(name=UNSLOTH, model=model, layers=r["layers"], seq=r["seq"], device=r["gpu"], ms=r["step_ms_median"],
                           b2b_ms=r.get("step_ms_b2b"),
                           peak_gib=r.get("peak_gib"), tok_s=r["tok_s"], trains_m=r["trainable"] / 1e6,
                           timed=_timed(r), note=note, source=str(path)))
@@ -127,7 +133,7 @@ def _one(sides: list[Side], name: str, layers: int) -> Side | None:
 
 
 def _check_same_work(layers: int, sides: list[Side]) -> None:
-    for key in ("seq", "device", "timed"):
+    for key in ("model", "seq", "device", "timed"):
         values = {f"{s.name} {getattr(s, key)}" for s in sides}
         if len({getattr(s, key) for s in sides}) > 1:
             raise SystemExit(f"peers_table: {layers} layers: not the same {key} on every side "
@@ -153,7 +159,7 @@ def table(e2e: list[Path], unsloth: list[Path]) -> str:
     for layers in sorted({s.layers for s in sides if s.name == OURS}):
         ours, uns, peft = (_one(sides, n, layers) for n in (OURS, UNSLOTH, PEFT))
         _check_same_work(layers, [s for s in (ours, uns, peft) if s is not None])
-        captions.add(f"{ours.device}, {ours.seq} tokens, median of steps {ours.timed}")
+        captions.add(f"{ours.model} on {ours.device}, {ours.seq} tokens, median of steps {ours.timed}")
         for name, s in ((PEFT, peft), (UNSLOTH, uns), (OURS, ours)):
             if s is None:
                 where = unsloth if name == UNSLOTH else e2e

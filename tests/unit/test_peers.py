@@ -22,11 +22,11 @@ NOTE = "trains 110.3M float32, experts grouped_mm, attn sdpa, loss chunked"
 
 
 def write_e2e(out: Path, ours: tuple, base: tuple | None, layers: int = 8, seq: int = 8192, warmup: int = 3,
-              steps: int = 9, ours_error: str | None = None) -> Path:
+              steps: int = 9, ours_error: str | None = None, preset: str = "qwen3-30b-a3b") -> Path:
     """A bench_e2e JSON through the Report bench_e2e writes with, rows composed as its compare() does;
     ours/base: (ms, GiB)."""
     report = Report(f"bench_e2e_L{layers}", [], str(out), printing=False)  # columns only print
-    report.meta.update(preset="qwen3-30b-a3b", layers=layers, seq=seq, steps=steps, warmup=warmup)
+    report.meta.update(preset=preset, layers=layers, seq=seq, steps=steps, warmup=warmup)
     sides = {"ours": ours} if base is None else {"ours": ours, "baseline": base}
     for side, (ms, gib) in sides.items():
         r = {"ms": ms, "tok_s": seq / ms * 1e3, "peak_gib": gib, "note": NOTE}
@@ -37,9 +37,12 @@ def write_e2e(out: Path, ours: tuple, base: tuple | None, layers: int = 8, seq: 
 
 
 def unsloth_line(ms: float, gib: float | None, layers: int = 8, seq: int = 8192, who: str = "unsloth-lora",
-                 gpu: str = DEVICE, warmup: int = 3, steps: int = 9, trainable: int = 170_000_000) -> str:
-    """One line as unsloth_train.py prints it (the fields the table reads, and a few it does not)."""
-    return json.dumps({"who": who, "layers": layers, "seq": seq, "warmup": warmup, "steps": steps,
+                 gpu: str = DEVICE, warmup: int = 3, steps: int = 9, trainable: int = 170_000_000,
+                 model_type: str | None = None) -> str:
+    """One line as unsloth_train.py prints it (the fields the table reads, and a few it does not); without
+    model_type, as it printed before the hybrid rows."""
+    return json.dumps({"who": who, **({"model_type": model_type} if model_type else {}), "layers": layers,
+                       "seq": seq, "warmup": warmup, "steps": steps,
                        "step_ms_median": ms, "tok_s": round(seq / ms * 1e3), "trainable": trainable, "peak_gib": gib,
                        "loss": 11.9, "first_step_s": 49.0, "gpu": gpu, "unsloth": "2026.10.9",
                        "moe_backend": "grouped_mm", "attn": "sdpa", "lora_dtype": ["bfloat16"]})
@@ -139,11 +142,23 @@ def test_several_layer_counts_in_one_table(tmp_path):
     (unsloth_line(130.0, 19.5, seq=4096), "not the same seq"),
     (unsloth_line(130.0, 19.5, gpu="NVIDIA H200 (another)"), "not the same device"),
     (unsloth_line(130.0, 19.5, warmup=1, steps=11), "not the same timed"),
+    (unsloth_line(130.0, 19.5, model_type="qwen3_5_moe_text"), "not the same model"),
 ])
 def test_other_work_is_refused(tmp_path, line, message):
     e2e = write_e2e(tmp_path, ours=(100.0, 19.0), base=(250.0, 46.4))
     with pytest.raises(SystemExit, match=message):
         table([e2e], [write_unsloth(tmp_path, line)])
+
+
+def test_the_hybrid_rows_match_by_model(tmp_path):
+    """Unsloth's line names its checkpoint's model_type; the hybrid's matches bench_e2e's qwen3.5 preset, and the
+    caption names the model."""
+    e2e = write_e2e(tmp_path, ours=(100.0, 30.0), base=(170.0, 63.0), preset="qwen3.5-35b-a3b")
+    out = table([e2e], [write_unsloth(tmp_path, unsloth_line(120.0, 31.0, model_type="qwen3_5_moe_text"))])
+    assert parse(out)["8", "ours"]["vs Unsloth"] == "1.20x"
+    assert f"qwen3.5-35b-a3b on {DEVICE}, 8192 tokens" in out
+    with pytest.raises(SystemExit, match="not the same model"):
+        table([e2e], [write_unsloth(tmp_path, unsloth_line(120.0, 31.0, model_type="qwen3_moe"))])
 
 
 def test_two_results_for_one_layer_count_are_refused(tmp_path):
@@ -192,29 +207,40 @@ def _dims():
     return module
 
 
-def test_unsloth_runs_the_work_of_bench_e2e():
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+def test_unsloth_runs_the_work_of_bench_e2e(preset):
     dims, bench = _dims(), _bench_e2e()
-    ours = bench.qwen3_moe_config(8)
-    assert {k: v for k, v in dims.QWEN3_30B_A3B.items() if k in ours} == {k: v for k, v in ours.items()
-                                                                          if k != "num_hidden_layers"}
+    ours = bench.PRESETS[preset](8)
+    assert {k: v for k, v in dims.hf_config(preset, 8).items() if k in ours} == ours
+    assert set(dims.PRESETS) == set(bench.PRESETS)
+    from benchmarks.peers_table import PRESET_OF_MODEL_TYPE
+
+    assert PRESET_OF_MODEL_TYPE[ours["model_type"]] == preset
     assert torch.equal(dims.token_ids(151936, 8192), bench.token_ids(151936, 8192))
 
 
-def test_make_ckpt_writes_a_checkpoint_with_bench_e2e_ids(tmp_path):
+@pytest.mark.parametrize(("preset", "model_type"), [("qwen3-30b-a3b", "qwen3_moe"),
+                                                    ("qwen3.5-35b-a3b", "qwen3_5_moe_text")])
+def test_make_ckpt_writes_a_checkpoint_with_bench_e2e_ids(tmp_path, preset, model_type):
     """`python3 make_ckpt.py ...` as run_unsloth.sh runs it, in a child forked from this process
     (tests.conftest.Forked: no Python start; the script puts its own folder on sys.path for dims, as there)."""
     token_ids = _bench_e2e().token_ids
     out, script = tmp_path / "ckpt", str(UNSLOTH_DIR / "make_ckpt.py")
-    argv = [script, "--tiny", "--device", "cpu", "--layers", "2", "--seq", "64", "--out", str(out)]
+    layers = 4 if preset == "qwen3.5-35b-a3b" else 2  # the hybrid's fourth layer is its attention
+    argv = [script, "--model", preset, "--tiny", "--device", "cpu", "--layers", str(layers), "--seq", "64",
+            "--out", str(out)]
     proc = Forked(f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_path({script!r}, run_name='__main__')",
                   tmp_path / "stderr.txt", stdout_path=tmp_path / "stdout.txt")
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    assert json.loads(stdout.strip().splitlines()[-1])["layers"] == 2
+    assert json.loads(stdout.strip().splitlines()[-1])["layers"] == layers
     config = json.loads((out / "config.json").read_text())
-    assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == ("qwen3_moe", 2, 1024)
+    assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == (model_type, layers, 1024)
+    want = _bench_e2e().PRESETS[preset](layers)
+    if "layer_types" in want:
+        assert config["layer_types"] == want["layer_types"] and "full_attention" in want["layer_types"]
     assert torch.equal(torch.load(out / "ids_64.pt"), token_ids(1024, 64))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert next(model.parameters()).dtype == torch.bfloat16 and len(model.model.layers) == 2
+    assert next(model.parameters()).dtype == torch.bfloat16 and len(model.model.layers) == layers
