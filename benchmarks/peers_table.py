@@ -6,8 +6,8 @@ against Unsloth and transformers+PEFT on the same work, card and call.
 --e2e: bench_e2e JSONs (rows `ours` and `baseline`, mode lora). --unsloth: text files holding the JSON lines of
 benchmarks/peers/unsloth/unsloth_train.py (`{"who": "unsloth-lora", ...}`; every other line is ignored, so its
 log or run_unsloth.sh's output will do). Sides are matched by layer count, and each layer count must have the
-same model (bench_e2e's preset), seq and card on every side. Prints one markdown table: per side ms/step (median of steps each from an idle
-GPU), back-to-back ms/step (steps queued one after another, as training loops run them), peak GiB, tokens/s and
+same model (bench_e2e's preset), seq and card on every side. Prints one markdown table: per side ms/step (median
+of steps each from an idle GPU), back-to-back ms/step (steps queued one after another, as training loops run them), peak GiB, tokens/s and
 trained parameters; steps/s ratios (same seq on every side, so the inverse ratio of ms/step: back to back where
 both sides have it, else the medians); and for ours the issue's targets: >= 1.25x Unsloth's steps/s at <= its
 peak memory, and >= 2.4x transformers+PEFT.
@@ -88,8 +88,8 @@ def read_unsloth(path: Path) -> list[Side]:
                 f"lora {'/'.join(r.get('lora_dtype') or [])}, step 1 {r.get('first_step_s')} s")
         # lines from before the hybrid rows name no model: they were all Qwen3-30B-A3B's
         model = PRESET_OF_MODEL_TYPE.get(r.get("model_type", "qwen3_moe"), r.get("model_type"))
-        sides.append(Side(name=UNSLOTH, model=model, layers=r["layers"], seq=r["seq"], device=r["gpu"], ms=r["step_ms_median"],
-                          b2b_ms=r.get("step_ms_b2b"),
+        sides.append(Side(name=UNSLOTH, model=model, layers=r["layers"], seq=r["seq"], device=r["gpu"],
+                          ms=r["step_ms_median"], b2b_ms=r.get("step_ms_b2b"),
                           peak_gib=r.get("peak_gib"), tok_s=r["tok_s"], trains_m=r["trainable"] / 1e6,
                           timed=_timed(r), note=note, source=str(path)))
     return sides

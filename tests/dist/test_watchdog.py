@@ -251,6 +251,8 @@ def _frozen_store(tmp_path: Path) -> tuple[dict[int, float], int, str]:
 HANDLER_ON_FROZEN_STORE = '''
 import sys
 from runtime.distributed.watchdog import Watchdog
+if sys.argv[3] == "late-guard":  # a guard that never rules (a host so loaded that its wake-ups come too late)
+    Watchdog._guard_loop = lambda self: self._stop.wait()
 watchdog = Watchdog(0, 1, int(sys.argv[2]), "127.0.0.1", int(sys.argv[1])).start()
 print("beating", flush=True)
 sys.stdin.readline()  # the test has frozen the store's process (this one's parent) by now
@@ -261,22 +263,22 @@ STORE_HOST = '''
 import subprocess, sys, time
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(store.port), sys.argv[2]],
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(store.port), *sys.argv[2:]],
                          stdin=subprocess.PIPE, stdout=sys.stdout, stderr=sys.stderr)
 print(child.pid, flush=True)
 time.sleep(600)
 '''
 
 
-def _handler_on_frozen_store(tmp_path: Path) -> tuple[float, str, str]:
+def _handler_on_frozen_store(tmp_path: Path, guard: str = "guard") -> tuple[float, str, str]:
     """The store hosted by a parent process, the watchdog and a failure handler in its child: (seconds
     from the handler's call to the child's exit, its stdout, its stderr). The store's host is frozen
-    once the child beats."""
+    once the child beats. guard "late-guard": the child's guard thread never rules."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as out_f, err.open("w") as err_f:
         host = subprocess.Popen([sys.executable, "-c", STORE_HOST, HANDLER_ON_FROZEN_STORE,
-                                 str(SCRIPT_TIMEOUT_S)], cwd=ROOT, env=env, stdout=out_f, stderr=err_f)
+                                 str(SCRIPT_TIMEOUT_S), guard], cwd=ROOT, env=env, stdout=out_f, stderr=err_f)
     try:
         deadline = time.monotonic() + 120
         while "beating" not in out.read_text():
@@ -306,7 +308,8 @@ def _out_of_step(tmp_path: Path) -> tuple[int, str]:
 
 
 JOBS = {"frozen_rank": _frozen_rank, "slow": _slow, "frozen_store": _frozen_store,
-        "out_of_step": _out_of_step, "handler_on_frozen_store": _handler_on_frozen_store}
+        "out_of_step": _out_of_step, "handler_on_frozen_store": _handler_on_frozen_store,
+        "handler_with_a_late_guard": lambda tmp_path: _handler_on_frozen_store(tmp_path, "late-guard")}
 
 
 @pytest.fixture(scope="module")
@@ -369,4 +372,13 @@ def test_a_failure_handler_on_a_frozen_store_ends_on_the_store_verdict(jobs):
     exited, out, err = jobs["handler_on_frozen_store"].result()
     assert "returned" not in out, (out, err)
     assert "error: rank 0 lost the rendezvous store at 127.0.0.1:" in err, err
+    assert exited <= SCRIPT_TIMEOUT_S + MARGIN_S, exited
+
+
+def test_a_failure_handler_gives_the_store_verdict_when_the_guard_has_not(jobs):
+    """The guard's verdict can come late on a loaded host (its late wake-ups read as its own freeze): the
+    handler's check then gives the store's verdict itself at its deadline instead of returning."""
+    exited, out, err = jobs["handler_with_a_late_guard"].result()
+    assert "returned" not in out, (out, err)
+    assert "error: rank 0 lost the rendezvous store at 127.0.0.1:" in err and "(no answer for" in err, err
     assert exited <= SCRIPT_TIMEOUT_S + MARGIN_S, exited
