@@ -17,56 +17,33 @@
 # the second side's compile shorter.
 #
 # Parts `peers` and `unsloth` (issue 43's hybrid rows against Unsloth, PEERS_LAYERS layers, 8): LoRA r=16 on
-# q,k,v,o and the routed experts. `peers`: ours and transformers+PEFT (bench_e2e, 3 warmup + 9 timed steps), its
-# JSON kept in /tmp/hybrid-peers for the next part. `unsloth`: Unsloth on the same work
-# (benchmarks/peers/unsloth/run_unsloth.sh, MODEL=qwen3.5-35b-a3b: a ~15 GB checkpoint at 8 layers; its GDN layers
-# run fla from /tmp/site-fla, which holds fla and TileLang alone, so that Unsloth sees what it sees in the
-# Qwen3-30B-A3B rows and not our /tmp/site's torchao, liger and cut-cross-entropy), then benchmarks/peers_table.py.
-# Step 1 compiles for minutes on each side (TileLang, inductor), so the two parts may not fit one 600 s call: run
-# them in two calls back to back on the same warm machine (same card), or together where they fit. The Unsloth wheels
-# join the carry, so the GDN wheels come one call each, installed by part `install` into both folders:
-#   call 1, carry [".whl-gdn1"]: bash benchmarks/gpu_e2e_hybrid.sh install
-#   call 2, carry [".whl-gdn2"]: bash benchmarks/gpu_e2e_hybrid.sh install
-#   call 3, carry [".whl", ".whl-unsloth"]: bash benchmarks/gpu_e2e_hybrid.sh peers
-#   call 4, carry [".whl", ".whl-unsloth"]: bash benchmarks/gpu_e2e_hybrid.sh unsloth
-FLA_SITE=/tmp/site-fla
-if [ "${1:-}" = install ]; then
-  for d in .whl-gdn1 .whl-gdn2; do
-    [ -d "$d" ] || continue
-    for site in /tmp/site "$FLA_SITE"; do
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-        "$d"/*.whl || exit 1
-    done
-    echo "installed $d into /tmp/site and $FLA_SITE"
-  done
+# q,k,v,o and the routed experts, 3 warmup + 9 timed steps. `peers`, in call 2 of the install above: ours and
+# transformers+PEFT (bench_e2e), its JSON kept in /tmp/hybrid-peers. `unsloth`, in the next call on the same warm
+# machine (same card), carry [".whl-unsloth"] (the GDN wheels and Unsloth's exceed one carry together): Unsloth on
+# the same work (benchmarks/peers/unsloth/run_unsloth.sh, MODEL=qwen3.5-35b-a3b: a ~15 GB checkpoint at 8 layers;
+# its GDN layers run the fla snapshot Unsloth bundles, its default), then benchmarks/peers_table.py:
+#   call 2, carry [".whl", ".whl-gdn2"]: bash benchmarks/gpu_e2e_hybrid.sh peers
+#   call 3, carry [".whl-unsloth"]: bash benchmarks/gpu_e2e_hybrid.sh unsloth
+PEERS_DIR=/tmp/hybrid-peers  # survives between calls while the machine stays warm ($OUT is emptied)
+L=${PEERS_LAYERS:-8}
+if [ "${1:-}" = unsloth ]; then
+  export OUT=${OUT:-/tmp/out}
+  mkdir -p "$OUT"
+  echo "== unsloth: hybrid, $L layers LoRA, then the table"
+  MODEL=qwen3.5-35b-a3b T=570 bash benchmarks/peers/unsloth/run_unsloth.sh "$L" experts | tee "$OUT/unsloth_peers.txt"
+  python3 -m benchmarks.peers_table --e2e "$PEERS_DIR/bench_e2e_hybrid_peers.json" --unsloth "$OUT/unsloth_peers.txt"
   exit 0
 fi
 source benchmarks/gpu_env_gdn.sh
-PEERS_DIR=/tmp/hybrid-peers  # survives between calls while the machine stays warm ($OUT is emptied)
-L=${PEERS_LAYERS:-8}
-if [[ " $* " == *" peers "* ]]; then
+if [ "${1:-}" = peers ]; then
   echo "== peers: hybrid, $L layers LoRA: ours and transformers+PEFT (bench_e2e)"
   mkdir -p "$PEERS_DIR"
-  budget=$(( 570 - SECONDS ))
-  [[ " $* " == *" unsloth "* ]] && budget=300  # leave Unsloth the rest of the call
-  timeout "$budget" python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode lora --layers "$L" \
-    --warmup 3 --steps 9 --tag hybrid_peers --out "$OUT" > "$OUT/e2e_hybrid_peers.log" 2>&1 ||
-    echo "bench_e2e exit code $? (124: past the call's time)"
+  timeout 570 python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode lora --layers "$L" --warmup 3 --steps 9 \
+    --tag hybrid_peers --out "$OUT" > "$OUT/e2e_hybrid_peers.log" 2>&1 || echo "bench_e2e exit code $? (124: past 570 s)"
   grep -E "^(ours|baseline) +lora |^ratio|failed:" "$OUT/e2e_hybrid_peers.log"
-  cp "$OUT/bench_e2e_hybrid_peers.json" "$PEERS_DIR/" 2>/dev/null
-  echo "[bench_e2e done at $SECONDS s]"
+  cp "$OUT/bench_e2e_hybrid_peers.json" "$PEERS_DIR/"
+  exit 0
 fi
-if [[ " $* " == *" unsloth "* ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FLA_SITE" \
-    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl || exit 1
-  ls -d "$FLA_SITE"/tilelang* "$FLA_SITE"/z3* >/dev/null 2>&1 ||
-    { echo "error: $FLA_SITE lacks TileLang or z3: run calls 1 and 2 of part install (see header)"; exit 1; }
-  echo "== unsloth: hybrid, $L layers LoRA, then the table"
-  MODEL=qwen3.5-35b-a3b FLA_SITE=$FLA_SITE T=$(( 580 - SECONDS )) bash benchmarks/peers/unsloth/run_unsloth.sh "$L" \
-    experts | tee "$OUT/unsloth_peers.txt"
-  python -m benchmarks.peers_table --e2e "$PEERS_DIR/bench_e2e_hybrid_peers.json" --unsloth "$OUT/unsloth_peers.txt"
-fi
-[[ " $* " == *" peers "* || " $* " == *" unsloth "* ]] && exit 0
 for mode in ${MODES:-lora}; do
   python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode "$mode" --layers "${LAYERS:-8}" --steps 5 --warmup 2 \
     --tag "hybrid_$mode" --out "$OUT" > "$OUT/e2e_hybrid_$mode.log" 2>&1
