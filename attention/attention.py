@@ -32,7 +32,7 @@ from attention.context_parallel import (
 )
 from attention.norm import RMSNorm
 from attention.norm_rope import NORM_ROPE_IMPLS, qk_norm_rope
-from attention.projection import fused_linear, linear_part
+from attention.projection import fused_linear, joins_fused_projection, linear_part
 from gpu.device import compute_dtype
 from gpu.registry import Capabilities, Registry
 
@@ -354,9 +354,13 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias, **factory)
         self.q_norm = RMSNorm(head_dim, eps, unit_offset=gated, **factory)
         self.k_norm = RMSNorm(head_dim, eps, unit_offset=gated, **factory)
-        # q, k, v as one GEMM (attention/projection.py); cleared by a transform that gives one of them a forward
-        # of its own (runtime.float8's Float8Linear, LoRA with dropout)
-        self.fuse_qkv = True
+
+    @property
+    def fuse_qkv(self) -> bool:
+        """q, k, v as one GEMM (attention/projection.py), unless a transform gave one of them a forward of its
+        own (runtime.float8's Float8Linear, LoRA with dropout): read from the modules, so no transform can
+        leave it stale."""
+        return all(joins_fused_projection(getattr(self, name)) for name in QKV_PROJECTIONS)
 
     def project_qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, q_out], k, v [B, S, Hkv * D]."""

@@ -33,6 +33,13 @@ class LinearPart(NamedTuple):
     scaling: float = 1.0
 
 
+def joins_fused_projection(m: nn.Module) -> bool:
+    """Whether linear_part(m) is what m's forward computes: a plain nn.Linear, or a module whose
+    `joins_fused_projection` says so (runtime.lora.LoRALinear without dropout). Any other module (torchao's
+    Float8Linear, LoRA with dropout) runs its own forward."""
+    return type(m) is nn.Linear or getattr(m, "joins_fused_projection", False)
+
+
 def linear_part(m: nn.Module) -> LinearPart:
     """The part a projection module computes: a plain nn.Linear's weight and bias, or what a module with
     `linear_part()` (runtime.lora.LoRALinear) names. Any other module has a forward of its own (e.g. torchao's

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from attention.attention import QKV_PROJECTIONS, Qwen3Attention
 from moe.experts import GroupedExperts
 
 DENSE_RECIPE = "tensorwise"
@@ -30,13 +29,8 @@ def apply_fp8_training(model: nn.Module, mode: str) -> None:
             module.fp8_training = True
     if mode == "experts+dense":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
         from torchao.float8.float8_linear_utils import _auto_filter_for_recipe  # private: torchao is pinned
 
         pays = _auto_filter_for_recipe(DENSE_RECIPE, filter_fqns=[])
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(DENSE_RECIPE),
                                    module_filter_fn=lambda m, fqn: fqn.startswith("model.layers.") and pays(m, fqn))
-        for attn in model.modules():
-            if isinstance(attn, Qwen3Attention) and any(isinstance(p, Float8Linear)
-                                                        for p in map(attn.get_submodule, QKV_PROJECTIONS)):
-                attn.fuse_qkv = False  # a Float8Linear runs its own GEMM

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from attention.attention import QKV_PROJECTIONS, Qwen3Attention
 from attention.projection import LinearPart, fused_linear
 from moe.experts import GroupedExperts
 from runtime.config import ConfigError, LoraConfig
@@ -109,9 +108,15 @@ class LoRALinear(nn.Linear):
         delta = F.linear(F.linear(x_lora, self.lora_A) * self.lora_scaling, self.lora_B)
         return F.linear(x, self.weight, self.bias) + delta
 
+    @property
+    def joins_fused_projection(self) -> bool:
+        """Whether a fused projection may compute this layer (attention.projection): not with dropout, which acts
+        on the LoRA branch's input alone."""
+        return self.lora_dropout == 0
+
     def linear_part(self) -> LinearPart:
         """What this layer computes, for attention.projection.fused_linear (which has no dropout)."""
-        if self.lora_dropout:
+        if not self.joins_fused_projection:
             raise ValueError("LoRA dropout acts on the LoRA branch's input alone: a fused projection cannot apply it")
         return LinearPart(self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scaling)
 
@@ -153,8 +158,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     _check_targets(model, cfg.target_modules)
     for parent, name, linear in _attention_linears(model, set(cfg.target_modules) & set(ATTENTION_TARGETS)):
         setattr(parent, name, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
-        if cfg.dropout and isinstance(parent, Qwen3Attention) and name in QKV_PROJECTIONS:
-            parent.fuse_qkv = False  # dropout acts on the LoRA input alone (LoRALinear.linear_part)
     if EXPERTS_TARGET in cfg.target_modules:
         for experts in _experts(model):
             experts.add_lora(cfg.rank, cfg.alpha, cfg.dropout)

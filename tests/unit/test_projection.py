@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from attention.attention import Qwen3Attention
+from attention.attention import QKV_PROJECTIONS, Qwen3Attention
 from attention.projection import LinearPart, fused_linear, linear_part
 from runtime.config import LoraConfig
 from runtime.lora import apply_lora
@@ -104,9 +104,9 @@ def test_attention_fuses_qkv_as_its_three_modules_compute(gated, lora):
             with torch.no_grad():
                 for m in (attn.q_proj, attn.v_proj):
                     m.lora_B.normal_(generator=torch.Generator().manual_seed(3))
-        attn.fuse_qkv = fuse
+        assert attn.fuse_qkv
         x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
-        outs = attn.project_qkv(x)
+        outs = attn.project_qkv(x) if fuse else tuple(getattr(attn, n)(x) for n in QKV_PROJECTIONS)
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         runs.append((outs, x.grad, {n: p.grad for n, p in attn.named_parameters() if p.requires_grad}))
     (fused, gx_f, grads_f), (alone, gx_a, grads_a) = runs
@@ -119,8 +119,8 @@ def test_attention_fuses_qkv_as_its_three_modules_compute(gated, lora):
 
 
 def test_transforms_that_give_a_projection_its_own_forward_stop_the_fusion():
-    """LoRA dropout acts on the LoRA input alone: apply_lora clears fuse_qkv where it targets q, k or v, and such a
-    part refuses to fuse; a module with a forward of its own is refused by name."""
+    """LoRA dropout acts on the LoRA input alone: where it targets q, k or v the attention no longer fuses them, and
+    such a part refuses to fuse; a module with a forward of its own is refused by name."""
     attn = _attention(gated=False)
     apply_lora(attn, LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.1, target_modules=["q_proj", "k_proj"]))
     assert attn.fuse_qkv is False
