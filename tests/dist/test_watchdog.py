@@ -154,6 +154,26 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _freeze(pid: int, timeout_s: float = 30) -> float:
+    """SIGSTOP, then waits until every thread of `pid` has stopped; returns that moment (monotonic).
+    kill() returns before the stop: Linux wakes one thread to begin it, and until that thread runs
+    the others keep running; on a loaded host the store's server thread could answer a round meanwhile."""
+    _signal(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not all(_state(task) in ("T", "Z", None) for task in Path(f"/proc/{pid}/task").glob("[0-9]*")):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop in {timeout_s} s"
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def _state(task: Path) -> str | None:
+    """A thread's state letter from /proc/PID/task/TID/stat; None once it is gone."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _wait_gone(pids: list[int], since: float, timeout_s: float) -> dict[int, float]:
     """{pid: seconds from `since` until it exited}; raises if one is still running after timeout_s."""
     exited: dict[int, float] = {}
@@ -207,8 +227,7 @@ def _frozen_rank(tmp_path: Path) -> tuple[dict[int, int], dict[int, float], int,
         pids = run.workers()
         metrics = tmp_path / "run" / "metrics.jsonl"
         _wait_for(lambda: _metrics_lines(metrics) >= 1, "training step in metrics.jsonl", run)
-        _signal(pids[1], signal.SIGSTOP)
-        frozen_at = time.monotonic()
+        frozen_at = _freeze(pids[1])
         exited = _wait_gone([pids[0]], frozen_at, LAUNCH_TIMEOUT_S + MARGIN_S)
         steps_before = _metrics_lines(metrics)
         _signal(pids[1], signal.SIGKILL)  # torchrun's SIGTERM waits while it is stopped; 30 s, then SIGKILL
@@ -236,8 +255,7 @@ def _frozen_store(tmp_path: Path) -> tuple[dict[int, float], int, str]:
     try:
         pids = run.workers()
         _wait_for(lambda: run.out.read_text().count("ready") == 2, "ready workers", run)
-        _signal(run.proc.pid, signal.SIGSTOP)
-        frozen_at = time.monotonic()
+        frozen_at = _freeze(run.proc.pid)
         exited = _wait_gone(list(pids.values()), frozen_at, SCRIPT_TIMEOUT_S + MARGIN_S)
         _signal(run.proc.pid, signal.SIGCONT)
         code = run.wait(60)
@@ -286,8 +304,7 @@ def _handler_on_frozen_store(tmp_path: Path, guard: str = "guard") -> tuple[floa
             time.sleep(0.1)
         child = int(out.read_text().split()[0])
         time.sleep(2 * SCRIPT_TIMEOUT_S / 10)  # a few heartbeats
-        _signal(host.pid, signal.SIGSTOP)
-        called_at = time.monotonic()
+        called_at = _freeze(host.pid)
         Path(f"/proc/{child}/fd/0").write_text("go\n")
         exited = _wait_gone([child], called_at, SCRIPT_TIMEOUT_S + MARGIN_S)[child]
     finally:
