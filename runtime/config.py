@@ -157,8 +157,9 @@ class ParallelismConfig(Section):
     fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description=(
         "dtype of FSDP's parameter gathers under CUDA autocast (fp32: one GPU's precision for norms, router)"))
     frozen_dense: Literal["auto", "replicate", "shard"] = Field("auto", description=(
-        "LoRA's frozen dense weights whole on every rank, trainables in one FSDP unit (replicate), or per-block "
-        "FSDP units (shard); auto: replicate when they take <= 1/8 of device memory"))
+        "LoRA's frozen dense weights whole on every rank, trainables in one FSDP unit, or whole too where no "
+        "expert unit is left (ep = world; replicate), or per-block FSDP units (shard); auto: replicate when they "
+        "take <= 1/8 of device memory"))
     collective_timeout_s: int = Field(600, ge=5, description=(
         "a collective that waits longer fails; the watchdog ends every rank once a peer stalls this long"))
 

@@ -9,7 +9,8 @@ Contract: `estimate(cfg, dims, cuda)` -> MemoryEstimate for one rank, in the dty
 optim.master_dtype), off CUDA every value in its parameter's dtype. Its lines:
     parameters   frozen ones in model.dtype, trainable ones in the master dtype; FSDP shards them over
                  dp_shard*cp (experts over ep x efsdp: the same count per rank), except the frozen dense
-                 ones that parallelism.frozen_dense replicates, whole on every rank; quantized experts
+                 ones that parallelism.frozen_dense replicates, whole on every rank (the trainable ones too
+                 where that leaves no FSDP unit: ep = the world); quantized experts
                  (quant.base_weights: 4.25 / 4.5 / 8 bits per weight, fp8 plus its row scales) are split over
                  ep only (FSDP does not shard buffers)
     gradients    the trainable parameters' shards, in the master dtype
@@ -352,18 +353,29 @@ def _expert_values(module: nn.Module) -> int:
     return sum(p.numel() for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
 
 
-def _weights(model: QwenForCausalLM) -> tuple[int, int, int, int]:
-    """(frozen values, of them outside the experts, trainable values, quantized expert bytes) of the whole model."""
-    frozen = frozen_dense = trainable = 0
+@dataclass
+class _Weights:
+    frozen: int            # frozen values
+    frozen_dense: int      # of them, outside the experts
+    trainable: int         # trainable values
+    trainable_dense: int   # of them, outside the experts
+    packed: int            # quantized expert bytes
+
+
+def _weights(model: QwenForCausalLM) -> _Weights:
+    """The model's values by kind (_Weights)."""
+    w = _Weights(0, 0, 0, 0, 0)
     experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     for p in model.parameters():
+        dense = 0 if p in experts else p.numel()
         if p.requires_grad:
-            trainable += p.numel()
+            w.trainable += p.numel()
+            w.trainable_dense += dense
         else:
-            frozen += p.numel()
-            frozen_dense += 0 if p in experts else p.numel()
-    packed = sum(m.packed_bytes() for m in model.modules() if isinstance(m, QuantizedWeight))
-    return frozen, frozen_dense, trainable, packed
+            w.frozen += p.numel()
+            w.frozen_dense += dense
+    w.packed = sum(m.packed_bytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+    return w
 
 
 def weight_copies(model: QwenForCausalLM, mode: str, in_backward: bool, experts: bool = True) -> int:
@@ -461,15 +473,19 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True,
     model = meta_model(cfg, qcfg, torch.bfloat16)
     run = run_of(cfg, qcfg, cuda, dims.ep)
     p, mode = run.p, cfg.parallelism.activation_checkpoint
-    frozen, frozen_dense, trainable, packed = _weights(model)
+    w = _weights(model)
     shards = dims.dp_shard * dims.cp
-    placement = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled, frozen_dense * p.frozen,
+    placement = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled, w.frozen_dense * p.frozen,
                                        device_memory_bytes)
     replicate = placement == "replicate"
-    whole = frozen_dense * p.frozen if replicate else 0  # replicated: every rank holds all of it
-    parameters = whole + ((frozen * p.frozen - whole) + trainable * p.master) // shards + packed // dims.ep
-    gradients = trainable * p.master // shards
-    optimizer = 2 * trainable * p.master // shards
+    whole = w.frozen_dense * p.frozen if replicate else 0  # replicated: every rank holds all of it
+    # where the experts need no unit either, no FSDP unit is made: the trainables outside them stay whole too
+    no_units = replicate and dims.dp_replicate * dims.efsdp == 1 and not w.packed
+    trainable = (w.trainable - w.trainable_dense) // shards + (w.trainable_dense if no_units else
+                                                               w.trainable_dense // shards)
+    parameters = whole + (w.frozen * p.frozen - whole) // shards + trainable * p.master + w.packed // dims.ep
+    gradients = trainable * p.master
+    optimizer = 2 * trainable * p.master
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
     activations = int(tokens * activation_bytes_per_token(run, mode))
 
@@ -496,8 +512,8 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True,
     if cfg.parallelism.cp > 1 and cfg.parallelism.cp_attention == "allgather":
         varlen = cuda and cfg.model.attn_backend != "sdpa"  # auto and flash take the varlen kernel on CUDA
         start["cp gathered K/V"] = forward["cp gathered K/V"] = _allgather_kv(run, tokens, dims.cp, mode, varlen)
-    if shards > 1:  # FSDP's param dtype (the experts' share at fp32 gathers over-counted): the current block,
-        # the prefetched next, the root unit
+    if shards > 1 and not no_units:  # FSDP's param dtype (the experts' share at fp32 gathers over-counted): the
+        # current block, the prefetched next, the root unit
         unit_bytes = p.compute if cuda and not fp32_gathers else p.master
         fsdp = int(unit_bytes * (2 * _gathered_block_values(model, dims, replicate)
                                  + _root_values(model, replicate) * (shards - 1) / shards))

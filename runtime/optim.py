@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -74,6 +75,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                       fused=device.type == "cuda")
+        optimizer.groups_by_kind = split_by_kind(optimizer)  # read by optimizer_step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
     return optimizer, scheduler
 
@@ -93,7 +95,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, s
         optimizer.grad_scale = (1 / grad_scale).float()
         optimizer.found_inf = skip.float()
         try:
-            optimizer.step()
+            with groups_of_one_kind(optimizer):
+                optimizer.step()
         finally:
             del optimizer.grad_scale, optimizer.found_inf
         return
@@ -103,6 +106,32 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, s
     if (scale := grad_scale.item()) != 1.0:
         torch._foreach_mul_([_local(p.grad) for p in params], scale)
     optimizer.step()
+
+
+def split_by_kind(optimizer: torch.optim.Optimizer) -> list[list[list[torch.Tensor]]] | None:
+    """Per group, its DTensor and its plain parameters, where some group holds both (else None). torch's fused
+    AdamW updates a group in one kernel, which refuses the two together; with LoRA at ep = the world the
+    trainables outside the experts are plain (runtime/distributed/replicate.py), the experts' DTensors."""
+    split = [[kind for kind in ([p for p in group["params"] if isinstance(p, DTensor)],
+                                [p for p in group["params"] if not isinstance(p, DTensor)]) if kind]
+             for group in optimizer.param_groups]
+    return split if any(len(kinds) > 1 for kinds in split) else None
+
+
+@contextmanager
+def groups_of_one_kind(optimizer: torch.optim.Optimizer):
+    """The optimizer's groups split as build_optimizer's split_by_kind says, for the duration (the same state and
+    settings): the groups themselves stay as they are, so checkpoints keep one format in every layout."""
+    split = getattr(optimizer, "groups_by_kind", None)
+    if split is None:
+        yield
+        return
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**group, "params": params} for group, kinds in zip(groups, split) for params in kinds]
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
 
 
 def layer_chunks(model: torch.nn.Module) -> dict[torch.Tensor, str]:

@@ -209,8 +209,9 @@ def global_label_count(batches: list, model, env: DistEnv) -> torch.Tensor:
 
 
 def forward_backward(model, batches: list, env: DistEnv, compute, labels: torch.Tensor) -> torch.Tensor:
-    """Accumulates the gradients of the step's micro-batches; returns their summed loss (a float64 device
-    scalar). `labels`: the global label count (0 gives a zero loss: global_label_count's step is skipped)."""
+    """Accumulates the gradients of the step's micro-batches (summed over the ranks where parameters are
+    replicated without FSDP); returns their summed loss (a float64 device scalar). `labels`: the global label
+    count (0 gives a zero loss: global_label_count's step is skipped)."""
     cp = model.context_parallel
     loss_total = torch.zeros((), device=env.device, dtype=torch.float64)
     divisor = labels.clamp_min(1)
@@ -226,6 +227,8 @@ def forward_backward(model, batches: list, env: DistEnv, compute, labels: torch.
             loss = loss_sum / divisor.to(loss_sum.dtype)
         loss.backward()
         loss_total += loss.detach()
+    if model.replicated_grads is not None:
+        model.replicated_grads.all_reduce()
     if env.world_size > 1:
         torch.distributed.all_reduce(loss_total)
     return loss_total

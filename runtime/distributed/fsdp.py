@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe.experts import GroupedExperts
 from runtime.distributed.mesh import Meshes
+from runtime.distributed.replicate import ReplicatedGrads
 from runtime.models.qwen import QwenForCausalLM
 
 
@@ -108,9 +109,10 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocas
                param_dtype: str = "bf16", frozen_dense: str = "shard") -> None:
     """FSDP2 units: each decoder block, under EP its experts (their own mesh), and the root; `param_dtype`:
     runtime.plan.fsdp_gather_dtype's bf16 or fp32. `frozen_dense` replicate (frozen_dense_placement): no block
-    unit; the frozen dense parameters stay plain tensors on every rank, the trainable ones outside the experts join the root unit
-    (one gather at the start of forward, one reduce-scatter at the end of backward) and the experts take their
-    own units as under EP."""
+    unit; the frozen dense parameters stay plain tensors on every rank and the experts take their own units as
+    under EP. The trainable ones outside the experts join the root unit (one gather at the start of forward, one
+    reduce-scatter at the end of each backward), or, where no expert unit was made (each rank alone on its
+    experts' mesh), stay plain tensors too: no FSDP unit at all, model.replicated_grads sums their gradients."""
     mp = _mp_policy(device_type, autocast, param_dtype)
     expert_mp = _expert_mp_policy(device_type, autocast, meshes.expert_fsdp.size())
     replicate = frozen_dense == "replicate"
@@ -135,6 +137,9 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocas
         # The experts' units (just made) own their frozen weights; every other frozen weight stays whole
         experts = _expert_params(model)
         ignored |= {p for p in model.parameters() if not p.requires_grad and p not in experts}
+        if not fsdp_modules:  # nothing left to shard: the trainables stay whole too, summed by one all-reduce
+            model.replicated_grads = ReplicatedGrads([p for p in model.parameters() if p not in ignored])
+            return
     fsdp_modules.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored or None))
     for module in fsdp_modules:
         module.set_gradient_divide_factor(1.0)  # sums: the loss is already normalized globally

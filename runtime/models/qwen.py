@@ -188,6 +188,9 @@ class QwenForCausalLM(nn.Module):
         # runtime.distributed.context_parallel.ContextParallel when cp > 1 (set by parallelize): the trainer
         # splits each batch along the sequence with it
         self.context_parallel = None
+        # runtime.distributed.replicate.ReplicatedGrads where parallelize keeps every trainable parameter whole on
+        # every rank without FSDP: the trainer sums their gradients over the ranks with it after backward
+        self.replicated_grads = None
 
     def hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,

@@ -1,6 +1,7 @@
 """parallelism.frozen_dense under LoRA (runtime/distributed/fsdp.py): replicate leaves no decoder block an FSDP
 unit, the frozen dense weights whole plain tensors on every rank and the trainable ones outside the experts in
-the root unit; shard keeps today's per-block units. (Parity with one process: tests/dist/test_parity.py.)"""
+the root unit, or, with no expert unit either, whole too (runtime/distributed/replicate.py); shard keeps today's
+per-block units. (Parity with one process: tests/dist/test_parity.py.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def _layout(rank, world_size, ep, frozen_dense, out):
     def on_grads(model):
         experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         dense = [(n, p) for n, p in model.named_parameters() if p not in experts]
-        group = model._get_fsdp_state()._fsdp_param_group
+        names = {p: n for n, p in model.named_parameters()}
+        group = model._get_fsdp_state()._fsdp_param_group if isinstance(model, FSDPModule) else None
+        seen["root_unit"] = isinstance(model, FSDPModule)
+        seen["replicated"] = sorted(names[p] for p in model.replicated_grads.params) if model.replicated_grads else []
         seen["block_units"] = {isinstance(b, FSDPModule) for b in model.model.layers.values()}
         seen["expert_units"] = {isinstance(m, FSDPModule) for m in model.modules() if isinstance(m, GroupedExperts)}
         seen["root_params"] = sorted(fp._param_fqn for fp in group.fsdp_params) if group else []
@@ -43,15 +47,25 @@ def _layout(rank, world_size, ep, frozen_dense, out):
     return seen
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (2, 1)], ids=["ep2", "fsdp4_ep2", "fsdp2"])
+@pytest.mark.parametrize("world,ep", [(4, 2), (2, 1)], ids=["fsdp4_ep2", "fsdp2"])
 def test_replicate_leaves_one_root_unit_of_trainables(run_dist, tmp_path, world, ep):
+    """The experts keep units of their own (efsdp 2, as under EP): the trainables outside them form the root."""
     seen = run_dist(_layout, world, ep, "replicate", str(tmp_path), timeout_s=240)[0]
-    assert seen["block_units"] == {False}
-    # efsdp 1 (ep = world): no expert unit; otherwise the experts keep their own, as under EP
-    assert seen["expert_units"] == {world // ep > 1}
+    assert seen["block_units"] == {False} and seen["expert_units"] == {True}
     assert seen["trainable_dense"] and seen["root_params"] == seen["trainable_dense"]
-    assert all("lora_" in n for n in seen["root_params"])
+    assert all("lora_" in n for n in seen["root_params"]) and not seen["replicated"]
     assert seen["frozen_plain"] == {True} and seen["grads"] == {"DTensor"}
+
+
+def test_replicate_at_ep_the_world_leaves_no_unit(run_dist, tmp_path):
+    """ep = world: each rank alone on its experts' mesh, so nothing is left to shard: no FSDP unit at all, the
+    trainables outside the experts plain tensors whose gradients model.replicated_grads sums (their values:
+    tests/dist/test_parity.py's ep2 LoRA case against one process)."""
+    seen = run_dist(_layout, 2, 2, "replicate", str(tmp_path), timeout_s=240)[0]
+    assert not seen["root_unit"] and seen["block_units"] == {False} and seen["expert_units"] == {False}
+    assert seen["trainable_dense"] and seen["replicated"] == seen["trainable_dense"]
+    assert all("lora_" in n for n in seen["replicated"])
+    assert seen["frozen_plain"] == {True} and seen["grads"] == {"Tensor"}
 
 
 def test_shard_keeps_a_unit_per_block(run_dist, tmp_path):

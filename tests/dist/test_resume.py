@@ -82,7 +82,7 @@ def _final_model(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["full", "lora-nvfp4"])  # lora-nvfp4 holds LoRA's factors too
+@pytest.mark.parametrize("variant", ["full", "lora", "lora-nvfp4"])  # with LoRA: its factors, plain at ep = world
 def test_resume_reshards_across_ep_and_world_size(run_dist, tmp_path, variant, tokenize_once):
     """ep=2 on 2 ranks to step 2, ep=1 in one process to step 4, ep=4 on 4 ranks to step 6: the same
     losses and final weights (with LoRA: the trained factors, experts' included) as one uninterrupted
