@@ -32,9 +32,10 @@
 #               EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and "<mode>-compiled", "<mode>-eager",
 #               "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 .. N);
 #               EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default auto; e.g.
-#               "all_to_all all_gather": a row per dispatcher at every ep > 1); runs are packed side by
-#               side onto free GPUs in order; every run traces step 6: per layer the experts' kernels, the exchange,
-#               the host gaps and idle GPU (runtime.timeline)
+#               "all_to_all all_gather": a row per dispatcher at every ep > 1); EPBENCH_OLD=<ignored folder
+#               holding an older tree, carried>: every ep > 1 run also from that tree, as `<mode>+old` (its
+#               ratio against this tree's ep1); runs are packed side by side onto free GPUs in order; every run
+#               traces step 6: per layer the experts' kernels, the exchange, the host gaps and idle GPU (runtime.timeline)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # CUDA_VISIBLE_DEVICES=2,3: the call uses those cards only (N = their count), other parts may run on the rest.
@@ -246,7 +247,7 @@ fi
 if [[ $parts == *epbench* ]]; then
   layers=${EPBENCH_LAYERS:-8}
   eps=${EPBENCH_EPS:-$(for ((ep = 1; ep <= N; ep *= 2)); do echo $ep; done)}
-  queue=()  # "world<TAB>tag<TAB>flags" of every run, packed onto the GPUs below
+  queue=()  # "world<TAB>tag<TAB>tree<TAB>flags" of every run, packed onto the GPUs below
   for mode in ${EPBENCH_MODES:-full-fp32 lora}; do
     flags="--set model.num_layers_override=$layers --set parallelism.activation_checkpoint=none"
     flags+=" --set train.max_steps=${EPBENCH_STEPS:-16} --set profiling.steps=[6]"
@@ -264,10 +265,11 @@ if [[ $parts == *epbench* ]]; then
       for routing in ${EPBENCH_ROUTING:-balanced random}; do
         route=""
         [ "$routing" = balanced ] && route=" --set model.router_force_balanced=true"
-        if [ "$ep" = 1 ]; then queue+=("1	ep-$mode-L$layers-ep1-$routing	$flags$route"); continue; fi
+        if [ "$ep" = 1 ]; then queue+=("1	ep-$mode-L$layers-ep1-$routing	.	$flags$route"); continue; fi
         for disp in ${EPBENCH_DISPATCHERS:-auto}; do
           name=$mode; [ "$disp" = auto ] || name=$mode+$disp  # ep_table compares a +dispatcher to its mode's ep1
-          queue+=("$ep	ep-$name-L$layers-ep$ep-$routing	$flags$route --ep $ep --set parallelism.dispatcher=$disp")
+          queue+=("$ep	ep-$name-L$layers-ep$ep-$routing	.	$flags$route --ep $ep --set parallelism.dispatcher=$disp")
+          [ -n "${EPBENCH_OLD:-}" ] && queue+=("$ep	ep-$name+old-L$layers-ep$ep-$routing	$EPBENCH_OLD	$flags$route --ep $ep --set parallelism.dispatcher=$disp")
         done
       done
     done
@@ -276,11 +278,13 @@ if [[ $parts == *epbench* ]]; then
   # free, side by side (one host, separate GPUs)
   mapfile -t queue < <(printf '%s\n' "${queue[@]}" | sort -s -t $'\t' -k1,1n)
   free=0
+  root=$PWD
   for job in "${queue[@]}"; do
-    IFS=$'\t' read -r world tag jflags <<< "$job"
+    IFS=$'\t' read -r world tag tree jflags <<< "$job"
     if ((free + world > N)); then wait; free=0; fi
-    # the flags split into words, unglobbed (profiling.steps=[6])
-    (set -f; CUDA_VISIBLE_DEVICES=$(cards $free "$world") launch_run "$tag" "$world" $jflags) &
+    # the flags split into words, unglobbed (profiling.steps=[6]); the run imports its own tree
+    (set -f; cd "$tree" && export PYTHONPATH=${PYTHONPATH/$root/$PWD}
+     CUDA_VISIBLE_DEVICES=$(cards $free "$world") launch_run "$tag" "$world" $jflags) &
     free=$((free + world))
   done
   wait
