@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
-#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [gathers] [ceiling] [profile] [hostbound] [deepep]
+#   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [gathers] [ceiling] [profile] [hostbound] [epbench] [graphstep] [deepep]
 #   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 and FP8
 #               experts at ep=2 (LoRA), FP8 training at ep=2 (experts+dense); --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
@@ -36,6 +36,9 @@
 #               holding an older tree, carried>: every ep > 1 run also from that tree, as `<mode>+old` (its
 #               ratio against this tree's ep1); runs are packed side by side onto free GPUs in order; every run
 #               traces step 6: per layer the experts' kernels, the exchange, the host gaps and idle GPU (runtime.timeline)
+#   graphstep   issue 42's probe (benchmarks/bench_graph_step.py): the 8-layer LoRA step (forced-balanced, no
+#               checkpointing) queued as the trainer queues it against the same step captured whole in one CUDA
+#               graph, eager and compiled, at ep=1 (side by side) and ep=N: how much of the EP step is host work
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # CUDA_VISIBLE_DEVICES=2,3: the call uses those cards only (N = their count), other parts may run on the rest.
@@ -289,6 +292,24 @@ if [[ $parts == *epbench* ]]; then
   done
   wait
   summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --eps $eps)")
+fi
+if [[ $parts == *graphstep* ]]; then
+  graph_step() {  # tag, first card, world, then flags: bench_graph_step's log
+    local tag=$1 first=$2 world=$3
+    shift 3
+    CUDA_VISIBLE_DEVICES=$(cards "$first" "$world") timeout "${RUN_LIMIT:-300}" torchrun --standalone \
+      --nproc_per_node "$world" -m benchmarks.bench_graph_step "$BIG" "$@" > "$OUT/graphstep-$tag.log" 2>&1
+  }
+  gs=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set lora.enabled=true
+      --set optim.master_dtype=fp32 --set model.router_force_balanced=true)
+  graph_step ep1-eager 0 1 "${gs[@]}" --set compile.enabled=false &
+  graph_step ep1-compiled $((N > 1 ? 1 : 0)) 1 "${gs[@]}" --set compile.enabled=true &
+  wait
+  graph_step "ep$N-eager" 0 "$N" --ep "$N" "${gs[@]}" --set compile.enabled=false
+  graph_step "ep$N-compiled" 0 "$N" --ep "$N" "${gs[@]}" --set compile.enabled=true
+  for log in "$OUT"/graphstep-*.log; do
+    summary+=("$(basename "$log" .log): $(grep '^{' "$log" | tail -n 1 || tail -n 1 "$log")")
+  done
 fi
 if [[ $parts == *deepep* ]]; then
   # the 8-layer step at ep=N on DeepEP's dispatcher (its wheel: benchmarks/build_deepep.sh; carry .whl-deepep)

@@ -117,9 +117,10 @@ def steady_ms(fn: Callable, iters: int, warmup: int = 1) -> float:
     return start.elapsed_time(stop) / iters
 
 
-def capture_graph(fn: Callable, warmup: int = 3) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable, warmup: int = 3, mode: str = "global") -> torch.cuda.CUDAGraph:
     """`fn` captured in a CUDA graph after `warmup` calls (compiling, autotuning) on a side stream, as
-    capture wants. Raises RuntimeError where fn syncs with the host."""
+    capture wants. Raises RuntimeError where fn syncs with the host. `mode`: torch.cuda.graph's
+    capture_error_mode (thread_local where other threads use CUDA meanwhile, as NCCL's watchdog does)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -128,7 +129,7 @@ def capture_graph(fn: Callable, warmup: int = 3) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=mode):
         fn()
     return graph
 

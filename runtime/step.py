@@ -176,8 +176,20 @@ def fitting_forward_backward(model, batches: list, optimizer, env: DistEnv, comp
 
 def update(model, batches: list, optimizer, cfg: Config, env: DistEnv, loss: torch.Tensor,
            labels: torch.Tensor) -> LaunchedStep:
-    """Queues the step's update after its backward: clip factor and skip decided on the device, the
-    optimizer, the router biases, and the copy of the step's numbers to the host."""
+    """Queues the step's update after its backward (apply_update), then the copy of its numbers to the host."""
+    dispatcher = moe_dispatcher(model)
+    numbers, host_load = apply_update(model, optimizer, cfg, env, loss, labels)
+    bounded = dispatcher is not None and dispatcher.dropped is not None
+    redo = Redo(batches, [group["lr"] for group in optimizer.param_groups]) if bounded else None
+    return launch_read(sum(b.input_ids.numel() for b in batches), numbers, host_load, redo)
+
+
+def apply_update(model, optimizer, cfg: Config, env: DistEnv, loss: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, LoadReading | None]:
+    """The update's device work: clip factor and skip decided on the device, the optimizer, the router biases.
+    Returns the step's numbers (LaunchedStep.numbers, on the device) and a host-side load log's reading. Apart
+    from that reading (an exchange whose counts reach the host anyway), nothing here reads the device or copies
+    from the host: with the step's forward and backward it can be captured whole in a CUDA graph."""
     dispatcher = moe_dispatcher(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = total_grad_norm(grads, env.world_size).to(loss.device, torch.float64)
@@ -191,10 +203,7 @@ def update(model, batches: list, optimizer, cfg: Config, env: DistEnv, loss: tor
     update_router_biases(model, env, keep=1 - skip)
     optimizer.zero_grad(set_to_none=True)
     load_sums, host_load = take_ep_load(dispatcher, env.device)
-    numbers = torch.cat([torch.stack([loss, grad_norm, code.double()]), load_sums, dropped[None]])
-    bounded = dispatcher is not None and dispatcher.dropped is not None
-    redo = Redo(batches, [group["lr"] for group in optimizer.param_groups]) if bounded else None
-    return launch_read(sum(b.input_ids.numel() for b in batches), numbers, host_load, redo)
+    return torch.cat([torch.stack([loss, grad_norm, code.double()]), load_sums, dropped[None]]), host_load
 
 
 def global_label_count(batches: list, model, env: DistEnv) -> torch.Tensor:
