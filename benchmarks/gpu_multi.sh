@@ -39,6 +39,7 @@
 #   graphstep   issue 42's probe (benchmarks/bench_graph_step.py): the 8-layer LoRA step (forced-balanced, no
 #               checkpointing) queued as the trainer queues it against the same step captured whole in one CUDA
 #               graph, eager and compiled, at ep=1 (side by side) and ep=N: how much of the EP step is host work
+#               (GRAPHSTEP_LIMIT: seconds per run, default 240)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # CUDA_VISIBLE_DEVICES=2,3: the call uses those cards only (N = their count), other parts may run on the rest.
@@ -297,7 +298,7 @@ if [[ $parts == *graphstep* ]]; then
   graph_step() {  # tag, first card, world, then flags: bench_graph_step's log
     local tag=$1 first=$2 world=$3
     shift 3
-    CUDA_VISIBLE_DEVICES=$(cards "$first" "$world") timeout "${RUN_LIMIT:-300}" torchrun --standalone \
+    CUDA_VISIBLE_DEVICES=$(cards "$first" "$world") timeout "${GRAPHSTEP_LIMIT:-240}" torchrun --standalone \
       --nproc_per_node "$world" -m benchmarks.bench_graph_step "$BIG" "$@" > "$OUT/graphstep-$tag.log" 2>&1
   }
   gs=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set lora.enabled=true
