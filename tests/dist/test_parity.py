@@ -55,6 +55,7 @@ MESHES = {
     "cp2": (2, {"cp": 2}),
     "cp4": (4, {"cp": 4}),
     "cp2_ep2": (4, {"cp": 2, "ep": 2}),
+    "cp2_ep2_on2": (2, {"cp": 2, "ep": 2}),  # the cp ranks are the EP ranks (LoRA: no FSDP unit at all)
     "cp2_ulysses_full_ac": (2, {"cp": 2, "cp_attention": "ulysses", "activation_checkpoint": "full"}),
     "cp4_ulysses": (4, {"cp": 4, "cp_attention": "ulysses"}),
     # LoRA's frozen dense weights FSDP-sharded per block (auto replicates them on the CPU)
@@ -97,10 +98,10 @@ def check_parity(run_dist, tmp_path, world: int, lora: bool, parallelism: dict, 
 
 
 # LoRA changes which parameters train and reduce, not how a mesh splits the work: it runs on one mesh of each
-# kind (EP, FSDP x EP, HSDP, cp x EP, Ulysses, full checkpointing) rather than on all twelve (CI time), with
+# kind (EP, FSDP x EP, HSDP, cp x EP, Ulysses, full checkpointing) rather than on all of them (CI time), with
 # its frozen dense weights replicated (parallelism.frozen_dense auto on the CPU), and sharded once. EP: ep2
 # (the expert factors split by EP; ep4 splits them the same way, four ways).
-LORA_MESHES = ("ep2", "fsdp4_ep2", "hsdp2x2_ep2", "cp2_ep2", "cp4_ulysses", "ep2_full_ac",
+LORA_MESHES = ("ep2", "fsdp4_ep2", "hsdp2x2_ep2", "cp2_ep2", "cp2_ep2_on2", "cp4_ulysses", "ep2_full_ac",
                "fsdp4_ep2_frozen_shard")
 CASES = ([(mesh, False) for mesh in sorted(MESHES) if "frozen" not in mesh]
          + [(mesh, True) for mesh in LORA_MESHES])
