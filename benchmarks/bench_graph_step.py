@@ -3,7 +3,7 @@ captured whole in one CUDA graph and replayed, on the same ranks in one run (iss
 
     torchrun --standalone --nproc_per_node N -m benchmarks.bench_graph_step CONFIG [--ep N] [--set k=v ...]
         [--steps 10] [--warmup 3]
-    python -m benchmarks.bench_graph_step examples/tiny-qwen3-moe.yaml --set lora.enabled=true   # CPU: queued only
+    python -m benchmarks.bench_graph_step --dry     # CPU smoke run: the tiny example, LoRA, rows of 64; queued only
 
 CONFIG and the flags are runtime.launch's. Data: one row of data.seq_len random token ids per rank (one document,
 every next token a label), the same every step. Queued: runtime.step.train_step, `--steps` steps issued back to
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,13 @@ from runtime.launch import prepare
 from runtime.models.factory import build_model
 from runtime.optim import build_optimizer
 from runtime.step import apply_update, forward_backward, global_label_count, settle, train_step
+
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe.yaml"
+
+
+class GraphError(RuntimeError):
+    """The step could not be captured on some rank; the message says why (this rank's first line)."""
 
 
 def random_batch(vocab: int, seq: int, rank: int):
@@ -66,8 +74,18 @@ def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tu
     for group in optimizer.param_groups:
         group["capturable"] = True  # the step count stays on the device (fused AdamW's already does)
     torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph takes its own pool
-    # thread_local: NCCL's watchdog thread queries events while this thread captures
-    graph = capture_graph(step, warmup, mode="thread_local")
+    error = None
+    try:
+        # thread_local: NCCL's watchdog thread queries events while this thread captures
+        graph = capture_graph(step, warmup, mode="thread_local")
+    except (RuntimeError, AssertionError) as err:  # what stopped the capture
+        error = str(err).strip().splitlines()[0][:300]
+    if env.world_size > 1:  # every rank replays, or none: a lone replay would wait for its peers forever
+        captured = torch.tensor(error is None, dtype=torch.int32, device=env.device)
+        dist.all_reduce(captured, op=dist.ReduceOp.MIN)
+        error = error or (None if captured.item() else "another rank's capture failed")
+    if error:
+        raise GraphError(error)
     graph.replay()  # the first replay uploads the graph
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -81,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dry", action="store_true", help="the tiny example with LoRA, rows of 64 tokens")
     own, launch_argv = parser.parse_known_args(argv)
+    if own.dry:
+        launch_argv = [str(TINY), "--set", "lora.enabled=true", "--set", "data.seq_len=64", *launch_argv]
     _, _, dims, run_plan = prepare(launch_argv)
     cfg = run_plan.config
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
@@ -101,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             row["graph_ms"], row["graph_loss"] = graphed_ms(model, batch, optimizer, cfg, env, own.steps, own.warmup)
             row["graph_speedup"] = row["queued_ms"] / row["graph_ms"]
-        except (RuntimeError, AssertionError) as err:  # what stopped the capture
-            row["graph_error"] = str(err).strip().splitlines()[0][:300]
+        except GraphError as err:
+            row["graph_error"] = str(err)
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for side in ("queued", "graph"):
         if f"{side}_ms" in row:

@@ -7,12 +7,11 @@ import json
 
 from benchmarks.bench_graph_step import main
 from tests.conftest import small_chat_data
-from tests.dist.test_parity import EXAMPLE
 
 
 def _row(capsys, steps: int) -> dict:
-    main([str(EXAMPLE), "--set", "lora.enabled=true", "--set", "optim.lr=1e-2", "--set",
-          f"data.path={small_chat_data()}", "--set", "data.seq_len=64", "--steps", str(steps), "--warmup", "1"])
+    main(["--dry", "--set", "optim.lr=1e-2", "--set", f"data.path={small_chat_data()}", "--steps", str(steps),
+          "--warmup", "1"])
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
