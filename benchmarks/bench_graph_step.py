@@ -43,14 +43,14 @@ class GraphError(RuntimeError):
 
 
 def random_batch(vocab: int, seq: int, rank: int):
+    """One row of `seq` random token ids (seeded by the rank: each data rank its own), one document."""
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(rank))
     return one_document_batch(ids)
 
 
 def queued_ms(model, batch, optimizer, cfg, env, steps: int) -> tuple[float, float]:
     """(ms per step of `steps` train_steps issued back to back, the last loss)."""
-    cuda = env.device.type == "cuda"
-    if cuda:
+    if env.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     launched = None
