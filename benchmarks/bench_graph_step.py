@@ -32,8 +32,14 @@ from runtime.distributed.process_group import init_distributed
 from runtime.launch import prepare
 from runtime.models.factory import build_model
 from runtime.optim import build_optimizer
-from runtime.step import apply_update, forward_backward, global_label_count, settle, train_step
-
+from runtime.step import (
+    apply_update,
+    compute_context,
+    forward_backward,
+    global_label_count,
+    settle,
+    train_step,
+)
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe.yaml"
 
@@ -64,7 +70,9 @@ def queued_ms(model, batch, optimizer, cfg, env, steps: int) -> tuple[float, flo
 def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tuple[float, float]:
     """(ms per replay of the step captured whole, the last replay's loss)."""
     labels = global_label_count([batch], model, env)  # this batch's, for every replay
-    compute = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)  # no cast cache across captures
+    # the trainer's autocast, entered and left inside the capture (its cast cache lives in the graph's pool), and
+    # the global state the compiled regions were traced under: no recompile in the capture's warm-up
+    compute = compute_context(env)
     numbers = []
 
     def step():
