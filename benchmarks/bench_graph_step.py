@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -86,8 +87,9 @@ def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tu
     try:
         # thread_local: NCCL's watchdog thread queries events while this thread captures
         graph = capture_graph(step, warmup, mode="thread_local")
-    except (RuntimeError, AssertionError) as err:  # what stopped the capture
+    except (RuntimeError, AssertionError) as err:  # what stopped the capture: its line, its stack in the log
         error = str(err).strip().splitlines()[0][:300]
+        traceback.print_exc()
     if env.world_size > 1:  # every rank replays, or none: a lone replay would wait for its peers forever
         captured = torch.tensor(error is None, dtype=torch.int32, device=env.device)
         dist.all_reduce(captured, op=dist.ReduceOp.MIN)
