@@ -479,10 +479,11 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True,
                                        device_memory_bytes)
     replicate = placement == "replicate"
     whole = w.frozen_dense * p.frozen if replicate else 0  # replicated: every rank holds all of it
-    # where the experts need no unit either, no FSDP unit is made: the trainables outside them stay whole too
-    no_units = replicate and dims.dp_replicate * dims.efsdp == 1 and not w.packed
-    trainable = (w.trainable - w.trainable_dense) // shards + (w.trainable_dense if no_units else
-                                                               w.trainable_dense // shards)
+    # no expert unit either (no experts, or each rank alone on its unpacked ones): apply_fsdp makes no FSDP unit
+    # at all, and the trainables outside the experts stay whole too
+    no_units = replicate and not w.packed and (not qcfg.num_experts or dims.dp_replicate * dims.efsdp == 1)
+    dense_shards = 1 if no_units else shards
+    trainable = (w.trainable - w.trainable_dense) // shards + w.trainable_dense // dense_shards
     parameters = whole + (w.frozen * p.frozen - whole) // shards + trainable * p.master + w.packed // dims.ep
     gradients = trainable * p.master
     optimizer = 2 * trainable * p.master

@@ -16,11 +16,17 @@ from runtime.launch import main
 from runtime.models.factory import build_model
 from tests.dist.test_parity import EXAMPLE
 
+DENSE_QWEN3 = {"model_type": "qwen3", "vocab_size": 520, "hidden_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+               "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 # LoRA's frozen dense weights: replicated on every rank (auto on the CPU) or FSDP-sharded
 CASES = {"full": {}, "lora": {"lora.enabled": True}, "lora-nvfp4": {"lora.enabled": True,
                                                                      "quant.base_weights": "nvfp4"},
          "lora-fp8": {"lora.enabled": True, "quant.base_weights": "fp8"},
-         "lora-shard": {"lora.enabled": True, "parallelism.frozen_dense": "shard"}}
+         "lora-shard": {"lora.enabled": True, "parallelism.frozen_dense": "shard"},
+         # a dense Qwen3: no expert unit, so replicate leaves no FSDP unit at all
+         "lora-dense-model": {"lora.enabled": True, "model.config": DENSE_QWEN3,
+                              "lora.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
 
 
 def _cfg(**extra):
