@@ -4,8 +4,8 @@ Contract
     grads = ReplicatedGrads(params)   # parameters every rank holds whole and computes a partial gradient of
     grads.all_reduce()                # after the step's last backward: each .grad becomes the sum over the ranks
 
-Where: LoRA with parallelism.frozen_dense replicate and no expert unit left to shard (every expert alone on its
-FSDP mesh: ep = the world). There FSDP's one remaining unit would only gather the trainable factors before
+Where: LoRA with parallelism.frozen_dense replicate and no expert unit left to shard (a model without experts, or
+every expert alone on its FSDP mesh: ep = the world). There FSDP's one remaining unit would only gather the trainable factors before
 forward and reduce-scatter them per micro-batch; instead nothing is gathered, gradients accumulate locally over
 the micro-batches, and one all-reduce per dtype sums them, on the current stream and with no hook, so the
 step's only collectives are ones it issues itself.
