@@ -43,6 +43,7 @@ from runtime.step import (
 )
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe.yaml"
+DRY_ARGV = [str(TINY), "--set", "lora.enabled=true", "--set", "data.seq_len=64"]
 
 
 class GraphError(RuntimeError):
@@ -68,18 +69,25 @@ def queued_ms(model, batch, optimizer, cfg, env, steps: int) -> tuple[float, flo
     return (time.perf_counter() - start) * 1e3 / steps, loss
 
 
-def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tuple[float, float]:
-    """(ms per replay of the step captured whole, the last replay's loss)."""
+def device_step(model, batch, optimizer, cfg, env, numbers: list):
+    """The step's device work as one call, the one the graph captures: forward, backward and the update of
+    the fixed `batch`; each call leaves its numbers (loss first) in `numbers`."""
     labels = global_label_count([batch], model, env)  # this batch's, for every replay
     # the trainer's autocast, entered and left inside the capture (its cast cache lives in the graph's pool), and
     # the global state the compiled regions were traced under: no recompile in the capture's warm-up
-    compute = compute_context(env)
-    numbers = []
+    compute = compute_context(env, autocast=True)
 
     def step():
         loss = forward_backward(model, [batch], env, compute, labels)
         numbers[:] = [apply_update(model, optimizer, cfg, env, loss, labels)[0]]
 
+    return step
+
+
+def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tuple[float, float]:
+    """(ms per replay of the step captured whole, the last replay's loss)."""
+    numbers = []
+    step = device_step(model, batch, optimizer, cfg, env, numbers)
     for group in optimizer.param_groups:
         group["capturable"] = True  # the step count stays on the device (fused AdamW's already does)
     torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph takes its own pool
@@ -105,14 +113,8 @@ def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tu
     return (time.perf_counter() - start) * 1e3 / steps, float(numbers[0][0])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dry", action="store_true", help="the tiny example with LoRA, rows of 64 tokens")
-    own, launch_argv = parser.parse_known_args(argv)
-    if own.dry:
-        launch_argv = [str(TINY), "--set", "lora.enabled=true", "--set", "data.seq_len=64", *launch_argv]
+def build(launch_argv: list[str]):
+    """runtime.launch's arguments -> (config, env, dims, the parallelized model, its optimizer, this rank's batch)."""
     _, _, dims, run_plan = prepare(launch_argv)
     cfg = run_plan.config
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
@@ -122,6 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     parallelize(model, dims, meshes, cfg)
     optimizer, _ = build_optimizer(model, cfg, env.device)
     batch = random_batch(model.config.vocab_size, cfg.data.seq_len, env.rank).to(env.device)
+    return cfg, env, dims, model, optimizer, batch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dry", action="store_true", help="the tiny example with LoRA, rows of 64 tokens")
+    own, launch_argv = parser.parse_known_args(argv)
+    if own.dry:
+        launch_argv = [*DRY_ARGV, *launch_argv]
+    cfg, env, dims, model, optimizer, batch = build(launch_argv)
     with kernel_warm_up(dist.group.WORLD if env.world_size > 1 else None):
         queued_ms(model, batch, optimizer, cfg, env, own.warmup)  # compiles, tunes
     row = {"world": env.world_size, "ep": dims.ep, "lora": cfg.lora.enabled, "compile": cfg.compile.enabled,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.bench_graph_step import main
+from benchmarks.bench_graph_step import DRY_ARGV, build, device_step, main
 from tests.conftest import small_chat_data
 
 
@@ -20,3 +20,16 @@ def test_cpu_run_prints_the_queued_side_only(capsys):
     assert short["world"] == 1 and short["lora"] and short["tokens_per_rank"] == 64 and short["queued_ms"] > 0
     assert longer["queued_loss"] < short["queued_loss"]  # the same batch, stepped on: it is being fitted
     assert "graph_ms" not in short and "graph_error" not in short
+
+
+def test_the_captured_body_trains_when_called_uncaptured():
+    """What the graph captures on CUDA (forward, backward, apply_update of one fixed batch), called directly."""
+    cfg, env, _, model, optimizer, batch = build([*DRY_ARGV, "--set", "optim.lr=1e-2",
+                                                  "--set", f"data.path={small_chat_data()}"])
+    numbers = []
+    step = device_step(model, batch, optimizer, cfg, env, numbers)
+    losses = []
+    for _ in range(4):
+        step()
+        losses.append(float(numbers[0][0]))
+    assert losses[-1] < losses[0]
