@@ -6,7 +6,8 @@ captured whole in one CUDA graph and replayed, on the same ranks in one run (iss
     python -m benchmarks.bench_graph_step --dry     # CPU smoke run: the tiny example, LoRA, rows of 64; queued only
 
 CONFIG and the flags are runtime.launch's. Data: one row of data.seq_len random token ids per rank (one document,
-every next token a label), the same every step. Queued: runtime.step.train_step, `--steps` steps issued back to
+every next token a label), or with `--data config` the first packed row of the config's data (its documents,
+its label mask), the same every step. Queued: runtime.step.train_step, `--steps` steps issued back to
 back with one sync at the end (the trainer's loop reads each step while the next computes). Graphed: the same
 step's device work (runtime.step.forward_backward, then apply_update) captured once, after `--warmup` calls on a
 side stream, and replayed `--steps` times. The graph holds what a trainer step would need to hold static to be
@@ -28,6 +29,8 @@ import torch.distributed as dist
 from benchmarks.bench_e2e import one_document_batch
 from benchmarks.harness import capture_graph
 from moe.backends import kernel_warm_up
+from runtime.data.chat import load_tokenizer
+from runtime.data.loader import build_dataloader
 from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import init_distributed
 from runtime.launch import prepare
@@ -113,8 +116,9 @@ def graphed_ms(model, batch, optimizer, cfg, env, steps: int, warmup: int) -> tu
     return (time.perf_counter() - start) * 1e3 / steps, float(numbers[0][0])
 
 
-def build(launch_argv: list[str]):
-    """runtime.launch's arguments -> (config, env, dims, the parallelized model, its optimizer, this rank's batch)."""
+def build(launch_argv: list[str], data: str = "random"):
+    """runtime.launch's arguments -> (config, env, dims, the parallelized model, its optimizer, this rank's batch:
+    `data` "random" one random document, "config" the first packed row of the config's data)."""
     _, _, dims, run_plan = prepare(launch_argv)
     cfg = run_plan.config
     env = init_distributed(timeout_s=cfg.parallelism.collective_timeout_s)
@@ -123,24 +127,31 @@ def build(launch_argv: list[str]):
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg)
     optimizer, _ = build_optimizer(model, cfg, env.device)
-    batch = random_batch(model.config.vocab_size, cfg.data.seq_len, env.rank).to(env.device)
-    return cfg, env, dims, model, optimizer, batch
+    if data == "config":
+        loader = build_dataloader(cfg.data, load_tokenizer(cfg.data.tokenizer or cfg.model.path), 1,
+                                  dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
+        batch = next(iter(loader))
+    else:
+        batch = random_batch(model.config.vocab_size, cfg.data.seq_len, env.rank)
+    return cfg, env, dims, model, optimizer, batch.to(env.device)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--data", choices=("random", "config"), default="random",
+                        help="random: one document of random ids per row; config: the config's first packed row")
     parser.add_argument("--dry", action="store_true", help="the tiny example with LoRA, rows of 64 tokens")
     own, launch_argv = parser.parse_known_args(argv)
     if own.dry:
         launch_argv = [*DRY_ARGV, *launch_argv]
-    cfg, env, dims, model, optimizer, batch = build(launch_argv)
+    cfg, env, dims, model, optimizer, batch = build(launch_argv, own.data)
     with kernel_warm_up(dist.group.WORLD if env.world_size > 1 else None):
         queued_ms(model, batch, optimizer, cfg, env, own.warmup)  # compiles, tunes
     row = {"world": env.world_size, "ep": dims.ep, "lora": cfg.lora.enabled, "compile": cfg.compile.enabled,
            "dispatcher": cfg.parallelism.dispatcher, "layers": model.config.num_layers,
-           "tokens_per_rank": cfg.data.seq_len}
+           "tokens_per_rank": cfg.data.seq_len, "data": own.data, "documents": len(batch.cu_seqlens) - 1}
     row["queued_ms"], row["queued_loss"] = queued_ms(model, batch, optimizer, cfg, env, own.steps)
     if env.device.type == "cuda":
         try:

@@ -39,7 +39,8 @@
 #   graphstep   issue 42's probe (benchmarks/bench_graph_step.py): the 8-layer LoRA step (forced-balanced, no
 #               checkpointing) queued as the trainer queues it against the same step captured whole in one CUDA
 #               graph, eager and compiled, at ep=1 (side by side) and ep=N: how much of the EP step is host work
-#               (GRAPHSTEP_LIMIT: seconds per run, default 240)
+#               (GRAPHSTEP_LIMIT: seconds per run, default 240; GRAPHSTEP_DATA=config: the config's first packed
+#               row of chat data instead of one random document)
 #   deepep      the 8-layer full fine-tune step at ep=N, no checkpointing, on DeepEP's dispatcher, and verify at ep=N
 #               with it (carry .whl-deepep)
 # CUDA_VISIBLE_DEVICES=2,3: the call uses those cards only (N = their count), other parts may run on the rest.
@@ -299,7 +300,8 @@ if [[ $parts == *graphstep* ]]; then
     local tag=$1 first=$2 world=$3
     shift 3
     CUDA_VISIBLE_DEVICES=$(cards "$first" "$world") timeout "${GRAPHSTEP_LIMIT:-240}" torchrun --standalone \
-      --nproc_per_node "$world" -m benchmarks.bench_graph_step "$BIG" "$@" > "$OUT/graphstep-$tag.log" 2>&1
+      --nproc_per_node "$world" -m benchmarks.bench_graph_step "$BIG" --data "${GRAPHSTEP_DATA:-random}" "$@" \
+      > "$OUT/graphstep-$tag.log" 2>&1
   }
   gs=(--set model.num_layers_override=8 --set parallelism.activation_checkpoint=none --set lora.enabled=true
       --set optim.master_dtype=fp32 --set model.router_force_balanced=true)

@@ -33,3 +33,9 @@ def test_the_captured_body_trains_when_called_uncaptured():
         step()
         losses.append(float(numbers[0][0]))
     assert losses[-1] < losses[0]
+
+
+def test_config_data_gives_the_packed_row_of_the_config(capsys):
+    main(["--dry", "--data", "config", "--set", f"data.path={small_chat_data()}", "--steps", "1", "--warmup", "1"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["data"] == "config" and row["documents"] > 1  # short chat records packed into one row of 64
