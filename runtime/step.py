@@ -80,6 +80,13 @@ class LaunchedStep:
     redo: Redo | None = None  # under a bounded dispatcher: to compute the step again, should it drop slots
     launched_at: float = field(default_factory=time.perf_counter)  # when its work was queued (done, on the CPU)
 
+    def ends_now(self) -> None:
+        """Moves the step's end (its step_s, StepTimer) to now: host work after its launch that is its own (the
+        collection after it), so the device's wait for that work is not counted in the next step."""
+        self.launched_at = time.perf_counter()
+        if self.done is not None:
+            self.done.record()
+
     def ready(self) -> bool:
         """Whether the numbers are there (reading them would not wait)."""
         return self.done is None or self.done.query()

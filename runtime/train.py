@@ -215,7 +215,8 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                         finish(before)  # the step before, read while this one computes
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
-                collect_garbage(step)  # in this step's time: the first step's freeze is warm-up, as its compile
+                if collect_garbage(step):  # in this step's time: the first step's freeze is warm-up, as its compile
+                    launched.ends_now()
                 queued = QueuedStep(step, launched, lr, recompiles.after_step(step, warn=env.is_main))
                 evaluating = eval_data is not None and (step == cfg.train.max_steps or step % (
                     cfg.train.eval_every_n_steps or cfg.train.max_steps) == 0)

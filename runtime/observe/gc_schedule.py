@@ -21,12 +21,12 @@ from contextlib import contextmanager
 @contextmanager
 def scheduled_gc(every: int) -> Iterator[Callable[[int], None]]:
     """Automatic collection off and the objects alive now (the model, the optimizer) frozen out of every later
-    pass; yields `collect(step)`, called after every step: after the first one it collects and freezes what
-    survived (the step's compiled code and caches), then it collects on multiples of `every` (a full pass, cheap
-    over what is not frozen: an EP step leaves a few thousand cyclic objects, no tensors). Restores the
-    collector's state on exit, raised or not."""
+    pass; yields `collect(step) -> bool` (whether it collected), called after every step: after the first one
+    it collects and freezes what survived (the step's compiled code and caches), then it collects on multiples of
+    `every` (a full pass, cheap over what is not frozen: an EP step leaves a few thousand cyclic objects, no
+    tensors). Restores the collector's state on exit, raised or not."""
     if every == 0:
-        yield lambda step: None
+        yield lambda step: False
         return
     was_enabled = gc.isenabled()
     gc.collect()
@@ -35,14 +35,17 @@ def scheduled_gc(every: int) -> Iterator[Callable[[int], None]]:
 
     warmed_up = False
 
-    def collect(step: int) -> None:
+    def collect(step: int) -> bool:
         nonlocal warmed_up
         if not warmed_up:
             gc.collect()
             gc.freeze()
             warmed_up = True
-        elif step % every == 0:
+            return True
+        if step % every == 0:
             gc.collect()
+            return True
+        return False
     try:
         yield collect
     finally:

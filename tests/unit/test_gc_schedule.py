@@ -21,9 +21,8 @@ def test_collects_only_on_scheduled_steps_with_automatic_collection_off(monkeypa
     with scheduled_gc(3) as collect:
         assert not gc.isenabled() and gc.get_freeze_count() > 0
         calls.clear()  # the full collection before freezing
-        for step in range(1, 8):
-            collect(step)
-        assert calls == [2, 2, 2]  # after the first step, then steps 3 and 6
+        collected = [step for step in range(1, 8) if collect(step)]
+        assert calls == [2, 2, 2] and collected == [1, 3, 6]  # after the first step, then steps 3 and 6
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
@@ -49,5 +48,5 @@ def test_zero_leaves_automatic_collection_on(monkeypatch):
     calls = _collections(monkeypatch)
     with scheduled_gc(0) as collect:
         assert gc.isenabled()
-        collect(50)
+        assert not collect(50)
     assert calls == []

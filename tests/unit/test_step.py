@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.bench_e2e import build_ours, hf_config, parse_args
 from runtime.observe.metrics import StepTimer
+from runtime.step import LaunchedStep
 
 CASES = [("cpu", "lora", "fp32"), ("cpu", "full", "fp32")] + [
     pytest.param("cuda", mode, master, marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -96,6 +97,17 @@ def test_a_step_is_timed_between_the_ends_of_steps():
     time.sleep(0.2)  # both read later, one right after the other
     timer.lap(first)
     assert 0.05 <= timer.lap(second) < 0.24  # the two reads, one right after the other, would time ~0
+
+
+def test_host_work_a_step_ends_with_is_not_the_next_steps():
+    """The collection after the first step (its compile's leftovers) is that step's: ends_now() moves its end."""
+    timer = StepTimer()
+    first = LaunchedStep(64, torch.zeros(6, dtype=torch.float64), None, None)
+    time.sleep(0.2)  # the collection after it
+    first.ends_now()
+    second = LaunchedStep(64, torch.zeros(6, dtype=torch.float64), None, None)
+    timer.lap(first)
+    assert timer.lap(second) < 0.1  # without ends_now() it would read the collection's 0.2 s
 
 
 @pytest.mark.gpu
