@@ -26,9 +26,9 @@
 #   hostbound   issue 17 item 6 under EP: the model at 8 layers, no checkpointing, ep=N, full and LoRA
 #               (HOSTBOUND_MODES), eager / compiled; HOSTBOUND_GRAPHS=1: LoRA also with inductor's CUDA graphs
 #               (the regions of static shape around the token exchange)
-#   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, compile.enabled auto (ep1 LoRA
-#               compiled, the rest eager), ep=1 against ep=N on the same machine in one call, each with
-#               forced-balanced routing (model.router_force_balanced) and the random-init router; modes
+#   epbench     issue 42's table: 8 layers (EPBENCH_LAYERS), no checkpointing, compile.enabled auto (LoRA
+#               compiled at ep1 and at ep = N on all_gather, the rest eager), ep=1 against ep=N on the same
+#               machine in one call, each with forced-balanced routing (model.router_force_balanced) and the random-init router; modes
 #               EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and "<mode>-compiled", "<mode>-eager",
 #               "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 .. N);
 #               EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default auto; e.g.
@@ -262,7 +262,7 @@ if [[ $parts == *epbench* ]]; then
       lora*) flags+=" --set lora.enabled=true --set optim.master_dtype=fp32" ;;
     esac
     [[ $mode == *-compiled ]] && flags+=" --set compile.enabled=true"
-    [[ $mode == *-eager ]] && flags+=" --set compile.enabled=false"  # auto compiles ep1 LoRA, runs ep > 1 eager
+    [[ $mode == *-eager ]] && flags+=" --set compile.enabled=false"  # auto compiles LoRA (runtime.plan.auto_compile)
     # inductor's CUDA graphs: the benchmark's rows are one document each, so every compiled region keeps its shapes
     [[ $mode == *-graphs ]] && flags+=' --set compile.enabled=true --set compile.inductor_options={"triton.cudagraphs":true}'
     [[ ep-$mode =~ ${ONLY:-.} ]] || continue

@@ -78,7 +78,8 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     dims.check_experts(qcfg.num_experts)
     hybrid = any(qcfg.is_linear_attention(i) for i in range(qcfg.num_layers))
     has_moe = any(qcfg.is_moe_layer(i) for i in range(qcfg.num_layers))
-    compiled = auto_compile(cfg, dims, dev)
+    wanted_dispatcher = auto_dispatcher(cfg, dims, dev, device_memory)
+    compiled = auto_compile(cfg, dims, dev, wanted_dispatcher)
     needs = Needs(dev, compile=compiled, quantized=cfg.quant.base_weights,
                   train_fp8=cfg.quant.train_fp8 != "none",
                   lora=cfg.lora.enabled and "experts" in cfg.lora.target_modules, ep=dims.ep, cp=dims.cp,
@@ -92,8 +93,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
         # compile auto on, but an implementation the config names does not compile: it runs eager
         compiled, needs = False, replace(needs, compile=False)
         names, notes = choose_model(cfg, needs, has_moe, hybrid)
-    dispatcher, _ = choose("parallelism.dispatcher", auto_dispatcher(cfg, dims, dev, device_memory),
-                           needs, {"ep"})
+    dispatcher, _ = choose("parallelism.dispatcher", wanted_dispatcher, needs, {"ep"})
     if hybrid and notes["gdn_op_set"] and m.gdn_op_set == "auto":
         warnings.warn(f"model.gdn_op_set auto: using op set {names['gdn_op_set']!r}, because "
                       f"{'; '.join(notes['gdn_op_set'])}", stacklevel=2)
@@ -166,14 +166,16 @@ def auto_dispatcher(cfg: Config, dims, device: str, device_memory_bytes: int | N
     return "all_gather" if peak <= GATHER_MEMORY_SHARE * device_memory_bytes else "all_to_all"
 
 
-def auto_compile(cfg: Config, dims, device: str) -> bool:
-    """compile.enabled resolved: true or false as written; auto compiles a LoRA run on one CUDA device (world 1:
-    no ep, no cp) without FP8 training, where compiled steps measured faster than eager (docs/benchmarks.md),
-    else runs eager. plan() turns auto back to false where an implementation the config names cannot compile."""
+def auto_compile(cfg: Config, dims, device: str, dispatcher: str) -> bool:
+    """compile.enabled resolved: true or false as written; auto compiles a LoRA run on CUDA without FP8 training
+    or context parallelism, on one device or at ep = world on the all_gather dispatcher (`dispatcher`: as
+    resolved), where compiled steps measured faster than eager (docs/config-auto.md), else runs eager. plan()
+    turns auto back to false where an implementation the config names cannot compile."""
     enabled = cfg.compile.enabled
     if enabled != "auto":
         return enabled
-    return (cfg.lora.enabled and device == "cuda" and dims.world_size == 1 and dims.ep == 1 and dims.cp == 1
+    ep_world = dims.ep == dims.world_size and dispatcher == "all_gather"
+    return (cfg.lora.enabled and device == "cuda" and (dims.world_size == 1 or ep_world) and dims.cp == 1
             and cfg.quant.train_fp8 == "none")
 
 

@@ -33,7 +33,7 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     moe_groups = wire_moe_blocks(model, dims, meshes, cfg, dispatcher)  # EP: dispatcher over the EP group
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)
     apply_activation_checkpointing(model, cfg.parallelism.activation_checkpoint, keep_groups=moe_groups)
-    if auto_compile(cfg, dims, device):
+    if auto_compile(cfg, dims, device, dispatcher):
         apply_compile(model, cfg.compile.inductor_options)
     if meshes is not None:
         frozen_dense = frozen_dense_placement(cfg.parallelism.frozen_dense, cfg.lora.enabled,

@@ -80,20 +80,25 @@ def test_dispatcher_auto_gathers_for_lora_on_cuda_where_the_estimate_fits():
     assert pick(1, memory=2**40) == "all_to_all"  # the identity at ep 1 either way
 
 
-def test_compile_auto_compiles_lora_on_one_cuda_device():
-    """compile.enabled auto (the default): true for LoRA on one CUDA device without FP8 training, false for a full
-    fine-tune, several ranks or the CPU; true and false as written; the plan's config holds a bool."""
-    def compiled(world=1, device="cuda", lora=True, ep=1, **compile_section):
-        cfg = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=ep),
+def test_compile_auto_compiles_lora_on_one_cuda_device_or_at_ep_world_on_all_gather():
+    """compile.enabled auto (the default): true for LoRA without FP8 training on one CUDA device or at ep = world
+    on the all_gather dispatcher; false for a full fine-tune, data parallelism, all_to_all or the CPU; true and
+    false as written; the plan's config holds a bool."""
+    def compiled(world=1, device="cuda", lora=True, ep=1, dispatcher="auto", memory=2**40, **compile_section):
+        cfg = cfg_of(lambda r: (r.setdefault("parallelism", {}).update(ep=ep, dispatcher=dispatcher),
                                 r.setdefault("lora", {}).update(enabled=lora), r.update(compile=compile_section)))
-        p = plan(cfg, world, device, device_memory=2**40)
+        p = plan(cfg, world, device, device_memory=memory)
         assert p.resolved()["compile.enabled"] is p.config.compile.enabled
         return p.config.compile.enabled
 
     assert cfg_of().compile.enabled == "auto"
     assert compiled() is True
     assert compiled(lora=False) is False
-    assert compiled(world=2, ep=2) is False
+    assert compiled(world=2, ep=2) is True  # auto's dispatcher there: all_gather
+    assert compiled(world=2, ep=2, dispatcher="all_to_all") is False
+    assert compiled(world=2, ep=2, memory=2**20) is False  # all_gather would not fit: all_to_all, eager
+    assert compiled(world=2, ep=2, lora=False) is False
+    assert compiled(world=4, ep=2) is False  # dp_shard 4 over ep 2: FSDP units, unmeasured compiled
     assert compiled(world=2) is False
     assert compiled(device="cpu") is False
     assert compiled(enabled=False) is False
