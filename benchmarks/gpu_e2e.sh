@@ -12,7 +12,7 @@
 #         every step): per step its seconds, documents and the recompile count of metrics.jsonl, dynamo's
 #         reasons (TORCH_LOGS=recompiles), and PASS when the run recompiled at most twice; the mean step after the
 #         first against the median. RECOMPILE_STEPS=100 RECOMPILE_LORA=1: issue 43's 100-step LoRA run (mean within
-#         5% of the median)
+#         5% of the median); RECOMPILE_EP=N: on N GPUs at ep=N (random routing: the all_gather bound may grow)
 #   against  ours only, this tree against an older one carried as OLD=<ignored folder> (`git archive REV | tar x -C
 #         old`, carry [".whl", "old"]): LoRA 12 layers and full 8 layers (bf16 masters), old then new then old
 #         again, so drift between the runs shows. Both trees run this tree's bench_e2e.py (copied into OLD), so
@@ -70,13 +70,15 @@ fi
 if [[ $parts == *recompiles* ]]; then
   run_dir=$OUT/recompiles_run
   config=benchmarks/configs/qwen3-30b-a3b-random.yaml
-  echo "== recompiles: $config, ${FULL_LAYERS} layers, ${RECOMPILE_LORA:+LoRA}${RECOMPILE_LORA:-full fine-tune}, compile.enabled, ${RECOMPILE_STEPS:-12} steps"
-  TORCH_LOGS=recompiles torchrun --standalone --nproc_per_node 1 -m runtime.launch "$config" \
+  ep=${RECOMPILE_EP:-1}
+  echo "== recompiles: $config, ${FULL_LAYERS} layers, ${RECOMPILE_LORA:+LoRA}${RECOMPILE_LORA:-full fine-tune}, compile.enabled, ${RECOMPILE_STEPS:-12} steps, ep $ep"
+  TORCH_LOGS=recompiles torchrun --standalone --nproc_per_node "$ep" -m runtime.launch "$config" --ep "$ep" \
     --max-steps "${RECOMPILE_STEPS:-12}" ${RECOMPILE_LORA:+--set lora.enabled=true --set optim.master_dtype=fp32} \
     --output-dir "$run_dir" --set model.num_layers_override="$FULL_LAYERS" --set compile.enabled=true \
     > "$OUT/e2e_recompiles.log" 2>&1 || { echo "run failed:"; tail -n 20 "$OUT/e2e_recompiles.log"; }
   grep -E "Recompiling function|guard failure|^.*- [0-9]+/[0-9]+: " "$OUT/e2e_recompiles.log" | sed "s/^.*__recompiles\] */  /"
-  python -m benchmarks.recompiles "$config" "$run_dir/metrics.jsonl"
+  grep -E "gather_capacity" "$OUT/e2e_recompiles.log" | head -n 4  # a bounded all_gather grown (EP)
+  python -m benchmarks.recompiles "$config" "$run_dir/metrics.jsonl" --dp-world "$ep"
 fi
 if [[ $parts == *sync* ]]; then
   echo "== sync: the step's GPU tests"
