@@ -12,7 +12,9 @@ IGNORE_INDEX where a token has no loss. `loss_sum` is an fp32 scalar: the summed
 label tokens; the caller divides by the global label count. Gradients flow to h and, only when it
 requires grad, to the weight (a frozen lm_head under LoRA gets no [V, H] gradient, none is allocated).
 `num_labels`: how many of labels_T are not IGNORE_INDEX, where the caller knows it on the host (the collator
-counts them); an implementation that sizes its work by that count then reads nothing back from the device.
+counts them), or any bound above that count (a step replayed from a CUDA graph passes its shape bucket's: the
+rows past the count cost their compute and add nothing); an implementation that sizes its work by it then
+reads nothing back from the device.
 
 Precision is that of `nn.Linear` + `F.cross_entropy(logits.float())`: under autocast the matmuls run in
 the autocast dtype (h and weight cast to it), outside autocast in the inputs' (common) dtype;
@@ -131,29 +133,32 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def _chunked_loss_and_grads(h_TH, weight_VH, labels_T, num_labels, dtype, chunk_size, grad_h: bool, grad_w: bool,
                             chunk_fn):
     """(loss_sum, d loss_sum / d h or None, d loss_sum / d weight or None), visiting label tokens only."""
+    T = labels_T.shape[0]
     rows_N = label_rows(labels_T, num_labels)
-    labels_N = labels_T[rows_N]
+    # Past the true count (num_labels a bound), rows are T: they read row T-1 as an ignored label, and their zero
+    # gradient lands in a spare row T that is cut off.
+    read_N = rows_N.clamp_max(T - 1)
+    labels_N = torch.where(rows_N < T, labels_T[read_N], IGNORE_INDEX)
     w_VH = weight_VH.to(dtype)  # once, not per chunk: autocast would cast (and cache) it the same way
     loss = torch.zeros((), dtype=torch.float32, device=h_TH.device)
-    grad_h_TH = torch.zeros_like(h_TH) if grad_h else None
+    grad_h_TH = h_TH.new_zeros((T + 1, *h_TH.shape[1:])) if grad_h else None
     # fp32 accumulation over chunks whatever the weight dtype; rounded once at the end.
     grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if grad_w else None
     for start in range(0, rows_N.numel(), chunk_size):
         rows_C = rows_N[start:start + chunk_size]
-        h_CH = h_TH[rows_C].to(dtype)
+        h_CH = h_TH[read_N[start:start + chunk_size]].to(dtype)
         chunk_loss, grad_logits_CV = chunk_fn(h_CH, w_VH, labels_N[start:start + chunk_size], grad_h or grad_w)
         loss += chunk_loss
         if grad_h:
             grad_h_TH.index_copy_(0, rows_C, (grad_logits_CV @ w_VH).to(h_TH.dtype))
         if grad_w:
             grad_w_VH += grad_logits_CV.T @ h_CH
-    return loss, grad_h_TH, grad_w_VH.to(weight_VH.dtype) if grad_w else None
+    return loss, grad_h_TH[:T] if grad_h else None, grad_w_VH.to(weight_VH.dtype) if grad_w else None
 
 
 def label_rows(labels_T: torch.Tensor, num_labels: int | None) -> torch.Tensor:
     """The positions of the label tokens, in order. Their count sets the chunk loop: given, nothing is read
-    back; else nonzero syncs the host with the device. A count above the true one pads with T, out of range
-    for every index that follows (a device-side error, never a wrong row)."""
+    back; else nonzero syncs the host with the device. A count above the true one (a bound) pads with T."""
     mask_T = labels_T != IGNORE_INDEX
     if num_labels is None:
         return mask_T.nonzero().squeeze(1)
@@ -162,14 +167,18 @@ def label_rows(labels_T: torch.Tensor, num_labels: int | None) -> torch.Tensor:
 
 def _chunk_loss_and_grad_logits(h_CH, w_VH, labels_C, with_grad: bool):
     """One chunk's summed cross-entropy and, if asked, d loss / d logits (softmax - onehot) in the matmul
-    dtype, i.e. what autograd through `logits.float()` hands the lm_head matmul."""
+    dtype, i.e. what autograd through `logits.float()` hands the lm_head matmul. Rows labelled IGNORE_INDEX
+    (past a bound's true count) add no loss and get a zero gradient row."""
     logits_CV = (h_CH @ w_VH.T).float()
     lse_C = logits_CV.logsumexp(dim=-1)
-    loss = (lse_C - logits_CV.gather(1, labels_C[:, None]).squeeze(1)).sum()
+    kept_C = labels_C != IGNORE_INDEX
+    target_C1 = labels_C.clamp_min(0)[:, None]
+    loss = torch.where(kept_C, lse_C - logits_CV.gather(1, target_C1).squeeze(1), 0.0).sum()
     if not with_grad:
         return loss, None
-    probs_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # in place: the fp32 logits are the chunk's largest buffer
-    probs_CV.scatter_add_(1, labels_C[:, None], probs_CV.new_full((labels_C.shape[0], 1), -1.0))
+    # in place: the fp32 logits are the chunk's largest buffer; an ignored row's exp(-inf) is its zero row
+    probs_CV = logits_CV.sub_(torch.where(kept_C, lse_C, float("inf"))[:, None]).exp_()
+    probs_CV.scatter_add_(1, target_C1, -kept_C.to(probs_CV.dtype)[:, None])
     return loss, probs_CV.to(h_CH.dtype)
 
 

@@ -6,7 +6,8 @@ C rows, V vocab. Per row, in fp32 whatever the logits' dtype: the logsumexp by a
 blocks, loss = lse - logits[label]; with_grad: the row is overwritten IN PLACE by d loss / d logits =
 softmax - onehot(label), rounded to the logits' dtype. That is the torch chunk's math (upcast, logsumexp,
 exp, scatter -1, cast back: runtime.loss._chunk_loss_and_grad_logits) in two reads and one write of the row
-instead of six fp32 passes over [C, V]. Every label must lie in [0, V) (the caller drops ignored rows).
+instead of six fp32 passes over [C, V]. Every label lies in [0, V) or is negative (IGNORE_INDEX: the rows past
+a bound's true count), which adds no loss and gets a zero gradient row.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def _cross_entropy_rows_kernel(logits_ptr, stride_c, labels_ptr, loss_ptr, V, WI
                                BLOCK_V: tl.constexpr):
     row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * stride_c
     label = tl.load(labels_ptr + tl.program_id(0)).to(tl.int64)
+    kept = label >= 0
+    label = tl.maximum(label, 0)
     cols = tl.arange(0, BLOCK_V)
     # The first block alone sets the running max, so it is finite before any exp of a difference.
     x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
@@ -37,12 +40,12 @@ def _cross_entropy_rows_kernel(logits_ptr, stride_c, labels_ptr, loss_ptr, V, WI
         m = m_new
     lse = m + tl.log(s)
     # Read before the gradient overwrites the row.
-    tl.store(loss_ptr + tl.program_id(0), lse - tl.load(row_ptr + label).to(tl.float32))
+    tl.store(loss_ptr + tl.program_id(0), tl.where(kept, lse - tl.load(row_ptr + label).to(tl.float32), 0.0))
     if WITH_GRAD:
         for start in range(0, V, BLOCK_V):
             mask = start + cols < V
             x = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(start + cols == label, 1.0, 0.0)
+            grad = tl.where(kept, tl.exp(x - lse) - tl.where(start + cols == label, 1.0, 0.0), 0.0)
             tl.store(row_ptr + start + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
