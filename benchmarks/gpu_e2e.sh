@@ -19,7 +19,8 @@
 #         both have its columns (back-to-back ms); OLD must have runtime.step's queued step (9493972 or later)
 #   sync  the sync-free step's GPU tests: no host sync in a steady step (tests/gpu/test_step_sync_gpu.py), a
 #         non-finite step skipped on the device (tests/unit/test_step.py, test_optim.py: CUDA cases), the one-node
-#         LoRALinear under CUDA autocast (tests/unit/test_lora.py: CUDA case)
+#         LoRALinear under CUDA autocast (tests/unit/test_lora.py: CUDA case), train.graph_step's replayed steps
+#         against eager ones (tests/gpu/test_graph_step_gpu.py)
 #   kernels  issue 43's profile: ours (eager, then compiled) and Unsloth at PEERS_LAYERS (8) layers, 2 traced steps
 #         each after 3 warmup + 3 timed, benchmarks/kernel_split.py's table of kernel classes (forward / backward)
 #         and each side's largest kernels (carry [".whl", ".whl-unsloth"], as peers)
@@ -82,8 +83,8 @@ if [[ $parts == *recompiles* ]]; then
 fi
 if [[ $parts == *sync* ]]; then
   echo "== sync: the step's GPU tests"
-  python -m pytest -q -m gpu tests/gpu/test_step_sync_gpu.py tests/unit/test_step.py tests/unit/test_optim.py \
-    tests/unit/test_lora.py -p no:cacheprovider \
+  python -m pytest -q -m gpu tests/gpu/test_step_sync_gpu.py tests/gpu/test_graph_step_gpu.py tests/unit/test_step.py \
+    tests/unit/test_optim.py tests/unit/test_lora.py -p no:cacheprovider \
     > "$OUT/e2e_sync.log" 2>&1
   grep -E "passed|failed|^E |^FAILED" "$OUT/e2e_sync.log" | head -30
 fi

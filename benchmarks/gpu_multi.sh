@@ -30,7 +30,8 @@
 #               compiled at ep1 and at ep = N on all_gather, the rest eager), ep=1 against ep=N on the same
 #               machine in one call, each with forced-balanced routing (model.router_force_balanced) and the random-init router; modes
 #               EPBENCH_MODES (default "full-fp32 lora"; also full-bf16, and "<mode>-compiled", "<mode>-eager",
-#               "<mode>-graphs": compiled with inductor's CUDA graphs); EPBENCH_EPS (default 1 2 4 .. N);
+#               "<mode>-graphs": compiled with inductor's CUDA graphs, "<mode>-graphstep": compiled, the whole step
+#               replayed from CUDA graphs, train.graph_step); EPBENCH_EPS (default 1 2 4 .. N);
 #               EPBENCH_ROUTING (default "balanced random"); EPBENCH_DISPATCHERS (default auto; e.g.
 #               "all_to_all all_gather": a row per dispatcher at every ep > 1); EPBENCH_OLD=<ignored folder
 #               holding an older tree, carried>: every ep > 1 run also from that tree, as `<mode>+old` (its
@@ -265,6 +266,7 @@ if [[ $parts == *epbench* ]]; then
     [[ $mode == *-eager ]] && flags+=" --set compile.enabled=false"  # auto compiles LoRA (runtime.plan.auto_compile)
     # inductor's CUDA graphs: the benchmark's rows are one document each, so every compiled region keeps its shapes
     [[ $mode == *-graphs ]] && flags+=' --set compile.enabled=true --set compile.inductor_options={"triton.cudagraphs":true}'
+    [[ $mode == *-graphstep ]] && flags+=" --set compile.enabled=true --set train.graph_step=true"  # runtime.graph_step
     [[ ep-$mode =~ ${ONLY:-.} ]] || continue
     for ep in $eps; do
       for routing in ${EPBENCH_ROUTING:-balanced random}; do

@@ -191,8 +191,8 @@ class CompileConfig(Section):
     """torch.compile of the decoder blocks."""
 
     enabled: bool | Literal["auto"] = Field("auto", description=(
-        "torch.compile every decoder block (fullgraph: a graph break is an error); auto compiles a LoRA run on one "
-        "CUDA device without FP8 training (runtime.plan)"))
+        "torch.compile every decoder block (fullgraph: a graph break is an error); auto compiles a LoRA run on CUDA "
+        "without FP8 training or cp, on one device or at ep = world on the all_gather dispatcher (runtime.plan)"))
     inductor_options: dict[str, Any] = Field(default_factory=dict, description=(
         "an allowlist of torch._inductor.config keys, e.g. max_autotune, coordinate_descent_tuning"))
 
@@ -248,6 +248,10 @@ class TrainConfig(Section):
         "eval loss every N optimizer steps when eval data is set (0: only at the end)"))
     gc_every_n_steps: int = Field(50, ge=0, description=(
         "Python's garbage collection at every N-th step boundary on every rank, never mid-step (0: automatic)"))
+    graph_step: bool = Field(False, description=(
+        "replay each step's forward, backward and update from a CUDA graph per batch-shape bucket (runtime.graph_step):"
+        " for host-bound steps; CUDA, fused AdamW (fp32 masters), no FSDP unit (one GPU, or LoRA at ep = world on"
+        " the all_gather dispatcher), no cp, no GDN layers"))
 
 
 class CheckpointConfig(Section):

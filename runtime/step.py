@@ -238,7 +238,7 @@ def forward_backward(model, batches: list, env: DistEnv, compute, labels: torch.
         with compute:
             loss_sum = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
                              max_seqlen=batch.max_seqlen, labels=batch.labels,
-                             cp=batch.cp if cp is not None else None, num_labels=batch.num_label_tokens)
+                             cp=batch.cp if cp is not None else None, num_labels=batch.loss_rows)
             # The router balance losses ride on the MoE outputs' backward (moe.layer._AttachAuxLoss).
             loss = loss_sum / divisor.to(loss_sum.dtype)
         loss.backward()

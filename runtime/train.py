@@ -30,6 +30,7 @@ from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.parallelize import parallelize
 from runtime.distributed.process_group import DistEnv, all_reduce_sum
 from runtime.evaluation import evaluate
+from runtime.graph_step import GraphedSteps
 from runtime.guard.failures import Progress
 from runtime.guard.run_dir import (
     CONFIG_FILE,
@@ -153,6 +154,9 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
     model = build_model(cfg, env, dims)
     parallelize(model, dims, meshes, cfg, autocast)
     optimizer, scheduler = build_optimizer(model, cfg, env.device)
+    # runtime.verify's runs (on_grads, fp32) read each step's gradients: they step eagerly
+    graphed = (GraphedSteps(model, optimizer, cfg, env) if cfg.train.graph_step and on_grads is None and autocast
+               else None)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
     loader = build_dataloader(cfg.data, tokenizer, cfg.train.micro_batch_size,
                               dp_rank=dims.dp_rank(env.rank), dp_world=dims.dp_world)
@@ -208,8 +212,9 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 with notice.step(step):
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                     with profiler.step(step), warm_up(step == start + 1):
-                        launched = train_step(model, batches, optimizer, cfg, env, on_grads, autocast,
-                                              previous=queued.launched if queued is not None else None)
+                        before = queued.launched if queued is not None else None
+                        launched = (graphed.launch(batches, before) if graphed is not None else
+                                    train_step(model, batches, optimizer, cfg, env, on_grads, autocast, previous=before))
                     if queued is not None:
                         before, queued = queued, None  # judged from here on: the error path leaves it
                         finish(before)  # the step before, read while this one computes

@@ -42,6 +42,9 @@ labels[b, t] is the token to predict at position t, -100 where nothing is (the l
 document, untrained chat tokens, padding). position_ids restart at 0 at every document start.
 cu_seqlens (int32, [num_docs + 1]) holds the document boundaries over the flattened B*S tokens and
 never crosses a row; max_seqlen and num_label_tokens are python ints, computed here once per batch.
+A batch padded to a CUDA graph's static shapes (runtime.graph_step.static_batch) carries empty documents at the
+end of cu_seqlens, a max_seqlen above its longest document, and label_bound: the loss's row count above
+num_label_tokens (which stays the true count the loss divides by).
 
 Eval data (`data.eval`, `data.eval_fraction`): a held-out file read like data.path, or a share of
 data.path's documents chosen by data.seed (split_eval) and removed from the training corpus, so they

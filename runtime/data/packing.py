@@ -43,13 +43,19 @@ class Batch:
     cu_seqlens: torch.Tensor  # [num_docs + 1] int32 over the flattened B*S tokens
     max_seqlen: int
     num_label_tokens: int
+    label_bound: int | None = None  # rows the loss visits when above num_label_tokens (runtime.graph_step)
+
+    @property
+    def loss_rows(self) -> int:
+        """The loss's row count: the label count, or the bound a graphed step holds static (runtime.loss)."""
+        return self.num_label_tokens if self.label_bound is None else self.label_bound
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch on `device`, copied without the host waiting (gpu.device.to_device_async)."""
         return Batch(input_ids=to_device_async(self.input_ids, device), labels=to_device_async(self.labels, device),
                      position_ids=to_device_async(self.position_ids, device),
                      cu_seqlens=to_device_async(self.cu_seqlens, device), max_seqlen=self.max_seqlen,
-                     num_label_tokens=self.num_label_tokens)
+                     num_label_tokens=self.num_label_tokens, label_bound=self.label_bound)
 
 
 def collate(rows: list[Row], corpus: Corpus, seq_len: int, pad_id: int) -> Batch:

@@ -36,6 +36,11 @@ class CPBatch:
     cu_seqlens: None = None  # the whole rows' boundaries live in cp.meta
     max_seqlen: None = None
 
+    @property
+    def loss_rows(self) -> int:
+        """The loss's row count (runtime.data.Batch.loss_rows): this rank's label count."""
+        return self.num_label_tokens
+
 
 @dataclass
 class ContextParallel:

@@ -325,3 +325,26 @@ def test_import_runtime_config_loads_no_kernel():
     done, _ = FRESH_PROCESS.result()
     assert "--\n" in done.stdout, done.stderr[-3000:]
     assert done.stdout.split("--\n", 1)[0].strip() == "", done.stdout  # no kernel module after the import
+
+
+def test_graph_step_is_refused_where_a_graph_cannot_hold_the_step():
+    """train.graph_step: CUDA only, no cp, no GDN layers, fused AdamW (fp32 masters), no full fine-tune on
+    several GPUs; each refusal names the key and the reason before any model is built."""
+    def refusal(world=1, device="cuda", hybrid=False, **edits) -> str | None:
+        def edit(r):
+            r.setdefault("train", {})["graph_step"] = True
+            for section, values in edits.items():
+                r.setdefault(section, {}).update(values)
+        try:
+            plan(cfg_of(edit, hybrid=hybrid), world, device, device_memory=2**40)
+        except ConfigError as err:
+            return str(err)
+        return None
+
+    assert refusal(lora={"enabled": True}) is None
+    assert refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2}) is None
+    assert "replays CUDA graphs" in refusal(device="cpu")
+    assert "context parallelism" in refusal(world=2, parallelism={"cp": 2})
+    assert "GDN" in refusal(hybrid=True)
+    assert "fused AdamW" in refusal(optim={"master_dtype": "bf16"})
+    assert "FSDP units" in refusal(world=2, parallelism={"ep": 2})

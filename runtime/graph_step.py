@@ -1,0 +1,237 @@
+"""The training step's device work replayed from CUDA graphs (`train.graph_step`).
+
+A step whose host work outlasts its GPU work leaves the GPU waiting on launches: LoRA under EP, where the
+trainer's compiled ep2 step ran 69.5 ms queued and 57.0 ms captured whole (docs/benchmarks.md, "the whole step
+in one CUDA graph"). Here a step's forward, backward and update (runtime.step.forward_backward and
+apply_update) are captured once per shape bucket and replayed: the host then copies the batch in, sets the
+learning rates and replays.
+
+Shapes. A packed row's document count, longest document and label count change every step; a graph holds
+them fixed, so `static_batch` rounds them up: the documents to a power of two (cu_seqlens padded with empty
+documents; rows of one document each stay as they are, cuDNN's branch), the longest document to a power of
+two (the varlen kernel's bound), the loss's rows to a multiple of LABEL_BUCKET (runtime.loss: the rows past
+the count add nothing). The label count the loss divides by stays the true one, a device scalar copied in
+before each replay. Every rank pads to the buckets of the largest rank (one all-reduce on a gloo group: no
+device sync), so all ranks capture and replay alike and their collectives stay matched.
+
+Per bucket: the first time, a forward and backward of the padded batch on a side stream (compiles and tunes
+those shapes; discarded), then the capture into a memory pool every graph shares (replays never overlap),
+then the replay that is this step. The run's first step runs eagerly: it creates the optimizer's states,
+which a capture must not. Past GRAPH_LIMIT buckets a new one runs eagerly. A grown dispatcher bound (the step
+before dropped slots: runtime.step.settle) changes buffers every graph holds: they are dropped.
+
+Contract
+    steps = GraphedSteps(model, optimizer, cfg, env)   # after parallelize and build_optimizer
+    launched = steps.launch(batches, previous)         # in place of runtime.step.train_step
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from runtime.config import Config
+from runtime.data.packing import Batch
+from runtime.distributed.process_group import DistEnv
+from runtime.errors import ConfigError
+from runtime.step import (
+    LaunchedStep,
+    Redo,
+    apply_update,
+    compute_context,
+    discard_tallies,
+    forward_backward,
+    global_label_count,
+    launch_read,
+    moe_dispatcher,
+    settle,
+    train_step,
+)
+
+log = logging.getLogger("runtime")
+
+LABEL_BUCKET = 1024  # the loss's rows round up to this: at most 1023 extra rows of lm_head per micro-batch
+GRAPH_LIMIT = 32  # buckets captured at most; each holds its static batch and its kernels' launch parameters
+
+
+def _power_of_two_above(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def bucket_of(batch: Batch) -> tuple[int, int, int]:
+    """(documents, longest document, loss rows) of `batch` rounded up to its bucket (module docstring)."""
+    B, S = batch.input_ids.shape
+    docs = batch.cu_seqlens.numel() - 1
+    if docs == B:  # one document per row: the dense causal branch, shapes already static
+        return docs, batch.max_seqlen, min(B * S, -(-batch.num_label_tokens // LABEL_BUCKET) * LABEL_BUCKET)
+    return (min(_power_of_two_above(docs), B * S), min(_power_of_two_above(batch.max_seqlen), S),
+            min(B * S, -(-batch.num_label_tokens // LABEL_BUCKET) * LABEL_BUCKET))
+
+
+def static_batch(batch: Batch, bucket: tuple[int, int, int]) -> Batch:
+    """`batch` padded to `bucket` (at least bucket_of(batch) in every entry): empty documents appended to
+    cu_seqlens, max_seqlen and label_bound raised. The tokens, labels and positions are unchanged."""
+    docs, longest, rows = bucket
+    have = batch.cu_seqlens.numel() - 1
+    if docs < have or longest < batch.max_seqlen or rows < batch.num_label_tokens:
+        raise ValueError(f"bucket {bucket} is below the batch's ({have}, {batch.max_seqlen}, "
+                         f"{batch.num_label_tokens})")
+    cu_seqlens = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:].expand(docs - have)])
+    return replace(batch, cu_seqlens=cu_seqlens, max_seqlen=longest, label_bound=rows)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    batches: list[Batch]  # the device batches the graph reads, refilled before each replay
+    numbers: torch.Tensor  # the step's numbers (runtime.step.LaunchedStep), written by each replay
+
+
+class GraphedSteps:
+    """The step launcher of `train.graph_step` (module docstring)."""
+
+    def __init__(self, model, optimizer, cfg: Config, env: DistEnv):
+        check_layout(model, optimizer, env)
+        self.model, self.optimizer, self.cfg, self.env = model, optimizer, cfg, env
+        self.compute = compute_context(env, autocast=True)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _Captured] = {}
+        self.labels = torch.zeros((), dtype=torch.float64, device=env.device)  # this step's global label count
+        self.lrs = [torch.zeros((), dtype=torch.float32, device=env.device) for _ in optimizer.param_groups]
+        # the bucket agreement travels on the host: a device all-reduce would be read back, a sync per step
+        self.host_group = dist.new_group(backend="gloo") if env.world_size > 1 else None
+        for group in optimizer.param_groups:
+            group["capturable"] = True  # the step count stays on the device in a replay
+        self.steps = 0
+
+    def launch(self, batches: list[Batch], previous: LaunchedStep | None) -> LaunchedStep:
+        """Queues one optimizer step over this rank's micro-batches (runtime.step.train_step's contract)."""
+        self.steps += 1
+        # The step before must have counted before this one's update is queued (a replay holds both).
+        if previous is not None and settle(previous, self.model, self.optimizer, self.cfg, self.env):
+            self.drop("the dispatcher's bound grew")
+        if self.steps == 1:  # creates the optimizer's states outside any graph
+            return train_step(self.model, batches, self.optimizer, self.cfg, self.env)
+        key = self.agreed_buckets(batches)
+        padded = [static_batch(b, bucket) for b, bucket in zip(batches, key)]
+        captured = self.graphs.get(key)
+        if captured is None and len(self.graphs) < GRAPH_LIMIT:
+            captured = self.capture(key, padded)
+        if captured is None:
+            return train_step(self.model, padded, self.optimizer, self.cfg, self.env)
+        return self.replay(captured, batches, padded)
+
+    def agreed_buckets(self, batches: list[Batch]) -> tuple:
+        """Every micro-batch's bucket, the largest over the ranks (every rank pads alike)."""
+        mine = torch.tensor([entry for b in batches for entry in bucket_of(b)], dtype=torch.int64)
+        if self.host_group is not None:
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.host_group)
+        flat = mine.tolist()
+        return tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3))
+
+    def replay(self, captured: _Captured, batches: list[Batch], padded: list[Batch]) -> LaunchedStep:
+        """This step from `captured`: its batch, label count and learning rates copied in, one replay."""
+        for static, batch in zip(captured.batches, padded):
+            _copy_batch(static, batch.to(self.env.device))
+        self.labels.copy_(global_label_count(batches, self.model, self.env))
+        for lr, group in zip(self.lrs, self.optimizer.param_groups):
+            lr.fill_(group["lr"])
+        captured.graph.replay()
+        return self.read(captured.numbers, batches)
+
+    def capture(self, key: tuple, padded: list[Batch]) -> _Captured | None:
+        """The graph of one step at these shapes, or None where a rank could not capture it (logged; the
+        step then runs eagerly on every rank)."""
+        static = [b.to(self.env.device) for b in padded]
+        self.labels.copy_(global_label_count(padded, self.model, self.env))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles and tunes these shapes; its gradients and tallies are dropped
+            forward_backward(self.model, static, self.env, self.compute, self.labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            discard_tallies(self.model)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # what eager work cached goes back to the device, for the graphs' pool
+        graph, error = torch.cuda.CUDAGraph(), None
+        try:
+            # thread_local: NCCL's watchdog thread queries events while this thread captures
+            with learning_rates_from(self.optimizer, self.lrs), \
+                    torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                loss = forward_backward(self.model, static, self.env, self.compute, self.labels)
+                numbers, _ = apply_update(self.model, self.optimizer, self.cfg, self.env, loss, self.labels)
+        except RuntimeError as err:
+            error = str(err).strip().splitlines()[0][:300]
+        if self.everyone_captured(error is None):
+            self.graphs[key] = _Captured(graph, static, numbers)
+            log.info("train.graph_step: captured bucket %s (%d graphs)", key, len(self.graphs))
+            return self.graphs[key]
+        log.warning("train.graph_step: bucket %s runs eagerly, a rank could not capture it%s", key,
+                    f": {error}" if error else "")
+        self.optimizer.zero_grad(set_to_none=True)
+        discard_tallies(self.model)
+        return None
+
+    def everyone_captured(self, captured: bool) -> bool:
+        if self.host_group is None:
+            return captured
+        flag = torch.tensor([int(captured)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.host_group)
+        return bool(flag.item())
+
+    def read(self, numbers: torch.Tensor, batches: list[Batch]) -> LaunchedStep:
+        """The replayed step's LaunchedStep (runtime.step.update's, from the graph's numbers)."""
+        dispatcher = moe_dispatcher(self.model)
+        bounded = dispatcher is not None and dispatcher.dropped is not None
+        redo = Redo(batches, [group["lr"] for group in self.optimizer.param_groups]) if bounded else None
+        return launch_read(sum(b.input_ids.numel() for b in batches), numbers, None, redo)
+
+    def drop(self, why: str) -> None:
+        if self.graphs:
+            log.info("train.graph_step: %s; the %d graphs are captured again", why, len(self.graphs))
+        self.graphs.clear()
+
+
+@contextmanager
+def learning_rates_from(optimizer, lrs: list[torch.Tensor]):
+    """The optimizer's groups read their learning rate from `lrs` (device scalars) for the duration: a captured
+    update takes it from there at every replay instead of baking the float in."""
+    floats = [group["lr"] for group in optimizer.param_groups]
+    for group, lr, value in zip(optimizer.param_groups, lrs, floats):
+        lr.fill_(value)
+        group["lr"] = lr
+    try:
+        yield
+    finally:
+        for group, value in zip(optimizer.param_groups, floats):
+            group["lr"] = value
+
+
+def _copy_batch(static: Batch, batch: Batch) -> None:
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+        getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
+
+
+def check_layout(model, optimizer, env: DistEnv) -> None:
+    """Refuses, on every rank alike and before any collective, a layout a graph cannot hold."""
+    if env.device.type != "cuda":
+        raise ConfigError("train.graph_step needs CUDA (it replays CUDA graphs); set train.graph_step: false")
+    if model.context_parallel is not None or any(model.config.is_linear_attention(i)
+                                                 for i in range(model.config.num_layers)):
+        raise ConfigError("train.graph_step: context parallelism and GDN layers are not captured yet (their "
+                          "padded documents are unchecked); set train.graph_step: false")
+    if env.world_size > 1 and model.replicated_grads is None:
+        raise ConfigError("train.graph_step: this layout has FSDP units, whose hooks a CUDA graph cannot hold; "
+                          "it runs on one GPU or with LoRA at parallelism.ep = the world size (frozen_dense "
+                          "replicate); set train.graph_step: false")
+    if not optimizer.defaults.get("fused"):
+        raise ConfigError("train.graph_step needs torch's fused AdamW (optim.master_dtype: fp32 on CUDA); "
+                          "set optim.master_dtype: fp32 or train.graph_step: false")
+    dispatcher = moe_dispatcher(model)
+    if dispatcher is not None and not dispatcher.traceable:
+        raise ConfigError(f"train.graph_step: the {type(dispatcher).__name__} reads its counts on the host, which "
+                          "a CUDA graph cannot; use parallelism.dispatcher: all_gather or train.graph_step: false")
