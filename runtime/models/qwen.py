@@ -217,7 +217,8 @@ class QwenForCausalLM(nn.Module):
                 num_labels: int | None = None) -> torch.Tensor:
         """Logits [B, S, V]; with `labels` [B, S], the summed cross-entropy over label tokens instead,
         computed by runtime.loss without [B, S, V] logits (inside forward, so FSDP has gathered lm_head);
-        `num_labels`, the count of label tokens where the caller knows it, spares the loss a host sync.
+        `num_labels`, the count of label tokens (or a bound above it) where the caller knows it, spares the loss a
+        host sync (runtime.loss).
         With `cp` (context parallelism) every tensor holds this rank's tokens of the rows (CPShard.take)."""
         h_BSH = self.hidden_states(input_ids_BS, position_ids, cu_seqlens, max_seqlen, cp)
         if labels is None:
