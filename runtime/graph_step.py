@@ -84,6 +84,16 @@ def static_batch(batch: Batch, bucket: tuple[int, int, int]) -> Batch:
     return replace(batch, cu_seqlens=cu_seqlens, max_seqlen=longest, label_bound=rows)
 
 
+def agreed_buckets(batches: list[Batch], group: dist.ProcessGroup | None) -> tuple:
+    """Every micro-batch's bucket, the largest over the ranks of `group` (a host-side group: gloo), so every
+    rank pads alike and captures and replays the same graph."""
+    mine = torch.tensor([entry for b in batches for entry in bucket_of(b)], dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    flat = mine.tolist()
+    return tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3))
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -99,7 +109,7 @@ class GraphedSteps:
         self.model, self.optimizer, self.cfg, self.env = model, optimizer, cfg, env
         self.compute = compute_context(env, autocast=True)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple, _Captured] = {}
+        self.graphs: dict[tuple, _Captured | None] = {}
         self.labels = torch.zeros((), dtype=torch.float64, device=env.device)  # this step's global label count
         self.lrs = [torch.zeros((), dtype=torch.float32, device=env.device) for _ in optimizer.param_groups]
         # the bucket agreement travels on the host: a device all-reduce would be read back, a sync per step
@@ -116,22 +126,14 @@ class GraphedSteps:
             self.drop("the dispatcher's bound grew")
         if self.steps == 1:  # creates the optimizer's states outside any graph
             return train_step(self.model, batches, self.optimizer, self.cfg, self.env)
-        key = self.agreed_buckets(batches)
+        key = agreed_buckets(batches, self.host_group)
         padded = [static_batch(b, bucket) for b, bucket in zip(batches, key)]
+        if key not in self.graphs and len(self.graphs) < GRAPH_LIMIT:
+            self.graphs[key] = self.capture(key, padded)  # None where it failed: that bucket stays eager
         captured = self.graphs.get(key)
-        if captured is None and len(self.graphs) < GRAPH_LIMIT:
-            captured = self.capture(key, padded)
         if captured is None:
             return train_step(self.model, padded, self.optimizer, self.cfg, self.env)
         return self.replay(captured, batches, padded)
-
-    def agreed_buckets(self, batches: list[Batch]) -> tuple:
-        """Every micro-batch's bucket, the largest over the ranks (every rank pads alike)."""
-        mine = torch.tensor([entry for b in batches for entry in bucket_of(b)], dtype=torch.int64)
-        if self.host_group is not None:
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.host_group)
-        flat = mine.tolist()
-        return tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3))
 
     def replay(self, captured: _Captured, batches: list[Batch], padded: list[Batch]) -> LaunchedStep:
         """This step from `captured`: its batch, label count and learning rates copied in, one replay."""
@@ -145,7 +147,7 @@ class GraphedSteps:
 
     def capture(self, key: tuple, padded: list[Batch]) -> _Captured | None:
         """The graph of one step at these shapes, or None where a rank could not capture it (logged; the
-        step then runs eagerly on every rank)."""
+        bucket then runs eagerly on every rank)."""
         static = [b.to(self.env.device) for b in padded]
         self.labels.copy_(global_label_count(padded, self.model, self.env))
         side = torch.cuda.Stream()
@@ -167,9 +169,8 @@ class GraphedSteps:
         except RuntimeError as err:
             error = str(err).strip().splitlines()[0][:300]
         if self.everyone_captured(error is None):
-            self.graphs[key] = _Captured(graph, static, numbers)
-            log.info("train.graph_step: captured bucket %s (%d graphs)", key, len(self.graphs))
-            return self.graphs[key]
+            log.info("train.graph_step: captured bucket %s (%d graphs)", key, len(self.graphs) + 1)
+            return _Captured(graph, static, numbers)
         log.warning("train.graph_step: bucket %s runs eagerly, a rank could not capture it%s", key,
                     f": {error}" if error else "")
         self.optimizer.zero_grad(set_to_none=True)
