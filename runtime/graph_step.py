@@ -23,11 +23,14 @@ before dropped slots: runtime.step.settle) changes buffers every graph holds: th
 Contract
     steps = GraphedSteps(model, optimizer, cfg, env)   # after parallelize and build_optimizer
     launched = steps.launch(batches, previous)         # in place of runtime.step.train_step
+The capture itself is `capture_step` (torch.cuda.graph); the rest runs anywhere (tests/unit/test_graph_step.py
+drives it on the CPU with a stand-in that runs the recorded step at each replay).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -94,9 +97,18 @@ def agreed_buckets(batches: list[Batch], group: dist.ProcessGroup | None) -> tup
     return tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3))
 
 
+def capture_step(step: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """`step` captured in a CUDA graph (nothing runs): (its replay, the tensor `step` returned, which every
+    replay rewrites in place). thread_local: NCCL's watchdog thread queries events while this thread captures."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph.replay, out
+
+
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]
     batches: list[Batch]  # the device batches the graph reads, refilled before each replay
     numbers: torch.Tensor  # the step's numbers (runtime.step.LaunchedStep), written by each replay
 
@@ -108,14 +120,14 @@ class GraphedSteps:
         check_layout(model, optimizer, env)
         self.model, self.optimizer, self.cfg, self.env = model, optimizer, cfg, env
         self.compute = compute_context(env, autocast=True)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if env.device.type == "cuda" else None
         self.graphs: dict[tuple, _Captured | None] = {}
         self.labels = torch.zeros((), dtype=torch.float64, device=env.device)  # this step's global label count
         self.lrs = [torch.zeros((), dtype=torch.float32, device=env.device) for _ in optimizer.param_groups]
         # the bucket agreement travels on the host: a device all-reduce would be read back, a sync per step
         self.host_group = dist.new_group(backend="gloo") if env.world_size > 1 else None
-        for group in optimizer.param_groups:
-            group["capturable"] = True  # the step count stays on the device in a replay
+        for group in optimizer.param_groups:  # the step count stays on the device in a replay
+            group["capturable"] = env.device.type == "cuda"
         self.steps = 0
 
     def launch(self, batches: list[Batch], previous: LaunchedStep | None) -> LaunchedStep:
@@ -142,7 +154,7 @@ class GraphedSteps:
         self.labels.copy_(global_label_count(batches, self.model, self.env))
         for lr, group in zip(self.lrs, self.optimizer.param_groups):
             lr.fill_(group["lr"])
-        captured.graph.replay()
+        captured.replay()
         return self.read(captured.numbers, batches)
 
     def capture(self, key: tuple, padded: list[Batch]) -> _Captured | None:
@@ -150,32 +162,41 @@ class GraphedSteps:
         bucket then runs eagerly on every rank)."""
         static = [b.to(self.env.device) for b in padded]
         self.labels.copy_(global_label_count(padded, self.model, self.env))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles and tunes these shapes; its gradients and tallies are dropped
-            forward_backward(self.model, static, self.env, self.compute, self.labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            discard_tallies(self.model)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # what eager work cached goes back to the device, for the graphs' pool
-        graph, error = torch.cuda.CUDAGraph(), None
+        self.warm_up(static)
+
+        def step() -> torch.Tensor:
+            loss = forward_backward(self.model, static, self.env, self.compute, self.labels)
+            return apply_update(self.model, self.optimizer, self.cfg, self.env, loss, self.labels)[0]
+
+        replay = numbers = error = None
         try:
-            # thread_local: NCCL's watchdog thread queries events while this thread captures
-            with learning_rates_from(self.optimizer, self.lrs), \
-                    torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                loss = forward_backward(self.model, static, self.env, self.compute, self.labels)
-                numbers, _ = apply_update(self.model, self.optimizer, self.cfg, self.env, loss, self.labels)
+            with learning_rates_from(self.optimizer, self.lrs):
+                replay, numbers = capture_step(step, self.pool)
         except RuntimeError as err:
             error = str(err).strip().splitlines()[0][:300]
         if self.everyone_captured(error is None):
             log.info("train.graph_step: captured bucket %s (%d graphs)", key, len(self.graphs) + 1)
-            return _Captured(graph, static, numbers)
+            return _Captured(replay, static, numbers)
         log.warning("train.graph_step: bucket %s runs eagerly, a rank could not capture it%s", key,
                     f": {error}" if error else "")
         self.optimizer.zero_grad(set_to_none=True)
         discard_tallies(self.model)
         return None
+
+    def warm_up(self, static: list[Batch]) -> None:
+        """A forward and backward of the capture's batch on a side stream (compiles and tunes its shapes; the
+        gradients and tallies are dropped), then what eager work cached goes back to the device."""
+        if self.env.device.type != "cuda":
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward_backward(self.model, static, self.env, self.compute, self.labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            discard_tallies(self.model)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
     def everyone_captured(self, captured: bool) -> bool:
         if self.host_group is None:
@@ -218,9 +239,8 @@ def _copy_batch(static: Batch, batch: Batch) -> None:
 
 
 def check_layout(model, optimizer, env: DistEnv) -> None:
-    """Refuses, on every rank alike and before any collective, a layout a graph cannot hold."""
-    if env.device.type != "cuda":
-        raise ConfigError("train.graph_step needs CUDA (it replays CUDA graphs); set train.graph_step: false")
+    """Refuses, on every rank alike and before any collective, a built model a graph cannot hold (the device
+    and the config's other needs: runtime.plan.check_graph_step)."""
     if model.context_parallel is not None or any(model.config.is_linear_attention(i)
                                                  for i in range(model.config.num_layers)):
         raise ConfigError("train.graph_step: context parallelism and GDN layers are not captured yet (their "
