@@ -81,15 +81,17 @@ def _trained(graphed: bool, steps: int = 8) -> tuple[list[float], GraphedSteps |
     return losses, runner
 
 
+def capture_without_cuda(step, pool):
+    """A stand-in for runtime.graph_step.capture_step off CUDA: records the step without running it (as a
+    capture does) and runs it at each replay on what the static batches then hold, into one numbers tensor."""
+    numbers = torch.zeros(6, dtype=torch.float64)  # runtime.step.LaunchedStep.numbers
+    return (lambda: numbers.copy_(step())), numbers
+
+
 def test_replayed_steps_train_as_queued_ones(monkeypatch):
-    """GraphedSteps' bookkeeping on the CPU, with a stand-in for torch's CUDA graph that records the step
-    without running it and runs it at each replay on what the static batches then hold: the first step
+    """GraphedSteps' bookkeeping on the CPU, with capture_without_cuda for torch's CUDA graph: the first step
     eager, buckets captured once and replayed with each step's rows, label count and numbers; the losses
     are the queued steps'."""
-    def capture_without_cuda(step, pool):
-        numbers = torch.zeros(6, dtype=torch.float64)
-        return (lambda: numbers.copy_(step())), numbers
-
     monkeypatch.setattr("runtime.graph_step.capture_step", capture_without_cuda)
     queued, _ = _trained(graphed=False)
     replayed, runner = _trained(graphed=True)
