@@ -316,9 +316,10 @@ def take_ep_load(dispatcher, device: torch.device) -> tuple[torch.Tensor, LoadRe
 
 def launch_read(num_tokens: int, numbers: torch.Tensor, host_load: LoadReading | None,
                 redo: Redo | None) -> LaunchedStep:
-    """Queues the copy of the step's numbers to the host behind the step's work."""
+    """Queues the copy of the step's numbers to the host behind the step's work (a snapshot: a replayed graph
+    rewrites its numbers tensor in place)."""
     if numbers.device.type != "cuda":
-        return LaunchedStep(num_tokens, numbers, None, host_load, redo)
+        return LaunchedStep(num_tokens, numbers.clone(), None, host_load, redo)
     host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
     host.copy_(numbers, non_blocking=True)
     done = torch.cuda.Event(enable_timing=True)  # also the step's end on the device, for its step_s (StepTimer)
