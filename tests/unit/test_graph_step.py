@@ -98,3 +98,22 @@ def test_replayed_steps_train_as_queued_ones(monkeypatch):
     assert 0 < len(runner.graphs) < len(replayed) - 1  # some bucket came back and was replayed
     torch.testing.assert_close(torch.tensor(replayed), torch.tensor(queued), rtol=1e-5, atol=0)
     assert replayed[-1] < replayed[0]
+
+
+def test_an_update_inside_learning_rates_from_reads_the_device_scalars():
+    """What a captured update does at each replay: torch's fused AdamW takes its learning rate from the scalar
+    tensors (filled from the groups' floats on entry), and the groups hold their floats again after."""
+    from runtime.graph_step import learning_rates_from
+
+    def stepped(use_tensors: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 8))
+        p.grad = torch.linspace(0.5, -0.3, 8)
+        optimizer = torch.optim.AdamW([p], lr=0.1, fused=True)
+        lrs = [torch.zeros(())]
+        with learning_rates_from(optimizer, lrs) if use_tensors else nullcontext():
+            assert (optimizer.param_groups[0]["lr"] is lrs[0]) == use_tensors
+            optimizer.step()
+        assert optimizer.param_groups[0]["lr"] == 0.1 and (not use_tensors or lrs[0].item() == pytest.approx(0.1))
+        return p.detach()
+
+    torch.testing.assert_close(stepped(True), stepped(False), rtol=0, atol=0)
