@@ -50,6 +50,7 @@ from runtime.step import (
     forward_backward,
     global_label_count,
     launch_read,
+    learning_rates,
     moe_dispatcher,
     settle,
     train_step,
@@ -222,15 +223,10 @@ class GraphedSteps:
 def learning_rates_from(optimizer, lrs: list[torch.Tensor]):
     """The optimizer's groups read their learning rate from `lrs` (device scalars) for the duration: a captured
     update takes it from there at every replay instead of baking the float in."""
-    floats = [group["lr"] for group in optimizer.param_groups]
-    for group, lr, value in zip(optimizer.param_groups, lrs, floats):
-        lr.fill_(value)
-        group["lr"] = lr
-    try:
+    for group, lr in zip(optimizer.param_groups, lrs):
+        lr.fill_(group["lr"])
+    with learning_rates(optimizer, lrs):
         yield
-    finally:
-        for group, value in zip(optimizer.param_groups, floats):
-            group["lr"] = value
 
 
 def _copy_batch(static: Batch, batch: Batch) -> None:

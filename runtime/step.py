@@ -156,8 +156,9 @@ def settle(launched: LaunchedStep, model, optimizer, cfg: Config, env: DistEnv, 
 
 
 @contextmanager
-def learning_rates(optimizer, lrs: list[float]):
-    """The optimizer's groups at `lrs` (a step's own, as the schedule gave them at its launch), then back."""
+def learning_rates(optimizer, lrs: list[float] | list[torch.Tensor]):
+    """The optimizer's groups at `lrs` (a step's own, as the schedule gave them at its launch; or device scalars
+    a captured update reads: runtime.graph_step), then back."""
     now = [group["lr"] for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
