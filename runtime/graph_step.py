@@ -1,10 +1,9 @@
 """The training step's device work replayed from CUDA graphs (`train.graph_step`).
 
-A step whose host work outlasts its GPU work leaves the GPU waiting on launches: LoRA under EP, where the
-trainer's compiled ep2 step ran 69.5 ms queued and 57.0 ms captured whole (docs/benchmarks.md, "the whole step
-in one CUDA graph"). Here a step's forward, backward and update (runtime.step.forward_backward and
-apply_update) are captured once per shape bucket and replayed: the host then copies the batch in, sets the
-learning rates and replays.
+A step whose host work outlasts its GPU work leaves the GPU waiting on launches: LoRA under EP (docs/
+benchmarks.md, "the whole step in one CUDA graph"). Here a step's forward, backward and update
+(runtime.step.forward_backward and apply_update) are captured once per shape bucket and replayed: the host
+then copies the batch in, sets the learning rates and replays.
 
 Shapes. A packed row's document count, longest document and label count change every step; a graph holds
 them fixed, so `static_batch` rounds them up: the documents to a power of two (cu_seqlens padded with empty
