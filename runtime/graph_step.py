@@ -133,34 +133,38 @@ class GraphedSteps:
     def launch(self, batches: list[Batch], previous: LaunchedStep | None) -> LaunchedStep:
         """Queues one optimizer step over this rank's micro-batches (runtime.step.train_step's contract)."""
         self.steps += 1
+        if self.steps == 1:  # creates the optimizer's states outside any graph
+            return train_step(self.model, batches, self.optimizer, self.cfg, self.env, previous=previous)
+        key = agreed_buckets(batches, self.host_group)
+        padded = [static_batch(b, bucket) for b, bucket in zip(batches, key)]
+        captured = self.graphs.get(key)
+        if captured is not None:  # queued behind the step before (which read them), while it computes
+            self.load(captured, batches, padded)
         # The step before must have counted before this one's update is queued (a replay holds both).
         if previous is not None and settle(previous, self.model, self.optimizer, self.cfg, self.env):
             self.drop("the dispatcher's bound grew")
-        if self.steps == 1:  # creates the optimizer's states outside any graph
-            return train_step(self.model, batches, self.optimizer, self.cfg, self.env)
-        key = agreed_buckets(batches, self.host_group)
-        padded = [static_batch(b, bucket) for b, bucket in zip(batches, key)]
+            captured = None
         if key not in self.graphs and len(self.graphs) < GRAPH_LIMIT:
-            self.graphs[key] = self.capture(key, padded)  # None where it failed: that bucket stays eager
-        captured = self.graphs.get(key)
+            self.graphs[key] = captured = self.capture(key, padded)  # None where it failed: that bucket stays eager
+            if captured is not None:
+                self.load(captured, batches, padded)
         if captured is None:
             return train_step(self.model, padded, self.optimizer, self.cfg, self.env)
-        return self.replay(captured, batches, padded)
-
-    def replay(self, captured: _Captured, batches: list[Batch], padded: list[Batch]) -> LaunchedStep:
-        """This step from `captured`: its batch, label count and learning rates copied in, one replay."""
-        for static, batch in zip(captured.batches, padded):
-            _copy_batch(static, batch.to(self.env.device))
-        self.labels.copy_(global_label_count(batches, self.model, self.env))
         for lr, group in zip(self.lrs, self.optimizer.param_groups):
             lr.fill_(group["lr"])
         captured.replay()
         return self.read(captured.numbers, batches)
 
+    def load(self, captured: _Captured, batches: list[Batch], padded: list[Batch]) -> None:
+        """This step's rows and global label count into what `captured` reads."""
+        for static, batch in zip(captured.batches, padded):
+            _copy_batch(static, batch.to(self.env.device))
+        self.labels.copy_(global_label_count(batches, self.model, self.env))
+
     def capture(self, key: tuple, padded: list[Batch]) -> _Captured | None:
         """The graph of one step at these shapes, or None where a rank could not capture it (logged; the
         bucket then runs eagerly on every rank)."""
-        static = [b.to(self.env.device) for b in padded]
+        static = [_own_copy(b.to(self.env.device)) for b in padded]
         self.labels.copy_(global_label_count(padded, self.model, self.env))
         self.warm_up(static)
 
@@ -228,8 +232,17 @@ def learning_rates_from(optimizer, lrs: list[torch.Tensor]):
         yield
 
 
+_BATCH_TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+
+
+def _own_copy(batch: Batch) -> Batch:
+    """`batch` in tensors of its own: the loads into a graph's batch must not write into the batch a step to be
+    computed again holds (Batch.to keeps the tensors already on the device)."""
+    return replace(batch, **{name: getattr(batch, name).clone() for name in _BATCH_TENSORS})
+
+
 def _copy_batch(static: Batch, batch: Batch) -> None:
-    for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+    for name in _BATCH_TENSORS:
         getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
 
 
