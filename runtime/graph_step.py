@@ -15,7 +15,9 @@ device sync), so all ranks capture and replay alike and their collectives stay m
 
 Per bucket: the first time, a forward and backward of the padded batch on a side stream (compiles and tunes
 those shapes; discarded), then the capture into a memory pool every graph shares (replays never overlap),
-then the replay that is this step. The run's first step runs eagerly: it creates the optimizer's states,
+then the replay that is this step. Each later step: its rows and label count are loaded into the graph's
+buffers, queued behind the step before; then the step before is settled (runtime.step.settle: the host reads
+whether it dropped slots, so its wait follows the loads); then the replay. The run's first step runs eagerly: it creates the optimizer's states,
 which a capture must not. Past GRAPH_LIMIT buckets a new one runs eagerly. A grown dispatcher bound (the step
 before dropped slots: runtime.step.settle) changes buffers every graph holds: they are dropped.
 
