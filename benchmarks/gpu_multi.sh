@@ -296,6 +296,10 @@ if [[ $parts == *epbench* ]]; then
   done
   wait
   summary+=("$(python -m benchmarks.ep_table "$OUT" --layers "$layers" --eps $eps)")
+  for log in "$OUT"/ep-*graphstep*.log; do  # train.graph_step's runs: the graphs captured, the buckets left eager
+    [ -f "$log" ] && summary+=("$(basename "$log" .log): $(grep 'captured bucket' "$log" | tail -n 1 | sed 's/.*captured //');\
+ $(grep -c 'runs eagerly' "$log") eager-bucket warnings")
+  done
 fi
 if [[ $parts == *graphstep* ]]; then
   graph_step() {  # tag, first card, world, then flags: bench_graph_step's log
