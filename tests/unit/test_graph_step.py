@@ -64,16 +64,16 @@ def test_a_padded_batch_steps_as_the_batch_itself():
         torch.testing.assert_close(padded_grads[name], grads[name], rtol=0, atol=0)
 
 
-def _trained(graphed: bool, steps: int = 8) -> tuple[list[float], GraphedSteps | None]:
-    """The tiny LoRA model stepped `steps` times on packed chat rows of 64 tokens (several documents each),
-    by GraphedSteps or by runtime.step.train_step; torch's fused AdamW on the CPU, a constant lr."""
+def _trained(graphed: bool, micro_batches: int, steps: int = 8) -> tuple[list[float], GraphedSteps | None]:
+    """The tiny LoRA model stepped `steps` times over `micro_batches` packed chat rows of 64 tokens (several
+    documents each), by GraphedSteps or by runtime.step.train_step; torch's fused AdamW on the CPU, a constant lr."""
     cfg, env, _, model, _, _ = build([*DRY_ARGV, "--set", f"data.path={small_chat_data()}"], "config")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
     loader = build_dataloader(cfg.data, load_tokenizer(cfg.data.tokenizer), 1)
     runner = GraphedSteps(model, optimizer, cfg, env) if graphed else None
     losses, previous = [], None
     for _ in range(steps):
-        batches = [next(loader)]
+        batches = [next(loader) for _ in range(micro_batches)]
         launched = (runner.launch(batches, previous) if runner else
                     train_step(model, batches, optimizer, cfg, env, previous=previous))
         losses.append(launched.result().loss)
@@ -88,13 +88,14 @@ def capture_without_cuda(step, pool):
     return (lambda: numbers.copy_(step())), numbers
 
 
-def test_replayed_steps_train_as_queued_ones(monkeypatch):
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_replayed_steps_train_as_queued_ones(monkeypatch, micro_batches):
     """GraphedSteps' bookkeeping on the CPU, with capture_without_cuda for torch's CUDA graph: the first step
     eager, buckets captured once and replayed with each step's rows, label count and numbers; the losses
     are the queued steps'."""
     monkeypatch.setattr("runtime.graph_step.capture_step", capture_without_cuda)
-    queued, _ = _trained(graphed=False)
-    replayed, runner = _trained(graphed=True)
+    queued, _ = _trained(False, micro_batches)
+    replayed, runner = _trained(True, micro_batches)
     assert 0 < len(runner.graphs) < len(replayed) - 1  # some bucket came back and was replayed
     torch.testing.assert_close(torch.tensor(replayed), torch.tensor(queued), rtol=1e-5, atol=0)
     assert replayed[-1] < replayed[0]
