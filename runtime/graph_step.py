@@ -17,9 +17,10 @@ Per bucket: the first time, a forward and backward of the padded batch on a side
 those shapes; discarded), then the capture into a memory pool every graph shares (replays never overlap),
 then the replay that is this step. Each later step: its rows and label count are loaded into the graph's
 buffers, queued behind the step before; then the step before is settled (runtime.step.settle: the host reads
-whether it dropped slots, so its wait follows the loads); then the replay. The run's first step runs eagerly: it creates the optimizer's states,
-which a capture must not. Past GRAPH_LIMIT buckets a new one runs eagerly. A grown dispatcher bound (the step
-before dropped slots: runtime.step.settle) changes buffers every graph holds: they are dropped.
+whether it dropped slots, so its wait follows the loads); then the replay. A step while the optimizer has no
+states yet (a run's first, unless resumed) runs eagerly: it creates them, which a capture must not. Past
+GRAPH_LIMIT buckets a new one runs eagerly. A grown dispatcher bound (the step before dropped slots:
+runtime.step.settle) changes buffers every graph holds: they are dropped.
 
 Contract
     steps = GraphedSteps(model, optimizer, cfg, env)   # after parallelize and build_optimizer
@@ -44,15 +45,13 @@ from runtime.distributed.process_group import DistEnv
 from runtime.errors import ConfigError
 from runtime.step import (
     LaunchedStep,
-    Redo,
     apply_update,
     compute_context,
     discard_tallies,
     forward_backward,
     global_label_count,
-    launch_read,
+    launched_step,
     learning_rates,
-    moe_dispatcher,
     settle,
     train_step,
 )
@@ -130,12 +129,10 @@ class GraphedSteps:
         self.host_group = dist.new_group(backend="gloo") if env.world_size > 1 else None
         for group in optimizer.param_groups:  # the step count stays on the device in a replay
             group["capturable"] = env.device.type == "cuda"
-        self.steps = 0
 
     def launch(self, batches: list[Batch], previous: LaunchedStep | None) -> LaunchedStep:
         """Queues one optimizer step over this rank's micro-batches (runtime.step.train_step's contract)."""
-        self.steps += 1
-        if self.steps == 1:  # creates the optimizer's states outside any graph
+        if not self.optimizer.state:  # the first step creates the optimizer's states, outside any graph
             return train_step(self.model, batches, self.optimizer, self.cfg, self.env, previous=previous)
         key = agreed_buckets(batches, self.host_group)
         padded = [static_batch(b, bucket) for b, bucket in zip(batches, key)]
@@ -147,15 +144,14 @@ class GraphedSteps:
             self.drop("the dispatcher's bound grew")
             captured = None
         if key not in self.graphs and len(self.graphs) < GRAPH_LIMIT:
-            self.graphs[key] = captured = self.capture(key, padded)  # None where it failed: that bucket stays eager
-            if captured is not None:
-                self.load(captured, batches, padded)
+            # None where it failed: that bucket stays eager. A new graph's buffers already hold this step.
+            self.graphs[key] = captured = self.capture(key, padded)
         if captured is None:
             return train_step(self.model, padded, self.optimizer, self.cfg, self.env)
         for lr, group in zip(self.lrs, self.optimizer.param_groups):
             lr.fill_(group["lr"])
         captured.replay()
-        return self.read(captured.numbers, batches)
+        return launched_step(self.model, batches, self.optimizer, captured.numbers, None)
 
     def load(self, captured: _Captured, batches: list[Batch], padded: list[Batch]) -> None:
         """This step's rows and global label count into what `captured` reads."""
@@ -211,13 +207,6 @@ class GraphedSteps:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.host_group)
         return bool(flag.item())
 
-    def read(self, numbers: torch.Tensor, batches: list[Batch]) -> LaunchedStep:
-        """The replayed step's LaunchedStep (runtime.step.update's, from the graph's numbers)."""
-        dispatcher = moe_dispatcher(self.model)
-        bounded = dispatcher is not None and dispatcher.dropped is not None
-        redo = Redo(batches, [group["lr"] for group in self.optimizer.param_groups]) if bounded else None
-        return launch_read(sum(b.input_ids.numel() for b in batches), numbers, None, redo)
-
     def drop(self, why: str) -> None:
         if self.graphs:
             log.info("train.graph_step: %s; the %d graphs are captured again", why, len(self.graphs))
@@ -249,12 +238,9 @@ def _copy_batch(static: Batch, batch: Batch) -> None:
 
 
 def check_layout(model, optimizer, env: DistEnv) -> None:
-    """Refuses, on every rank alike and before any collective, a built model a graph cannot hold (the device
-    and the config's other needs: runtime.plan.check_graph_step)."""
-    if model.context_parallel is not None or any(model.config.is_linear_attention(i)
-                                                 for i in range(model.config.num_layers)):
-        raise ConfigError("train.graph_step: context parallelism and GDN layers are not captured yet (their "
-                          "padded documents are unchecked); set train.graph_step: false")
+    """Refuses, on every rank alike and before any collective, what only the built model shows: FSDP units
+    (apply_fsdp decides them), an optimizer other than the fused AdamW. The config's needs (the device, cp, GDN,
+    the dispatcher): runtime.plan.check_graph_step."""
     if env.world_size > 1 and model.replicated_grads is None:
         raise ConfigError("train.graph_step: this layout has FSDP units, whose hooks a CUDA graph cannot hold; "
                           "it runs on one GPU or with LoRA at parallelism.ep = the world size (frozen_dense "
@@ -262,7 +248,3 @@ def check_layout(model, optimizer, env: DistEnv) -> None:
     if not optimizer.defaults.get("fused"):
         raise ConfigError("train.graph_step needs torch's fused AdamW (optim.master_dtype: fp32 on CUDA); "
                           "set optim.master_dtype: fp32 or train.graph_step: false")
-    dispatcher = moe_dispatcher(model)
-    if dispatcher is not None and not dispatcher.traceable:
-        raise ConfigError(f"train.graph_step: the {type(dispatcher).__name__} reads its counts on the host, which "
-                          "a CUDA graph cannot; use parallelism.dispatcher: all_gather or train.graph_step: false")

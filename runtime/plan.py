@@ -104,7 +104,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
     if cfg.train.graph_step:
-        check_graph_step(cfg, dims, dev, hybrid)
+        check_graph_step(cfg, dims, dev, hybrid, dispatcher)
     if p.frozen_dense == "replicate" and not cfg.lora.enabled:
         raise ConfigError("parallelism.frozen_dense: replicate needs lora.enabled (a full fine-tune has no frozen "
                           "weights); set parallelism.frozen_dense to auto or shard")
@@ -181,14 +181,17 @@ def auto_compile(cfg: Config, dims, device: str, dispatcher: str) -> bool:
             and cfg.quant.train_fp8 == "none")
 
 
-def check_graph_step(cfg: Config, dims, device: str, hybrid: bool) -> None:
-    """train.graph_step's needs that the config alone shows (runtime.graph_step.check_layout checks the built
-    model's: no FSDP unit, the dispatcher)."""
+def check_graph_step(cfg: Config, dims, device: str, hybrid: bool, dispatcher: str) -> None:
+    """train.graph_step's needs that the config shows, `dispatcher` as resolved (runtime.graph_step.check_layout
+    checks the built model's: no FSDP unit)."""
+    several = dims.world_size > 1
     why = ("it replays CUDA graphs" if device != "cuda" else
            "context parallelism is not captured yet" if dims.cp > 1 else
            "GDN layers are not captured yet" if hybrid else
            "it needs torch's fused AdamW (optim.master_dtype: fp32)" if cfg.optim.master_dtype != "fp32" else
-           "a full fine-tune on several GPUs has FSDP units" if dims.world_size > 1 and not cfg.lora.enabled else
+           "a full fine-tune on several GPUs has FSDP units" if several and not cfg.lora.enabled else
+           f"parallelism.dispatcher {dispatcher} reads its counts on the host (it needs all_gather)"
+           if several and dispatcher != "all_gather" else
            None)
     if why:
         raise ConfigError(f"train.graph_step: {why}; set train.graph_step: false")

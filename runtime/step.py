@@ -185,8 +185,15 @@ def fitting_forward_backward(model, batches: list, optimizer, env: DistEnv, comp
 def update(model, batches: list, optimizer, cfg: Config, env: DistEnv, loss: torch.Tensor,
            labels: torch.Tensor) -> LaunchedStep:
     """Queues the step's update after its backward (apply_update), then the copy of its numbers to the host."""
-    dispatcher = moe_dispatcher(model)
     numbers, host_load = apply_update(model, optimizer, cfg, env, loss, labels)
+    return launched_step(model, batches, optimizer, numbers, host_load)
+
+
+def launched_step(model, batches: list, optimizer, numbers: torch.Tensor,
+                  host_load: LoadReading | None) -> LaunchedStep:
+    """The LaunchedStep of a step whose work, ending in `numbers` (apply_update's), is queued: the copy of its
+    numbers, and under a bounded dispatcher what computing it again takes (its batches, its learning rates)."""
+    dispatcher = moe_dispatcher(model)
     bounded = dispatcher is not None and dispatcher.dropped is not None
     redo = Redo(batches, [group["lr"] for group in optimizer.param_groups]) if bounded else None
     return launch_read(sum(b.input_ids.numel() for b in batches), numbers, host_load, redo)

@@ -212,9 +212,10 @@ def _train(plan: Plan, env: DistEnv, dims: ParallelDims, meshes: Meshes | None, 
                 with notice.step(step):
                     batches = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
                     with profiler.step(step), warm_up(step == start + 1):
-                        before = queued.launched if queued is not None else None
-                        launched = (graphed.launch(batches, before) if graphed is not None else
-                                    train_step(model, batches, optimizer, cfg, env, on_grads, autocast, previous=before))
+                        previous = queued.launched if queued is not None else None
+                        launched = (graphed.launch(batches, previous) if graphed is not None else
+                                    train_step(model, batches, optimizer, cfg, env, on_grads, autocast,
+                                               previous=previous))
                     if queued is not None:
                         before, queued = queued, None  # judged from here on: the error path leaves it
                         finish(before)  # the step before, read while this one computes

@@ -348,3 +348,4 @@ def test_graph_step_is_refused_where_a_graph_cannot_hold_the_step():
     assert "GDN" in refusal(hybrid=True)
     assert "fused AdamW" in refusal(optim={"master_dtype": "bf16"})
     assert "FSDP units" in refusal(world=2, parallelism={"ep": 2})
+    assert "all_gather" in refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2, "dispatcher": "all_to_all"})
