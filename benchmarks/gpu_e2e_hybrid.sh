@@ -24,8 +24,21 @@
 # its GDN layers run the fla snapshot Unsloth bundles, its default), then benchmarks/peers_table.py:
 #   call 2, carry [".whl", ".whl-gdn2"]: bash benchmarks/gpu_e2e_hybrid.sh peers
 #   call 3, carry [".whl-unsloth"]: bash benchmarks/gpu_e2e_hybrid.sh unsloth
+# Part `kernels` (call 2 of the install): ours, default config, 3 warmup + 2 traced steps, and its kernel split
+# (benchmarks/kernel_split.py; its trace kept in /tmp/hybrid-peers). Part `unsloth-kernels` (the next call, carry
+# [".whl-unsloth"]): Unsloth's 2 traced steps on the same work, then the split of both side by side.
 PEERS_DIR=/tmp/hybrid-peers  # survives between calls while the machine stays warm ($OUT is emptied)
 L=${PEERS_LAYERS:-8}
+if [ "${1:-}" = unsloth-kernels ]; then
+  export OUT=${OUT:-/tmp/out}
+  mkdir -p "$OUT"
+  echo "== unsloth-kernels: hybrid, $L layers LoRA, Unsloth's 2 traced steps, then the split beside ours"
+  MODEL=qwen3.5-35b-a3b TRACE=$OUT/unsloth STEPS=3 T=570 bash benchmarks/peers/unsloth/run_unsloth.sh "$L" experts \
+    | grep -E '^\{"who"|rc='
+  python3 -m benchmarks.kernel_split ours="$PEERS_DIR/bench_e2e_hybrid_kernels_trace.json.gz" \
+    unsloth="$OUT/unsloth.experts.json.gz" --steps 2 | tee "$OUT/kernel_split_hybrid.md"
+  exit 0
+fi
 if [ "${1:-}" = unsloth ]; then
   export OUT=${OUT:-/tmp/out}
   mkdir -p "$OUT"
@@ -35,6 +48,18 @@ if [ "${1:-}" = unsloth ]; then
   exit 0
 fi
 source benchmarks/gpu_env_gdn.sh
+if [ "${1:-}" = kernels ]; then
+  echo "== kernels: hybrid, $L layers LoRA, ours (default config), 2 traced steps"
+  mkdir -p "$PEERS_DIR"
+  timeout 570 python -m benchmarks.bench_e2e --preset qwen3.5-35b-a3b --mode lora --layers "$L" --warmup 3 --steps 3 \
+    --no-baseline --profile --tag hybrid_kernels --out "$OUT" > "$OUT/e2e_hybrid_kernels.log" 2>&1 \
+    || echo "bench_e2e exit code $? (124: past 570 s)"
+  grep -E "^ours|GPU busy|failed:" "$OUT/e2e_hybrid_kernels.log"
+  cp "$OUT/bench_e2e_hybrid_kernels_trace.json.gz" "$PEERS_DIR/"
+  python -m benchmarks.kernel_split ours="$OUT/bench_e2e_hybrid_kernels_trace.json.gz" --steps 2 \
+    | tee "$OUT/kernel_split_hybrid.md"
+  exit 0
+fi
 if [ "${1:-}" = peers ]; then
   echo "== peers: hybrid, $L layers LoRA: ours and transformers+PEFT (bench_e2e)"
   mkdir -p "$PEERS_DIR"

@@ -26,6 +26,9 @@ KERNEL_CLASSES = {  # first match wins; the order puts specific names before the
     "optimizer (AdamW, grad clip)": re.compile(r"multi_tensor|adam|foreach", re.IGNORECASE),
     "loss (lm_head chunks' softmax, CE)": re.compile(r"cross_entropy|log_softmax|nll_loss|logsumexp|_chunked_ce|"
                                                      r"_ce_|softmax_backward_data", re.IGNORECASE),
+    # FLA's chunked delta rule (its cumsum before routing's), WY solve, conv and l2norm kernels
+    "GDN (delta rule, conv, l2norm)": re.compile(r"chunk_|delta|kkt|solve_tril|inverse_kernel|recompute_w_u|"
+                                                 r"wy_repr|conv1d|l2norm|tilelang", re.IGNORECASE),
     "attention core": re.compile(r"flash|fmha|attn|attention|cudnn", re.IGNORECASE),
     "norm, RoPE": re.compile(r"rms|norm|rope|rotary", re.IGNORECASE),
     "experts (grouped GEMMs, their LoRA, SwiGLU)": re.compile(

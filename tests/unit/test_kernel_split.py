@@ -63,3 +63,16 @@ def test_table_sums_each_run(tmp_path):
     assert text.splitlines()[0].startswith("| kernel class | a fwd | a bwd | a total | b fwd")
     last = text.splitlines()[-1]
     assert last.count("1.81 | 2.80 | **4.61** (busy 4.41)") == 2  # fwd 0.4+0.3+1+0.1+0.01, bwd 2+0.6+0.2
+
+
+@pytest.mark.parametrize("name", ["chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_local_cumsum_scalar_kernel",
+                                  "chunk_scaled_dot_kkt_fwd_kernel", "merge_16x16_to_64x64_inverse_kernel",
+                                  "recompute_w_u_fwd_kernel", "causal_conv1d_bwd_kernel", "l2norm_fwd_kernel"])
+def test_fla_kernels_are_gdn_not_routing_or_norm(name):
+    assert kernel_split.classify(name) == "GDN (delta rule, conv, l2norm)"
+
+
+def test_the_loss_and_routing_keep_their_kernels():
+    assert kernel_split.classify("_chunked_ce_fwd_kernel").startswith("loss")
+    assert kernel_split.classify("void at::native::cumsum_kernel").startswith("routing")
+
