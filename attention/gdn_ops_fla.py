@@ -30,7 +30,9 @@ decays A_log's gradient is wrong. bf16 inputs are unaffected. For exact fp32 dec
 
 FLA internals used (their signatures changed between 0.4 and 0.6; tests/gpu/test_gdn_gpu.py guards them):
 l2norm_fwd/l2norm_bwd, chunk_gated_delta_rule_fwd/chunk_gated_delta_rule_bwd, causal_conv1d_fwd/
-causal_conv1d_bwd, prepare_chunk_indices. On Hopper with Triton 3.4 to 3.7.0 FLA routes the gated backward
+causal_conv1d_bwd, prepare_chunk_indices. A frozen conv weight (LoRA) takes our input-gradient kernel
+(attention/kernels/conv_silu.py) instead of causal_conv1d_bwd, which always recomputes the forward and reduces
+the weight's gradient. On Hopper with Triton 3.4 to 3.7.0 FLA routes the gated backward
 to its TileLang kernel (FLA issue #640) and raises at the first backward where that backend cannot run;
 `backward_refusal()` asks FLA's own flags beforehand, so the op set is refused (or `auto` passed over) at
 build time instead.
@@ -45,6 +47,8 @@ from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gat
 from fla.ops.utils.index import prepare_chunk_indices
 from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 from torch import Tensor
+
+from attention.kernels.conv_silu import conv_silu_input_grad
 
 CHUNK = 64  # FLA's gated delta rule chunk size; also the row count of its A matrix per token
 
@@ -99,6 +103,17 @@ def _(x, weight, dy, cu_seqlens):
             torch.empty_like(weight, memory_format=torch.contiguous_format))
 
 
+@torch.library.custom_op("gdn::conv_bwd_dx", mutates_args=(), device_types="cuda")
+def conv_bwd_dx(x: Tensor, weight: Tensor, dy: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    with torch.cuda.device(x.device):
+        return conv_silu_input_grad(x, weight, dy, cu_seqlens)
+
+
+@conv_bwd_dx.register_fake
+def _(x, weight, dy, cu_seqlens):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _conv_setup(ctx, inputs, output):
     x, weight, cu_seqlens = inputs
     ctx.save_for_backward(x, weight, cu_seqlens)
@@ -106,6 +121,8 @@ def _conv_setup(ctx, inputs, output):
 
 def _conv_backward(ctx, dy):
     x, weight, cu_seqlens = ctx.saved_tensors
+    if not ctx.needs_input_grad[1]:  # a frozen conv (LoRA): FLA's backward would still reduce dw
+        return conv_bwd_dx(x, weight, dy, cu_seqlens), None, None
     dx, dw = conv_bwd(x, weight, dy, cu_seqlens)
     return dx, dw, None
 

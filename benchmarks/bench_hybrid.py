@@ -12,8 +12,9 @@ eager vs torch.compile (blocks compiled with fullgraph=True), graph count, graph
 Target: zero graph breaks and compiled >= 1.15x eager.
 
 --gdn-layer: one GDN layer at Qwen3.5 dimensions, 4 rows x 4096 tokens packed with documents of 1000
-tokens, fwd+bwd per op set (fla eager, fla compiled, torch). The fla op set needs the GDN wheels
-(pyproject extra `gdn`; on the GPU machines the two-call install in benchmarks/gpu_hybrid.sh).
+tokens, fwd+bwd per op set (fla eager, fla compiled, each also with the conv weight frozen as under LoRA; torch).
+The fla op set needs the GDN wheels (pyproject extra `gdn`; on the GPU machines the two-call install in
+benchmarks/gpu_hybrid.sh).
 
 --gdn-state: the delta rule of GDN state passing (parallelism.cp_gdn: state) against a plain delta rule over the
 same tokens, Qwen3.5-35B-A3B GDN dims, one row of 16384 tokens (one document), bf16, fwd+bwd: the row cut into
@@ -135,11 +136,14 @@ def gdn_layer(args, report: Report) -> None:
     meta = AttnMeta(cu_seqlens=torch.tensor(ends, dtype=torch.int32, device="cuda"), max_seqlen=doc)
     x = torch.randn(B, S, dims["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     report.header(f"GDN layer fwd+bwd, B={B} S={S} packed (docs <= {doc} tokens), bf16")
-    for op_set, compiled in (("fla", False), ("fla", True), ("torch", False)):
-        mode = f"{op_set} {'compiled' if compiled else 'eager'}"
+    # a frozen conv weight (LoRA's base) takes the input-gradient kernel instead of FLA's conv backward
+    for op_set, compiled, frozen_conv in (("fla", False, False), ("fla", False, True), ("fla", True, False),
+                                          ("fla", True, True), ("torch", False, False)):
+        mode = f"{op_set} {'compiled' if compiled else 'eager'}{', conv frozen' if frozen_conv else ''}"
         try:
             torch.manual_seed(0)
             layer = GatedDeltaNet(**dims, op_set=op_set, device="cuda", dtype=torch.bfloat16)
+            layer.conv1d.weight.requires_grad_(not frozen_conv)
             run = torch.compile(layer, fullgraph=True) if compiled else layer
             ms = steady_ms(lambda run=run: run(x, meta).sum().backward(), args.iters, warmup=3)
             report.add({"op_set": op_set, "mode": mode, "ms": ms})
