@@ -3,6 +3,7 @@
     python -m benchmarks.bench_hybrid [--tokens 8192] [--backend grouped_mm] [--gdn-op-set fla] [--out DIR]
     python -m benchmarks.bench_hybrid --gdn-layer [--out DIR]
     python -m benchmarks.bench_hybrid --gdn-state [--gdn-op-set fla] [--out DIR]
+    python -m benchmarks.bench_hybrid --gdn-conv [--tokens 8192] [--out DIR]
     python -m benchmarks.bench_hybrid --dry          # CPU smoke run, tiny stack, eager only
 
 Stack: 4 Qwen3.5-35B-A3B-shaped blocks (harness.SHAPES; 3 Gated DeltaNet + 1 gated attention block, 256
@@ -15,6 +16,11 @@ Target: zero graph breaks and compiled >= 1.15x eager.
 tokens, fwd+bwd per op set (fla eager, fla compiled, each also with the conv weight frozen as under LoRA; torch).
 The fla op set needs the GDN wheels (pyproject extra `gdn`; on the GPU machines the two-call install in
 benchmarks/gpu_hybrid.sh).
+
+--gdn-conv: the GDN conv's backward alone (Qwen3.5's 8192 channels, window 4, one packed row, bf16): FLA's
+causal_conv1d_bwd (forward recomputed, dx, weight gradient) against the frozen weight's input-gradient kernel
+(attention/kernels/conv_silu.py, LoRA's path), FLA's forward and the HBM time of dx's bytes beside them. Needs fla
+only (no TileLang).
 
 --gdn-state: the delta rule of GDN state passing (parallelism.cp_gdn: state) against a plain delta rule over the
 same tokens, Qwen3.5-35B-A3B GDN dims, one row of 16384 tokens (one document), bf16, fwd+bwd: the row cut into
@@ -151,6 +157,35 @@ def gdn_layer(args, report: Report) -> None:
             report.add({"op_set": op_set, "mode": mode, "ms": None, "note": f"n/a: {type(exc).__name__}: {exc}"[:120]})
 
 
+def gdn_conv(args, report: Report) -> None:
+    """The GDN conv's backward alone at Qwen3.5's conv width: FLA's (recomputed forward, dx, weight gradient)
+    against the frozen weight's input-gradient kernel, with FLA's forward and the bytes' HBM time beside them."""
+    from fla.modules.causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
+
+    from attention import gdn_ops_fla
+    from attention.kernels.conv_silu import conv_silu_input_grad
+
+    T, D, W = args.tokens, 8192, 4
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, dy = (torch.randn(1, T, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = (torch.randn(D, W, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    cu, _ = cu_seqlens_from_position_ids(packed_positions(T).cuda())
+    chunks = gdn_ops_fla.chunk_indices(cu)
+    report.header(f"GDN conv backward, {T} tokens packed, {D} channels, window {W}, bf16")
+    fla_kw = {"bias": None, "residual": None, "activation": "silu", "cu_seqlens": cu, "chunk_indices": chunks,
+              "chunk_size": gdn_ops_fla.CHUNK}
+    runs = {"FLA forward": lambda: causal_conv1d_fwd(x=x, weight=w, **fla_kw),
+            "FLA backward (dx, dw)": lambda: causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=w, **fla_kw),
+            "ours, dx only": lambda: conv_silu_input_grad(x, w, dy, cu)}
+    base = None
+    for mode, fn in runs.items():
+        ms = steady_ms(fn, args.iters, warmup=3)
+        base = ms if mode.startswith("FLA backward") else base
+        report.add({"mode": mode, "ms": ms, "ratio": ms / base if base else None})
+    hbm_ms = 3 * x.numel() * x.element_size() / 4.8e12 * 1e3  # x, dy read, dx written at H200's 4.8 TB/s
+    report.add({"mode": "HBM floor of dx", "ms": hbm_ms, "ratio": hbm_ms / base})
+
+
 def gdn_state(args, report: Report) -> None:
     import importlib
 
@@ -201,6 +236,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--gdn-layer", action="store_true", help="instead of the stack: one GDN layer per op set")
+    ap.add_argument("--gdn-conv", action="store_true",
+                    help="instead of the stack: the GDN conv's backward, FLA's against the frozen weight's kernel")
     ap.add_argument("--gdn-state", action="store_true",
                     help="instead of the stack: state passing's per-piece delta rule vs a plain one")
     ap.add_argument("--dry", action="store_true",
@@ -210,6 +247,10 @@ def main() -> None:
     if args.gdn_layer:
         gdn_layer(args, Report("bench_hybrid_gdn_layer", [Column("mode", "mode", width=14),
                                                           Column("ms", "ms", ".2f", 8)], args.out))
+        return
+    if args.gdn_conv:
+        gdn_conv(args, Report("bench_hybrid_gdn_conv", [Column("mode", "mode", width=22), Column("ms", "ms", ".3f", 8),
+                                                        Column("ratio", "x FLA bwd", ".2f")], args.out))
         return
     if args.gdn_state:
         gdn_state(args, Report("bench_hybrid_gdn_state", [Column("mode", "mode", width=16), Column("ms", "ms", ".2f", 8),

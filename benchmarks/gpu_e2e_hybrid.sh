@@ -26,7 +26,7 @@
 #   call 3, carry [".whl-unsloth"]: bash benchmarks/gpu_e2e_hybrid.sh unsloth
 # Part `against` (call 2 of the install): ours only, this tree against an older one carried as OLD=<ignored folder>
 # (`git archive REV | tar x -C old`), LoRA, rounds old / new / old (AGAINST_ROUNDS), eager unless AGAINST_COMPILE=true,
-# each run after `tests/gpu/test_conv_silu_gpu.py` and the GDN layer rows (bench_hybrid --gdn-layer).
+# after the GDN layer rows (bench_hybrid --gdn-layer).
 # Part `kernels` (call 2 of the install): ours, default config, 3 warmup + 2 traced steps, and its kernel split
 # (benchmarks/kernel_split.py; its trace kept in /tmp/hybrid-peers). Part `unsloth-kernels` (the next call, carry
 # [".whl-unsloth"]): Unsloth's 2 traced steps on the same work, then the split of both side by side.
@@ -52,9 +52,7 @@ if [ "${1:-}" = unsloth ]; then
 fi
 source benchmarks/gpu_env_gdn.sh
 if [ "${1:-}" = against ]; then
-  echo "== against: the GDN conv tests and layer rows, then hybrid $L layers LoRA, ours: ${OLD:?OLD names the older tree} vs this tree"
-  python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_conv_silu_gpu.py > "$OUT/conv_silu_tests.log" 2>&1
-  grep -E "passed|failed|^E |^FAILED" "$OUT/conv_silu_tests.log" | head -20
+  echo "== against: the GDN layer rows, then hybrid $L layers LoRA, ours: ${OLD:?OLD names the older tree} vs this tree"
   python -m benchmarks.bench_hybrid --gdn-layer --out "$OUT" 2>&1 | tee "$OUT/gdn_layer_bench.log" | tail -n 7
   cp benchmarks/bench_e2e.py "$OLD/benchmarks/bench_e2e.py"
   root=$PWD

@@ -12,6 +12,15 @@
 #       --no-cache-dir --target /tmp/site .whl-gdn1/*.whl && echo ok
 #   call 2, carry [".whl", ".whl-gdn2"]: bash benchmarks/gpu_hybrid.sh
 # If call 2 reports warm: false, /tmp/site is gone (this script then stops): repeat call 1 first.
+# Part `conv` alone needs one call, carry [".whl"]: the frozen GDN conv's input-gradient kernel
+# (tests/gpu/test_conv_silu_gpu.py, then bench_hybrid --gdn-conv against FLA's conv backward).
+if [ "${1:-}" = conv ]; then  # FLA's conv kernels are Triton: no TileLang, one call, carry [".whl"]
+  source benchmarks/gpu_env.sh
+  python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_conv_silu_gpu.py 2>&1 | tee "$OUT/conv_silu_tests.log" \
+    | tail -n 8
+  python -m benchmarks.bench_hybrid --gdn-conv --out "$OUT" 2>&1 | tee "$OUT/gdn_conv_bench.log" | tail -n 6
+  exit 0
+fi
 source benchmarks/gpu_env_gdn.sh
 parts=${*:-gdn layer compile stack}
 python - <<'PY' 2>&1 | tee "$OUT/hybrid_env.log"
