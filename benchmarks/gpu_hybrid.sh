@@ -16,8 +16,8 @@
 # (tests/gpu/test_conv_silu_gpu.py, then bench_hybrid --gdn-conv against FLA's conv backward).
 if [ "${1:-}" = conv ]; then  # FLA's conv kernels are Triton: no TileLang, one call, carry [".whl"]
   source benchmarks/gpu_env.sh
-  python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_conv_silu_gpu.py 2>&1 | tee "$OUT/conv_silu_tests.log" \
-    | tail -n 8
+  python -m pytest -q -m gpu -p no:cacheprovider --durations=4 tests/gpu/test_conv_silu_gpu.py 2>&1 | tee "$OUT/conv_silu_tests.log" \
+    | tail -n 12
   python -m benchmarks.bench_hybrid --gdn-conv --out "$OUT" 2>&1 | tee "$OUT/gdn_conv_bench.log" | tail -n 6
   exit 0
 fi
