@@ -36,7 +36,7 @@ RESOLVED_FILE = "resolved.yaml"  # in the run folder, beside config.yaml (what t
 @dataclass(frozen=True)
 class Plan:
     user_config: Config  # as written (flags and --set applied)
-    config: Config  # every implementation name concrete, fsdp_param_dtype concrete
+    config: Config  # every implementation name concrete, fsdp_param_dtype and frozen_dense concrete
     dims: Any  # runtime.distributed.mesh.ParallelDims
     device: str  # "cpu" | "cuda"
 
@@ -45,6 +45,7 @@ class Plan:
         out = {f"model.{f}": getattr(self.config.model, f) for f in MODEL_CHOICES}
         p = self.config.parallelism
         out.update({"parallelism.dispatcher": p.dispatcher, "parallelism.fsdp_param_dtype": p.fsdp_param_dtype,
+                    "parallelism.frozen_dense": p.frozen_dense,
                     "parallelism.cp_attention": p.cp_attention, "parallelism.cp_gdn": p.cp_gdn,
                     "compile.enabled": self.config.compile.enabled, "device": self.device,
                     "mesh": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
@@ -109,13 +110,26 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
         raise ConfigError("parallelism.frozen_dense: replicate needs lora.enabled (a full fine-tune has no frozen "
                           "weights); set parallelism.frozen_dense to auto or shard")
     fsdp_dtype = fsdp_gather_dtype(p.fsdp_param_dtype, dims.ep)
+    frozen_dense = resolve_frozen_dense(cfg, qcfg, device_memory)
     resolved = cfg.model_copy(deep=True)
     for field, name in names.items():
         setattr(resolved.model, field, name)
     resolved.parallelism.dispatcher = dispatcher
     resolved.compile.enabled = compiled
     resolved.parallelism.fsdp_param_dtype = fsdp_dtype
+    resolved.parallelism.frozen_dense = frozen_dense
     return Plan(user_config=cfg, config=resolved, dims=dims, device=dev)
+
+
+def resolve_frozen_dense(cfg: Config, qcfg, device_memory: int | None) -> str:
+    """parallelism.frozen_dense resolved (runtime.distributed.fsdp.frozen_dense_placement): auto under LoRA weighs
+    the frozen dense weights of the run's model, built on the meta device as build_model builds it."""
+    from runtime.distributed.fsdp import frozen_dense_bytes, frozen_dense_placement
+    from runtime.models.factory import meta_model
+
+    setting = cfg.parallelism.frozen_dense
+    frozen_bytes = frozen_dense_bytes(meta_model(cfg, qcfg)) if setting == "auto" and cfg.lora.enabled else 0
+    return frozen_dense_placement(setting, cfg.lora.enabled, frozen_bytes, device_memory)
 
 
 def choose_model(cfg: Config, needs: Needs, has_moe: bool, hybrid: bool) -> tuple[dict, dict]:

@@ -28,7 +28,8 @@ def parallelize(model: QwenForCausalLM, dims: ParallelDims, meshes: Meshes | Non
     (FSDP gathers bf16 parameters)."""
     device = meshes.world.device_type if meshes is not None else next(model.parameters()).device.type
     memory = device_memory_bytes(device)
-    # plan() passes a concrete dispatcher and compile.enabled; a model built without it gets plan's rules
+    # plan() passes a concrete dispatcher, compile.enabled and frozen_dense; a model built without it gets plan's
+    # rules
     dispatcher = auto_dispatcher(cfg, dims, device, memory)
     moe_groups = wire_moe_blocks(model, dims, meshes, cfg, dispatcher)  # EP: dispatcher over the EP group
     model.context_parallel = ContextParallel.build(meshes, dims, dist.get_rank() if meshes else 0, cfg, model.config)

@@ -133,6 +133,34 @@ def test_fp8_training_runs_eager():
             plan(fp8(enabled=True), 1, device)
 
 
+def test_frozen_dense_auto_is_resolved_on_the_models_real_bytes():
+    """plan weighs the meta model's frozen dense bytes: at a device memory of exactly 8x the bytes the real
+    model (build_model, as train builds it) holds, auto replicates; one byte less, it shards."""
+    import torch
+
+    from runtime.distributed.fsdp import frozen_dense_bytes
+    from runtime.distributed.mesh import ParallelDims
+    from runtime.distributed.process_group import DistEnv
+    from runtime.models.factory import build_model
+
+    cfg = cfg_of(set_("lora", enabled=True))
+    model = build_model(cfg, DistEnv(0, 1, 0, torch.device("cpu")), ParallelDims.resolve(1, -1, 1, 1, 1))
+    real = frozen_dense_bytes(model)
+    assert real > 0
+    placed = {mem: plan(cfg, 1, "cpu", device_memory=mem).config.parallelism.frozen_dense
+              for mem in (8 * real, 8 * real - 1)}
+    assert placed == {8 * real: "replicate", 8 * real - 1: "shard"}
+    assert plan(cfg, 1, "cpu", device_memory=8 * real).resolved()["parallelism.frozen_dense"] == "replicate"
+
+
+@pytest.mark.parametrize("setting,lora,expected", [("auto", False, "shard"), ("shard", True, "shard"),
+                                                   ("replicate", True, "replicate")])
+def test_frozen_dense_as_written_or_shard_for_a_full_fine_tune(setting, lora, expected):
+    cfg = cfg_of(lambda r: (r.setdefault("lora", {}).update(enabled=lora),
+                            r.setdefault("parallelism", {}).update(frozen_dense=setting)))
+    assert plan(cfg, 1, "cpu").config.parallelism.frozen_dense == expected
+
+
 def test_frozen_dense_replicate_needs_lora():
     with pytest.raises(ConfigError, match="parallelism.frozen_dense: replicate needs lora.enabled"):
         plan(cfg_of(set_("parallelism", frozen_dense="replicate")), 1, "cpu")
