@@ -47,7 +47,7 @@ from moe.experts import GroupedExperts
 from moe.router import SoftmaxTopKRouter
 from quant import QuantizedWeight
 from runtime.config import Config
-from runtime.distributed.fsdp import frozen_dense_placement, fsdp_gather_dtype
+from runtime.distributed.fsdp import frozen_dense_placement, fsdp_gather_dtype, leaves_no_unit
 from runtime.distributed.mesh import ParallelDims
 from runtime.lora import LoRALinear
 from runtime.loss import default_chunk_size
@@ -479,9 +479,8 @@ def estimate(cfg: Config, dims: ParallelDims, cuda: bool = True,
                                        device_memory_bytes)
     replicate = placement == "replicate"
     whole = w.frozen_dense * p.frozen if replicate else 0  # replicated: every rank holds all of it
-    # no expert unit either (no experts, or each rank alone on its unpacked ones): apply_fsdp makes no FSDP unit
-    # at all, and the trainables outside the experts stay whole too
-    no_units = replicate and not w.packed and (not qcfg.num_experts or dims.dp_replicate * dims.efsdp == 1)
+    # no FSDP unit at all: the trainables outside the experts stay whole too
+    no_units = leaves_no_unit(cfg, qcfg, placement, dims, "cuda" if cuda else "cpu")
     dense_shards = 1 if no_units else shards
     trainable = (w.trainable - w.trainable_dense) // shards + w.trainable_dense // dense_shards
     parameters = whole + (w.frozen * p.frozen - whole) // shards + trainable * p.master + w.packed // dims.ep

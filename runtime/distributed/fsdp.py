@@ -19,9 +19,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.experts import GroupedExperts
-from runtime.distributed.mesh import Meshes
+from runtime.config import Config
+from runtime.distributed.mesh import Meshes, ParallelDims
 from runtime.distributed.replicate import ReplicatedGrads
-from runtime.models.qwen import QwenForCausalLM
+from runtime.models.factory import DTYPES
+from runtime.models.qwen import QwenConfig, QwenForCausalLM
 
 
 def _mp_policy(device_type: str, autocast: bool = True, param_dtype: str = "bf16") -> MixedPrecisionPolicy:
@@ -45,12 +47,24 @@ def _expert_mp_policy(device_type: str, autocast: bool, expert_fsdp_size: int) -
     return dataclasses.replace(mp, reduce_dtype=None) if expert_fsdp_size == 1 else mp
 
 
-def _readable_in_place(experts: GroupedExperts, mp: MixedPrecisionPolicy) -> bool:
-    """Whether the kernels can read the experts' base weights as stored: not packed, already in the policy's
-    dtype. A cast copy (fp32 masters) would be saved for backward in every layer, where FSDP's gather is
-    freed after forward and made again in backward."""
-    return not experts.is_quantized and all(mp.param_dtype in (None, experts.base_weight(proj).dtype)
-                                            for proj in ("gate_up", "down"))
+def experts_left_unwrapped(expert_fsdp_size: int, packed: bool, weight_dtype: torch.dtype, device_type: str,
+                           autocast: bool = True) -> bool:
+    """Whether apply_fsdp gives experts no FSDP unit (_unwrapped_experts): alone on their FSDP mesh (one rank, no
+    replica) and readable by the kernels as stored, i.e. not packed and already in the gather dtype. A cast copy
+    (fp32 masters) would be saved for backward in every layer, where FSDP's gather is freed after forward and
+    made again in backward."""
+    mp = _expert_mp_policy(device_type, autocast, expert_fsdp_size)
+    return expert_fsdp_size == 1 and not packed and mp.param_dtype in (None, weight_dtype)
+
+
+def leaves_no_unit(cfg: Config, qcfg: QwenConfig, frozen_dense: str, dims: ParallelDims, device_type: str) -> bool:
+    """apply_fsdp's layout without any FSDP unit, foreseen from the config (runtime.estimate, runtime.plan):
+    frozen_dense replicate (LoRA, whose frozen experts hold model.dtype weights), and every rank's experts left
+    unwrapped, or no experts."""
+    if frozen_dense != "replicate":
+        return False
+    return not qcfg.num_experts or experts_left_unwrapped(
+        dims.dp_replicate * dims.efsdp, cfg.quant.base_weights != "none", DTYPES[cfg.model.dtype], device_type)
 
 
 def _unwrapped_experts(experts: GroupedExperts, mesh: DeviceMesh) -> list[nn.Parameter]:
@@ -125,7 +139,8 @@ def apply_fsdp(model: QwenForCausalLM, meshes: Meshes, device_type: str, autocas
         # the block's unit (a nested unit's hooks would also land inside a compiled block forward).
         unwrapped: set[nn.Parameter] = set()
         if experts is not None and own_expert_units:
-            if meshes.expert_fsdp.size() == 1 and _readable_in_place(experts, expert_mp):
+            if experts_left_unwrapped(meshes.expert_fsdp.size(), experts.is_quantized,
+                                      experts.base_weight("gate_up").dtype, device_type, autocast):
                 unwrapped.update(_unwrapped_experts(experts, meshes.expert_fsdp))
             else:
                 fsdp_modules.append(fully_shard(experts, mesh=meshes.expert_fsdp, mp_policy=expert_mp))

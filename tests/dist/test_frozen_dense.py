@@ -12,7 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from moe.experts import GroupedExperts
 from runtime.config import load_config
+from runtime.distributed.fsdp import leaves_no_unit
 from runtime.distributed.mesh import ParallelDims
+from runtime.models.hf import model_config
 from runtime.distributed.process_group import DistEnv
 from runtime.train import train
 from tests.conftest import small_chat_data
@@ -44,6 +46,7 @@ def _layout(rank, world_size, ep, frozen_dense, out):
         seen["grads"] = {type(p.grad).__name__ for _, p in dense if p.requires_grad}
 
     train(cfg, DistEnv(rank, world_size, 0, torch.device("cpu")), dims, dims.build_meshes("cpu"), on_grads=on_grads)
+    seen["foreseen_no_unit"] = leaves_no_unit(cfg, model_config(cfg), frozen_dense, dims, "cpu")  # plan, estimate
     return seen
 
 
@@ -55,6 +58,7 @@ def test_replicate_leaves_one_root_unit_of_trainables(run_dist, tmp_path, world,
     assert seen["trainable_dense"] and seen["root_params"] == seen["trainable_dense"]
     assert all("lora_" in n for n in seen["root_params"]) and not seen["replicated"]
     assert seen["frozen_plain"] == {True} and seen["grads"] == {"DTensor"}
+    assert seen["foreseen_no_unit"] is False
 
 
 def test_replicate_at_ep_the_world_leaves_no_unit(run_dist, tmp_path):
@@ -66,9 +70,11 @@ def test_replicate_at_ep_the_world_leaves_no_unit(run_dist, tmp_path):
     assert seen["trainable_dense"] and seen["replicated"] == seen["trainable_dense"]
     assert all("lora_" in n for n in seen["replicated"])
     assert seen["frozen_plain"] == {True} and seen["grads"] == {"Tensor"}
+    assert seen["foreseen_no_unit"] is True
 
 
 def test_shard_keeps_a_unit_per_block(run_dist, tmp_path):
     seen = run_dist(_layout, 2, 2, "shard", str(tmp_path), timeout_s=240)[0]
     assert seen["block_units"] == {True} and seen["frozen_plain"] == {False}
     assert not seen["root_params"] or all("lora_" not in n for n in seen["root_params"])
+    assert seen["foreseen_no_unit"] is False

@@ -9,6 +9,7 @@ from runtime.distributed.fsdp import (
     FROZEN_DENSE_CAP,
     _expert_mp_policy,
     _mp_policy,
+    experts_left_unwrapped,
     frozen_dense_placement,
     fsdp_gather_dtype,
 )
@@ -61,3 +62,15 @@ def test_frozen_dense_full_fine_tune_shards_and_explicit_settings_win():
     assert frozen_dense_placement("shard", True, 0, 80 * GIB) == "shard"
     assert frozen_dense_placement("shard", False, 0, None) == "shard"
     assert frozen_dense_placement("replicate", True, 100 * GIB, 80 * GIB) == "replicate"
+
+
+def test_experts_are_left_unwrapped_alone_on_their_mesh_and_readable_as_stored():
+    """apply_fsdp's rule (and estimate's and plan's, through leaves_no_unit): one rank on the experts' FSDP mesh,
+    not packed, stored in the dtype CUDA autocast gathers (bf16); the CPU gathers in the parameters' own dtype."""
+    assert experts_left_unwrapped(1, False, torch.bfloat16, "cuda") is True
+    assert experts_left_unwrapped(1, False, torch.float32, "cuda") is False  # a cast copy per layer
+    assert experts_left_unwrapped(1, False, torch.float32, "cuda", autocast=False) is True
+    assert experts_left_unwrapped(2, False, torch.bfloat16, "cuda") is False
+    assert experts_left_unwrapped(1, True, torch.bfloat16, "cuda") is False
+    assert experts_left_unwrapped(1, False, torch.float32, "cpu") is True
+
