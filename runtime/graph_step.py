@@ -118,7 +118,7 @@ class GraphedSteps:
     """The step launcher of `train.graph_step` (module docstring)."""
 
     def __init__(self, model, optimizer, cfg: Config, env: DistEnv):
-        check_layout(model, optimizer, env)
+        check_optimizer(optimizer)
         self.model, self.optimizer, self.cfg, self.env = model, optimizer, cfg, env
         self.compute = compute_context(env, autocast=True)
         self.pool = torch.cuda.graph_pool_handle() if env.device.type == "cuda" else None
@@ -237,14 +237,9 @@ def _copy_batch(static: Batch, batch: Batch) -> None:
         getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
 
 
-def check_layout(model, optimizer, env: DistEnv) -> None:
-    """Refuses, on every rank alike and before any collective, what only the built model shows: FSDP units
-    (apply_fsdp decides them), an optimizer other than the fused AdamW. The config's needs (the device, cp, GDN,
-    the dispatcher): runtime.plan.check_graph_step."""
-    if env.world_size > 1 and model.replicated_grads is None:
-        raise ConfigError("train.graph_step: this layout has FSDP units, whose hooks a CUDA graph cannot hold; "
-                          "it runs on one GPU or with LoRA at parallelism.ep = the world size (frozen_dense "
-                          "replicate); set train.graph_step: false")
+def check_optimizer(optimizer) -> None:
+    """Refuses an optimizer other than torch's fused AdamW, on every rank alike (the config's needs, the layout's
+    FSDP units included: runtime.plan.check_graph_step)."""
     if not optimizer.defaults.get("fused"):
         raise ConfigError("train.graph_step needs torch's fused AdamW (optim.master_dtype: fp32 on CUDA); "
                           "set optim.master_dtype: fp32 or train.graph_step: false")

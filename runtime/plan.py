@@ -65,7 +65,7 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
     """Resolves every `auto` of `cfg` for `world` ranks on `device` (a device type or torch.device; None: this
     machine's) and runs every cross-check, before any process group. Raises ConfigError / MeshError.
     device_memory: one device's memory in bytes (None: this machine's CUDA device's, where there is one)."""
-    from runtime.distributed.fsdp import fsdp_gather_dtype
+    from runtime.distributed.fsdp import fsdp_gather_dtype, leaves_no_unit
     from runtime.distributed.mesh import ParallelDims
     from runtime.models.hf import model_config
 
@@ -104,13 +104,13 @@ def plan(cfg: Config, world: int, device=None, device_memory: int | None = None)
         check_fp8(cfg, qcfg, dev)
     if dims.cp > 1:
         check_context_parallel(cfg, qcfg)
-    if cfg.train.graph_step:
-        check_graph_step(cfg, dims, dev, hybrid, dispatcher)
     if p.frozen_dense == "replicate" and not cfg.lora.enabled:
         raise ConfigError("parallelism.frozen_dense: replicate needs lora.enabled (a full fine-tune has no frozen "
                           "weights); set parallelism.frozen_dense to auto or shard")
     fsdp_dtype = fsdp_gather_dtype(p.fsdp_param_dtype, dims.ep)
     frozen_dense = resolve_frozen_dense(cfg, qcfg, device_memory)
+    if cfg.train.graph_step:
+        check_graph_step(cfg, dims, dev, hybrid, dispatcher, leaves_no_unit(cfg, qcfg, frozen_dense, dims, dev))
     resolved = cfg.model_copy(deep=True)
     for field, name in names.items():
         setattr(resolved.model, field, name)
@@ -195,15 +195,17 @@ def auto_compile(cfg: Config, dims, device: str, dispatcher: str) -> bool:
             and cfg.quant.train_fp8 == "none")
 
 
-def check_graph_step(cfg: Config, dims, device: str, hybrid: bool, dispatcher: str) -> None:
-    """train.graph_step's needs that the config shows, `dispatcher` as resolved (runtime.graph_step.check_layout
-    checks the built model's: no FSDP unit)."""
+def check_graph_step(cfg: Config, dims, device: str, hybrid: bool, dispatcher: str, no_unit: bool) -> None:
+    """train.graph_step's needs, `dispatcher` as resolved, `no_unit`: the layout has no FSDP unit
+    (runtime.distributed.fsdp.leaves_no_unit), whose hooks a CUDA graph cannot hold."""
     several = dims.world_size > 1
     why = ("it replays CUDA graphs" if device != "cuda" else
            "context parallelism is not captured yet" if dims.cp > 1 else
            "GDN layers are not captured yet" if hybrid else
            "it needs torch's fused AdamW (optim.master_dtype: fp32)" if cfg.optim.master_dtype != "fp32" else
-           "a full fine-tune on several GPUs has FSDP units" if several and not cfg.lora.enabled else
+           "this layout has FSDP units, whose hooks a CUDA graph cannot hold (on several GPUs it needs LoRA at "
+           "parallelism.ep = the world size, frozen_dense replicate and a bf16 expert base)"
+           if several and not no_unit else
            f"parallelism.dispatcher {dispatcher} reads its counts on the host (it needs all_gather)"
            if several and dispatcher != "all_gather" else
            None)

@@ -356,8 +356,9 @@ def test_import_runtime_config_loads_no_kernel():
 
 
 def test_graph_step_is_refused_where_a_graph_cannot_hold_the_step():
-    """train.graph_step: CUDA only, no cp, no GDN layers, fused AdamW (fp32 masters), no full fine-tune on
-    several GPUs; each refusal names the key and the reason before any model is built."""
+    """train.graph_step: CUDA only, no cp, no GDN layers, fused AdamW (fp32 masters), no FSDP unit on several GPUs
+    (a full fine-tune, frozen_dense shard, experts sharing their mesh); each refusal names the key and the reason
+    before any model is built."""
     def refusal(world=1, device="cuda", hybrid=False, **edits) -> str | None:
         def edit(r):
             r.setdefault("train", {})["graph_step"] = True
@@ -370,10 +371,14 @@ def test_graph_step_is_refused_where_a_graph_cannot_hold_the_step():
         return None
 
     assert refusal(lora={"enabled": True}) is None
-    assert refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2}) is None
+    assert refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2}, model={"dtype": "bfloat16"}) is None
+    assert "FSDP units" in refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2})  # tiny's fp32 base
     assert "replays CUDA graphs" in refusal(device="cpu")
     assert "context parallelism" in refusal(world=2, parallelism={"cp": 2})
     assert "GDN" in refusal(hybrid=True)
     assert "fused AdamW" in refusal(optim={"master_dtype": "bf16"})
     assert "FSDP units" in refusal(world=2, parallelism={"ep": 2})
-    assert "all_gather" in refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2, "dispatcher": "all_to_all"})
+    assert "FSDP units" in refusal(world=2, lora={"enabled": True}, parallelism={"ep": 2, "frozen_dense": "shard"})
+    assert "FSDP units" in refusal(world=4, lora={"enabled": True}, parallelism={"ep": 2})
+    assert "all_gather" in refusal(world=2, lora={"enabled": True}, model={"dtype": "bfloat16"},
+                                   parallelism={"ep": 2, "dispatcher": "all_to_all"})
