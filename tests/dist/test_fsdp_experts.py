@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
 from moe.experts import GroupedExperts
 from runtime.config import load_config
-from runtime.distributed.fsdp import _readable_in_place
 from runtime.distributed.mesh import ParallelDims
 from runtime.distributed.process_group import DistEnv
 from runtime.train import train
@@ -50,14 +49,6 @@ def test_experts_alone_on_their_mesh_are_no_fsdp_unit(run_dist, tmp_path):
 def test_experts_sharded_over_efsdp_stay_an_fsdp_unit(run_dist, tmp_path):
     seen = run_dist(_layout, 4, 2, str(tmp_path / "run"), timeout_s=240)[0]
     assert seen["units"] == {True} and seen["layout"] == {(2, (Shard(0),))}
-
-
-def test_only_weights_readable_as_stored_go_unwrapped():
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    experts = GroupedExperts(2, 4, 2, dtype=torch.bfloat16)
-    assert _readable_in_place(experts, bf16) and _readable_in_place(experts, MixedPrecisionPolicy())
-    # fp32 masters on CUDA: a bf16 copy would be saved for backward in every layer; FSDP gathers it instead
-    assert not _readable_in_place(GroupedExperts(2, 4, 2, dtype=torch.float32), bf16)
 
 
 @pytest.mark.parametrize("backend", ["eager", "grouped_mm"])
