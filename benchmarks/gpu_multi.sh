@@ -2,7 +2,8 @@
 # Multi-GPU runs of issue 22 on one node of 2-8 GPUs (NCCL), in one device call per part, carry [".whl"]
 # (the hybrid verify runs GDN on the torch op set: the carried fla needs tilelang on Hopper, see gpu_e2e_hybrid.sh):
 #   bash benchmarks/gpu_multi.sh [verify] [throughput] [scaling] [bandwidth] [gathers] [ceiling] [profile] [hostbound] [epbench] [graphstep] [deepep]
-#   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off;
+#   verify      runtime.verify (bf16 bounds, calibrated by an fp32 run) on the tiny example: ep=N; dp_shard=N x ep=2; LoRA on and off
+#               (at ep=N also on a bf16 base: the layout without any FSDP unit);
 #               cp=2; cp=2 x ep=2 (Ulysses too); a Qwen3.5-MoE hybrid at cp=2 (GDN heads, GDN state); FP4 and FP8
 #               experts at ep=2 (LoRA), FP8 training at ep=2 (experts+dense); --exact (fp32, plain kernels, fp32 bounds) at ep=2, ep=N and for the hybrids;
 #               then a resume on another ep (ep=2 -> ep=N); ONLY=REGEX keeps the verify cases (and `resume`) and the
@@ -112,6 +113,8 @@ if [[ $parts == *verify* ]]; then
   verify "ep$N" "$N" --ep "$N" "$TINY"
   [ "$N" -gt 2 ] && verify ep2 2 --ep 2 "$TINY"
   verify "ep$N-lora" "$N" --ep "$N" "$TINY" --set lora.enabled=true
+  # a bf16 base: at ep = world no FSDP unit at all (the tiny example's fp32 base gets expert units, cast to bf16)
+  verify "ep$N-lora-bf16base" "$N" --ep "$N" "$TINY" --set lora.enabled=true --set model.dtype=bfloat16
   verify "fsdp$N-ep2" "$N" --ep 2 "$TINY"
   verify "fsdp$N-ep2-lora" "$N" --ep 2 "$TINY" --set lora.enabled=true
   verify cp2 2 --cp 2 "$TINY"
