@@ -174,16 +174,14 @@ def gdn_conv(args, report: Report) -> None:
     report.header(f"GDN conv backward, {T} tokens packed, {D} channels, window {W}, bf16")
     fla_kw = {"bias": None, "residual": None, "activation": "silu", "cu_seqlens": cu, "chunk_indices": chunks,
               "chunk_size": gdn_ops_fla.CHUNK}
-    runs = {"FLA forward": lambda: causal_conv1d_fwd(x=x, weight=w, **fla_kw),
-            "FLA backward (dx, dw)": lambda: causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=w, **fla_kw),
-            "ours, dx only": lambda: conv_silu_input_grad(x, w, dy, cu)}
-    base = None
-    for mode, fn in runs.items():
-        ms = steady_ms(fn, args.iters, warmup=3)
-        base = ms if mode.startswith("FLA backward") else base
-        report.add({"mode": mode, "ms": ms, "ratio": ms / base if base else None})
-    hbm_ms = 3 * x.numel() * x.element_size() / 4.8e12 * 1e3  # x, dy read, dx written at H200's 4.8 TB/s
-    report.add({"mode": "HBM floor of dx", "ms": hbm_ms, "ratio": hbm_ms / base})
+    base = steady_ms(lambda: causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=w, **fla_kw), args.iters, warmup=3)
+    rows = {"FLA forward": steady_ms(lambda: causal_conv1d_fwd(x=x, weight=w, **fla_kw), args.iters, warmup=3),
+            "FLA backward (dx, dw)": base,
+            "ours, dx only": steady_ms(lambda: conv_silu_input_grad(x, w, dy, cu), args.iters, warmup=3),
+            # x, dy read, dx written at H200's 4.8 TB/s
+            "HBM floor of dx": 3 * x.numel() * x.element_size() / 4.8e12 * 1e3}
+    for mode, ms in rows.items():
+        report.add({"mode": mode, "ms": ms, "ratio": None if mode == "FLA forward" else ms / base})
 
 
 def gdn_state(args, report: Report) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from gpu.launch import cdiv
 from runtime.config import Config
 from runtime.data.packing import Batch
 from runtime.distributed.process_group import DistEnv
@@ -70,10 +71,10 @@ def bucket_of(batch: Batch) -> tuple[int, int, int]:
     """(documents, longest document, loss rows) of `batch` rounded up to its bucket (module docstring)."""
     B, S = batch.input_ids.shape
     docs = batch.cu_seqlens.numel() - 1
+    rows = min(B * S, cdiv(batch.num_label_tokens, LABEL_BUCKET) * LABEL_BUCKET)
     if docs == B:  # one document per row: the dense causal branch, shapes already static
-        return docs, batch.max_seqlen, min(B * S, -(-batch.num_label_tokens // LABEL_BUCKET) * LABEL_BUCKET)
-    return (min(_power_of_two_above(docs), B * S), min(_power_of_two_above(batch.max_seqlen), S),
-            min(B * S, -(-batch.num_label_tokens // LABEL_BUCKET) * LABEL_BUCKET))
+        return docs, batch.max_seqlen, rows
+    return min(_power_of_two_above(docs), B * S), min(_power_of_two_above(batch.max_seqlen), S), rows
 
 
 def static_batch(batch: Batch, bucket: tuple[int, int, int]) -> Batch:

@@ -14,8 +14,8 @@ from moe.experts import GroupedExperts
 from runtime.config import load_config
 from runtime.distributed.fsdp import leaves_no_unit
 from runtime.distributed.mesh import ParallelDims
-from runtime.models.hf import model_config
 from runtime.distributed.process_group import DistEnv
+from runtime.models.hf import model_config
 from runtime.train import train
 from tests.conftest import small_chat_data
 from tests.dist.test_parity import EXAMPLE
